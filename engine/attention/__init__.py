@@ -1,0 +1,3 @@
+from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "KVCache"]

@@ -1,0 +1,62 @@
+"""The attention-backend interface and the per-step metadata that travels with every forward.
+
+KV cache layout, shared by every backend and by ``kernels/``: per layer a pair
+``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token
+``t`` of a sequence lives in block ``block_table[t // block_size]`` at offset
+``t % block_size``; its flat slot is ``block_id * block_size + offset``.
+
+A batch is varlen: the new tokens of all sequences are flattened in schedule order. Sequence
+``i`` owns query rows ``query_start_loc[i]:query_start_loc[i+1]``; those are its positions
+``context_lens[i] .. seq_lens[i]-1`` and attend causally to all its earlier tokens. Plain
+prefill, chunked prefill, prefix-cache hits, decode and speculative verification are all this
+one shape.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor        # [num_tokens] int64: flat cache slot of each new token
+    query_start_loc: torch.Tensor     # [num_seqs + 1] int32: cumulative query lengths
+    seq_lens: torch.Tensor            # [num_seqs] int32: tokens in context after this step
+    context_lens: torch.Tensor        # [num_seqs] int32: tokens already cached before this step
+    block_tables: torch.Tensor        # [num_seqs, max_blocks] int32, padded with 0
+    block_size: int
+    max_query_len: int
+    max_seq_len: int
+    # Host copies, so that backends that loop or branch on lengths never sync with the device.
+    query_lens_cpu: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend(ABC):
+    """Stores this step's K/V into the paged cache, then attends through the block tables."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,      # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,        # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,      # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
+        ...

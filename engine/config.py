@@ -1,0 +1,83 @@
+"""Configuration, one frozen dataclass per subsystem, each validated in ``__post_init__``.
+
+Each component receives only its own slice. Environment variables are read in ``engine.envs``
+and nowhere else.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+
+
+def _positive(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    # CPU: the KV pool's size in bytes. GPU: ignored in favour of gpu_memory_utilization.
+    kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.90
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not (0.0 < self.gpu_memory_utilization <= 1.0):
+            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 32                 # running sequences per step
+    max_num_batched_tokens: int = 2048     # the token budget of one step
+    max_waiting: int = 1024                # bound of the waiting queue; beyond it add fails
+    enable_chunked_prefill: bool = True
+    # Upper bound on draft tokens a request may carry in a step (speculative decoding).
+    num_speculative_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_waiting", self.max_waiting)
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens: must be >= 0, got {self.num_speculative_tokens}")
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: str = "auto"                   # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                    # auto: float32 on CPU, bfloat16 on CUDA
+    attention_backend: str = "auto"        # auto: triton on CUDA, torch on CPU
+    num_threads: int | None = None         # torch intra-op threads on CPU
+
+    def __post_init__(self) -> None:
+        d = self.device
+        if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
+            raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {d!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.attention_backend not in _BACKENDS:
+            raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.num_threads is not None:
+            _positive("num_threads", self.num_threads)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2"                 # a .gguf path, a Hugging Face folder or a short name
+    max_model_len: int | None = None       # context window; None: the model's own
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: must name a .gguf file, a Hugging Face folder or a known short name")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
