@@ -23,9 +23,13 @@ class CacheConfig:
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.90
     enable_prefix_caching: bool = True
+    # An explicit KV capacity in tokens (MLC's max_total_seq_length); overrides the byte budget.
+    max_total_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.max_total_tokens is not None:
+            _positive("max_total_tokens", self.max_total_tokens)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         if not (0.0 < self.gpu_memory_utilization <= 1.0):
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
