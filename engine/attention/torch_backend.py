@@ -1,0 +1,92 @@
+"""The torch attention backend: the CPU default and the reference the Triton kernels are held to.
+
+Per layer: scatter this step's K/V into the paged cache by slot, then attend. Decode rows (one
+query token) are batched into a single masked SDPA over their gathered blocks; rows with longer
+queries (prefill, chunked prefill, prefix-hit chunks, speculative verification) run one SDPA
+each, with a causal mask offset by the tokens already in the cache.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    key_cache, value_cache = kv_cache
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """One sequence's cached K or V, densely: [seq_len, num_kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
+        store_kv(key, value, kv_cache, meta.slot_mapping)
+        if meta.is_pure_decode:
+            return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+        out = torch.empty_like(query)
+        decode_rows = [i for i, n in enumerate(meta.query_lens_cpu) if n == 1]
+        if len(decode_rows) > 1:
+            # Batch the decodes of a mixed step; their query row is query_start_loc[i].
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=query.device)
+            q_idx = meta.query_start_loc[rows].long()
+            out[q_idx] = self._decode(
+                query[q_idx], kv_cache, meta.block_tables[rows], meta.seq_lens[rows],
+                max(meta.seq_lens_cpu[i] for i in decode_rows), scale,
+            )
+            skip = set(decode_rows)
+        else:
+            skip = set()
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if i not in skip:
+                out[start:start + q_len] = self._extend(
+                    query[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale
+                )
+            start += q_len
+        return out
+
+    @staticmethod
+    def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):
+        # query [B, Hq, D]; one new token per sequence, already stored in the cache.
+        key_cache, value_cache = kv_cache
+        block_size = key_cache.shape[1]
+        num_blocks = -(-max_seq_len // block_size)
+        tables = block_tables[:, :num_blocks]
+        k = key_cache[tables].flatten(1, 2)          # [B, L, Hkv, D]
+        v = value_cache[tables].flatten(1, 2)        # [B, L, Hkv, D]
+        pos = torch.arange(k.shape[1], device=query.device)
+        mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B, 1, 1, L]
+        out = F.scaled_dot_product_attention(
+            query.unsqueeze(2),                      # [B, Hq, 1, D]
+            k.transpose(1, 2), v.transpose(1, 2),    # [B, Hkv, L, D]
+            attn_mask=mask, scale=scale, enable_gqa=True,
+        )
+        return out.squeeze(2)                        # [B, Hq, D]
+
+    @staticmethod
+    def _extend(query, kv_cache: KVCache, block_table, seq_len: int, scale: float):
+        # query [Lq, Hq, D]: positions seq_len-Lq .. seq_len-1 of one sequence.
+        key_cache, value_cache = kv_cache
+        q_len = query.shape[0]
+        k = gather_kv(key_cache, block_table, seq_len).transpose(0, 1)    # [Hkv, L, D]
+        v = gather_kv(value_cache, block_table, seq_len).transpose(0, 1)  # [Hkv, L, D]
+        q = query.transpose(0, 1)                                          # [Hq, Lq, D]
+        if q_len == seq_len:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask = k_pos[None, :] <= q_pos[:, None]                        # [Lq, L]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        return out.transpose(0, 1)                                         # [Lq, Hq, D]
