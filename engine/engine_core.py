@@ -1,0 +1,343 @@
+"""The engine core: requests in, per-step deltas out. Not thread-safe; one thread drives it.
+
+One step reads like the table of contents of the engine::
+
+    out = scheduler.schedule()        # which requests run how many tokens, with which blocks
+    res = runner.execute(out)         # forward + sample
+    scheduler.update_from_output()    # advance counters, append tokens, token-level stops
+    self._process(...)                # detokenize, stop strings, build deltas
+
+A client request with ``n > 1`` becomes ``n`` scheduler requests ("choices") that share their
+prompt blocks through the prefix cache; deltas are regrouped per client request on the way out.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from engine import envs
+from engine.attention.selector import get_attention_backend
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import ContextLengthError, QueueFullError
+from engine.kv_cache import KVCacheManager, num_blocks_for_budget
+from engine.loaders import LoadedModel, load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger("sluice.engine")
+
+FAULT_MARKER = "<<sluice-fault>>"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    architecture: str
+    max_model_len: int
+    vocab_size: int
+    dtype: str
+    device: str
+    attention_backend: str
+    block_size: int
+    num_kv_blocks: int
+    capabilities: frozenset[str]
+
+
+@dataclass(frozen=True)
+class LoadStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prefix_cache_hit_rate: float
+
+
+@dataclass
+class _Choice:
+    request: Request
+    detok: IncrementalDetokenizer
+    delta: CompletionDelta | None = None   # what accumulated since the last step's output
+    reported: bool = False                 # its final delta went out
+
+
+@dataclass
+class _Group:
+    request_id: str
+    prompt_token_ids: list[int]
+    fault: bool
+    choices: list[_Choice] = field(default_factory=list)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device: {name} was asked for but CUDA is not available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        device = resolve_device(config.device.device)
+        dtype = resolve_dtype(config.device.dtype, device)
+        threads = config.device.num_threads or envs.num_threads()
+        if device.type == "cpu" and threads:
+            torch.set_num_threads(threads)
+        attn = get_attention_backend(config.device.attention_backend, device)
+        self.loaded = loaded or load_model(config.model, dtype=dtype, device=device, progress=progress)
+        arch = self.loaded.arch
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self._max_model_len(arch)
+        block_size = config.cache.block_size
+        num_blocks = self._num_blocks(arch, dtype, device)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, block_size, self.max_model_len)
+        self.runner = ModelRunner(
+            self.loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
+            head_dim=arch.head_dim, num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size,
+            device=device, dtype=dtype, attn=attn, seed=config.seed,
+        )
+        caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
+        if getattr(self.tokenizer, "fim_tokens", None):
+            caps.add("infilling")
+        self.model_info = ModelInfo(
+            name=self.loaded.name, path=str(self.loaded.path), architecture=arch.architecture,
+            max_model_len=self.max_model_len, vocab_size=arch.vocab_size, dtype=str(dtype).removeprefix("torch."),
+            device=str(device), attention_backend=attn.name, block_size=block_size, num_kv_blocks=num_blocks,
+            capabilities=frozenset(caps),
+        )
+        self._groups: dict[str, _Group] = {}
+        self._choice_of: dict[str, tuple[_Group, _Choice]] = {}   # scheduler request id -> its choice
+        self._dirty: dict[str, None] = {}                          # client ids with news, in order
+
+    # ---- set-up -------------------------------------------------------------------------
+    def _max_model_len(self, arch) -> int:
+        own = arch.max_position_embeddings
+        asked = self.config.max_model_len
+        if asked is not None and asked > own:
+            raise ValueError(f"max_model_len: {asked} exceeds the model's context window ({own})")
+        return asked or own
+
+    def _num_blocks(self, arch, dtype: torch.dtype, device: torch.device) -> int:
+        cache = self.config.cache
+        if cache.max_total_tokens is not None:
+            return math.ceil(cache.max_total_tokens / cache.block_size)
+        if device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(device)
+            used = torch.cuda.memory_allocated(device)
+            budget = int((free + used) * cache.gpu_memory_utilization) - used
+        else:
+            budget = cache.kv_cache_memory_bytes
+        return num_blocks_for_budget(
+            budget, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+            torch.tensor([], dtype=dtype).element_size(), cache.block_size,
+        )
+
+    # ---- requests in ----------------------------------------------------------------------
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+        if not messages:
+            raise ValueError("messages: must hold at least one message")
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt: must not be empty")
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt: must not be empty")
+        vocab = self.model_info.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise ValueError(f"prompt: token id {t!r} is outside the vocabulary (size {vocab})")
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    add_special_tokens: bool = True) -> list[int]:
+        """Validate and queue a request; returns its prompt token ids. Allocates nothing on error."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params.validate()
+        params.check_vocab(self.model_info.vocab_size)
+        ids = self.encode_prompt(prompt, add_special_tokens)
+        self._check_length(len(ids), params)
+        sched = self.scheduler
+        if sched.num_waiting + params.n > self.config.scheduler.max_waiting:
+            raise QueueFullError(f"waiting queue is full (max_waiting={self.config.scheduler.max_waiting})")
+        group = _Group(request_id, ids, fault=envs.fault_injection() and isinstance(prompt, str) and FAULT_MARKER in prompt)
+        eos = frozenset(self.tokenizer.eos_token_ids)
+        for i in range(params.n):
+            req = Request(
+                request_id=f"{request_id}#{i}", prompt_token_ids=ids, sampling_params=params,
+                eos_token_ids=eos, max_model_len=self.max_model_len, parent_id=request_id, index=i,
+                seed=None if params.seed is None else params.seed + i,
+            )
+            try:
+                sched.add_request(req)
+            except Exception:
+                sched.finish_requests([c.request.request_id for c in group.choices], RequestStatus.FINISHED_ABORTED)
+                raise
+            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
+                                           include_stop_str_in_output=params.include_stop_str_in_output,
+                                           skip_special_tokens=params.skip_special_tokens)
+            group.choices.append(_Choice(req, detok))
+        self._groups[request_id] = group
+        for c in group.choices:
+            self._choice_of[c.request.request_id] = (group, c)
+        return ids
+
+    def _check_length(self, n_prompt: int, params: SamplingParams) -> None:
+        limit = self.max_model_len
+        if n_prompt >= limit:
+            raise ContextLengthError(
+                f"prompt: {n_prompt} tokens leave no room to generate within the context window of {limit} tokens")
+        if params.max_tokens is not None and n_prompt + params.max_tokens > limit:
+            raise ContextLengthError(
+                f"max_tokens: {n_prompt} prompt tokens + max_tokens {params.max_tokens} exceed the context "
+                f"window of {limit} tokens")
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Abort client requests (all their choices); unknown or finished ids are ignored."""
+        for rid in request_ids:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            live = [c.request.request_id for c in group.choices if not c.request.is_finished]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            self._dirty[rid] = None
+
+    # ---- the step -------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.scheduled:
+            try:
+                res = self.runner.execute(out)
+            except Exception as exc:  # a batch-level fault: fail this batch, keep serving
+                log.exception("engine step failed")
+                self._fail([s.request for s in out.scheduled], f"engine fault: {type(exc).__name__}: {exc}")
+                res = None
+            if res is not None:
+                updated = self.scheduler.update_from_output(out, res)
+                for req in updated:
+                    self._process(req, res)
+        elif out.finished_ids:
+            self.runner.execute(out)   # lets the runner drop per-request state
+        return self._collect()
+
+    def _process(self, req: Request, res: RunnerOutput) -> None:
+        entry = self._choice_of.get(req.request_id)
+        if entry is None:
+            return
+        group, choice = entry
+        try:
+            if group.fault:
+                raise RuntimeError("injected fault (SLUICE_DEBUG_FAULT_INJECTION)")
+            new = res.sampled_token_ids.get(req.request_id, [])
+            d = choice.delta or CompletionDelta(index=choice.request.index)
+            d.token_ids.extend(new)
+            lps = res.logprobs.get(req.request_id)
+            if lps:
+                d.logprobs = (d.logprobs or []) + lps
+            r = choice.detok.add_tokens(new)
+            d.text += r.delta_text
+            choice.delta = d
+            if r.stop_string is not None:
+                req.stop_reason = r.stop_string
+                if req.is_finished:   # max_tokens hit on the same token: the stop string wins
+                    req.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            elif req.is_finished:
+                d.text += choice.detok.finish()
+        except Exception as exc:
+            log.exception("request %s failed", req.request_id)
+            self._fail([req], f"{type(exc).__name__}: {exc}")
+        self._dirty[group.request_id] = None
+
+    def _fail(self, requests: list[Request], message: str) -> None:
+        self.scheduler.finish_requests([r.request_id for r in requests], RequestStatus.FINISHED_ERROR)
+        for r in requests:
+            r.error = message
+            entry = self._choice_of.get(r.request_id)
+            if entry:
+                self._dirty[entry[0].request_id] = None
+
+    def _collect(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in self._dirty:
+            group = self._groups.get(rid)
+            if group is None:
+                continue
+            deltas = []
+            for c in group.choices:
+                if c.reported:
+                    continue
+                d = c.delta
+                if c.request.is_finished:
+                    d = d or CompletionDelta(index=c.request.index)
+                    self._finalize(c, d)
+                    c.reported = True
+                if d is not None:
+                    deltas.append(d)
+                c.delta = None
+            done = all(c.reported for c in group.choices)
+            if deltas or done:
+                outputs.append(RequestOutput(rid, deltas, finished=done, prompt_token_ids=group.prompt_token_ids))
+            if done:
+                del self._groups[rid]
+                for c in group.choices:
+                    self._choice_of.pop(c.request.request_id, None)
+        self._dirty.clear()
+        return outputs
+
+    @staticmethod
+    def _finalize(c: _Choice, d: CompletionDelta) -> None:
+        req = c.request
+        now = time.monotonic()
+        if req.finished_time is None:
+            req.finished_time = now
+        d.finish_reason = req.status.finish_reason
+        d.stop_reason = req.stop_reason
+        d.error = req.error
+        d.usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
+        t0 = req.arrival_time
+        d.metrics = RequestMetrics(
+            arrival_time=t0,
+            queued_s=None if req.first_scheduled_time is None else req.first_scheduled_time - t0,
+            ttft_s=None if req.first_token_time is None else req.first_token_time - t0,
+            total_s=req.finished_time - t0,
+        )
+
+    # ---- state ------------------------------------------------------------------------------
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or self.scheduler.has_unfinished()
+
+    def get_load(self) -> LoadStats:
+        total = self.kv.num_blocks
+        return LoadStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_blocks_used=total - self.kv.num_free_blocks,
+            kv_blocks_total=total,
+            prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate,
+        )

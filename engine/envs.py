@@ -1,0 +1,22 @@
+"""Every environment variable the engine reads, read here and nowhere else."""
+from __future__ import annotations
+
+import os
+
+
+def num_threads() -> int | None:
+    """SLUICE_NUM_THREADS: torch intra-op threads on CPU (default: torch's own choice)."""
+    v = os.environ.get("SLUICE_NUM_THREADS")
+    return int(v) if v else None
+
+
+def triton_interpret() -> bool:
+    """TRITON_INTERPRET=1 runs Triton kernels on the CPU (tests only: slow)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def fault_injection() -> bool:
+    """SLUICE_DEBUG_FAULT_INJECTION=1 lets a request whose prompt contains the marker
+    ``<<sluice-fault>>`` raise inside the engine step, so tests can prove that a fault in one
+    request leaves the others running. Off by default; never enable it in production."""
+    return os.environ.get("SLUICE_DEBUG_FAULT_INJECTION", "0") == "1"

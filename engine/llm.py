@@ -1,0 +1,132 @@
+"""The offline API: ``LLM(model=...).generate(...)`` / ``.chat(...)`` in-process, no server.
+
+It drives ``EngineCore`` step by step; ``generate_stream`` yields the same per-step deltas that
+the gRPC servicer streams.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
+
+from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from engine.engine_core import EngineCore
+from engine.errors import QueueFullError
+from engine.outputs import CompletionOutput, GenerationResult, RequestOutput, Usage
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict]
+
+
+def build_config(model: str, **kwargs) -> EngineConfig:
+    """Split flat keyword options into the per-subsystem configs; unknown keys are an error."""
+    parts = {}
+    for cls in (CacheConfig, SchedulerConfig, DeviceConfig):
+        names = {f.name for f in fields(cls)}
+        parts[cls] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
+    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "model"}
+    unknown = set(kwargs) - top
+    if unknown:
+        raise ValueError(f"{sorted(unknown)[0]}: unknown engine option")
+    return EngineConfig(model=model, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
+                        device=parts[DeviceConfig], **kwargs)
+
+
+class LLM:
+    def __init__(self, model: str = "smollm2", *, config: EngineConfig | None = None, progress: bool = False,
+                 **options) -> None:
+        self.engine = EngineCore(config or build_config(model, **options), progress=progress)
+        self.tokenizer = self.engine.tokenizer
+        self._ids = itertools.count()
+
+    # ---- batch API ----------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:
+        """Complete each prompt (text or token ids); results come back in input order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return self._run(list(prompts), params, add_special_tokens=True)
+
+    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None,
+             tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[GenerationResult]:
+        """Render each conversation with the model's chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        texts = [self.engine.render_chat(m, tools=tools, add_generation_prompt=add_generation_prompt) for m in convs]
+        # The template already wrote the special tokens it wants.
+        return self._run(texts, params, add_special_tokens=False)
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None,
+                        add_special_tokens: bool = True) -> Iterator[RequestOutput]:
+        """Yield one ``RequestOutput`` per step for a single request until it finishes."""
+        rid = f"stream-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params or SamplingParams(), add_special_tokens)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort_request([rid])
+            while self.engine.has_unfinished_requests() and rid in self.engine._groups:
+                self.engine.step()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _run(self, prompts: list[Prompt], params, add_special_tokens: bool) -> list[GenerationResult]:
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"params: got {len(params)} sampling params for {len(prompts)} prompts")
+        # Validate every prompt before queueing any, so a bad one allocates nothing.
+        for p, sp in zip(prompts, params):
+            sp.validate()
+            self.engine._check_length(len(self.engine.encode_prompt(p, add_special_tokens)), sp)
+        ids = [f"offline-{next(self._ids)}" for _ in prompts]
+        acc: dict[str, _Accumulator] = {}
+        pending = list(zip(ids, prompts, params))
+        try:
+            while pending or self.engine.has_unfinished_requests():
+                while pending:
+                    rid, p, sp = pending[0]
+                    try:
+                        toks = self.engine.add_request(rid, p, sp, add_special_tokens)
+                    except QueueFullError:
+                        break   # step until the queue has room
+                    acc[rid] = _Accumulator(p if isinstance(p, str) else None, toks, sp.n)
+                    pending.pop(0)
+                for out in self.engine.step():
+                    acc[out.request_id].add(out)
+        except BaseException:
+            self.engine.abort_request(list(acc))
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+        return [acc[rid].result(rid) for rid in ids]
+
+
+class _Accumulator:
+    def __init__(self, prompt: str | None, prompt_ids: list[int], n: int) -> None:
+        self.prompt, self.prompt_ids = prompt, prompt_ids
+        self.outs = [CompletionOutput(i, "", [], None) for i in range(n)]
+        self.usage = [None] * n
+        self.metrics = None
+
+    def add(self, out: RequestOutput) -> None:
+        for d in out.deltas:
+            o = self.outs[d.index]
+            o.text += d.text
+            o.token_ids.extend(d.token_ids)
+            if d.logprobs:
+                o.logprobs = (o.logprobs or []) + d.logprobs
+            if d.finished:
+                o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+                self.usage[d.index] = d.usage
+                self.metrics = self.metrics or d.metrics
+
+    def result(self, rid: str) -> GenerationResult:
+        completion = sum(u.completion_tokens for u in self.usage if u)
+        cached = max((u.cached_tokens for u in self.usage if u), default=0)
+        usage = Usage(len(self.prompt_ids), completion, cached)
+        return GenerationResult(rid, self.prompt, self.prompt_ids, self.outs, usage, self.metrics)

@@ -1,0 +1,148 @@
+"""The model runner: one scheduler output in, sampled tokens out.
+
+CPU → device flow of one step:
+  1. host: for each scheduled sequence, the slice of its tokens to compute this step
+     (``num_computed_tokens .. +num_new_tokens``), their positions and cache slots, and its
+     block table — built with numpy, then copied to the device once;
+  2. device: model forward over the flattened varlen batch (attention through the backend,
+     which stores K/V by slot and reads through block tables);
+  3. device: logits only for sequences that caught up with their tokens (``sample``), then
+     the sampler;
+  4. host: one copy of the sampled ids (and logprobs when asked) back.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from engine.outputs import RunnerOutput, TokenLogprob
+from engine.sampler import GeneratorCache, Sampler, SamplingBatch
+
+
+@dataclass(frozen=True)
+class BatchInputs:
+    input_ids: torch.Tensor        # [num_tokens] int64
+    positions: torch.Tensor        # [num_tokens] int64
+    meta: AttentionMetadata
+    sample_rows: torch.Tensor      # [num_sampled] int64: hidden row of each sampled sequence's last token
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        attn: AttentionBackend,
+        seed: int = 0,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.attn = attn
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.sampler = Sampler()
+        self.generators = GeneratorCache(seed=seed, device=device)
+
+    def execute(self, out) -> RunnerOutput:
+        """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
+        for request_id in out.finished_ids:
+            self.generators.drop(request_id)
+        if not out.scheduled:
+            return RunnerOutput()
+        batch = self.prepare(out.scheduled)
+        sampled = [s.request for s in out.scheduled if s.sample]
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.attn)
+            if not sampled:
+                return RunnerOutput()
+            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
+            sb = SamplingBatch.from_requests(sampled, self.vocab_size, self.device, self.generators)
+            so = self.sampler(logits, sb)
+        return self._to_output(sampled, so)
+
+    def prepare(self, scheduled) -> BatchInputs:
+        bs = self.block_size
+        ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
+        width = max(len(s.block_ids) for s in scheduled)
+        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        row = 0
+        for i, s in enumerate(scheduled):
+            req = s.request
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            ids.append(_token_slice(req, start, end))
+            p = np.arange(start, end, dtype=np.int64)
+            blocks = np.asarray(s.block_ids, dtype=np.int64)
+            pos.append(p)
+            slots.append(blocks[p // bs] * bs + p % bs)
+            tables[i, : len(blocks)] = blocks
+            q_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+            ctx_lens.append(start)
+            row += s.num_new_tokens
+            if s.sample:
+                sample_rows.append(row - 1)
+        dev = self.device
+        qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
+        np.cumsum(q_lens, out=qsl[1:])
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            query_start_loc=torch.from_numpy(qsl).to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            block_size=bs,
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            query_lens_cpu=tuple(q_lens),
+            seq_lens_cpu=tuple(seq_lens),
+        )
+        return BatchInputs(
+            input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
+            positions=torch.from_numpy(np.concatenate(pos)).to(dev),
+            meta=meta,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+
+    @staticmethod
+    def _to_output(sampled, so) -> RunnerOutput:
+        token_ids = so.token_ids.tolist()
+        res = RunnerOutput()
+        want_lp = [r.sampling_params.logprobs is not None for r in sampled]
+        lp = so.logprobs.tolist() if any(want_lp) and so.logprobs is not None else None
+        top_ids = so.top_ids.tolist() if lp is not None and so.top_ids is not None else None
+        top_lp = so.top_logprobs.tolist() if top_ids is not None else None
+        for i, req in enumerate(sampled):
+            res.sampled_token_ids[req.request_id] = [token_ids[i]]
+            if lp is not None and want_lp[i]:
+                k = req.sampling_params.logprobs or 0
+                top = tuple(zip(top_ids[i][:k], top_lp[i][:k])) if top_ids is not None else ()
+                res.logprobs[req.request_id] = [TokenLogprob(token_ids[i], lp[i], top)]
+        return res
+
+
+def _token_slice(req, start: int, end: int) -> np.ndarray:
+    # Avoid rebuilding prompt + output for every decode step.
+    n_prompt = req.num_prompt_tokens
+    if start >= n_prompt:
+        toks = req.output_token_ids[start - n_prompt:end - n_prompt]
+    elif end <= n_prompt:
+        toks = req.prompt_token_ids[start:end]
+    else:
+        toks = req.prompt_token_ids[start:] + req.output_token_ids[: end - n_prompt]
+    return np.asarray(toks, dtype=np.int64)
