@@ -180,7 +180,7 @@ class EngineCore:
         params.validate()
         params.check_vocab(self.model_info.vocab_size)
         ids = self.encode_prompt(prompt, add_special_tokens)
-        self._check_length(len(ids), params)
+        self.check_length(len(ids), params)
         sched = self.scheduler
         if sched.num_waiting + params.n > self.config.scheduler.max_waiting:
             raise QueueFullError(f"waiting queue is full (max_waiting={self.config.scheduler.max_waiting})")
@@ -206,7 +206,7 @@ class EngineCore:
             self._choice_of[c.request.request_id] = (group, c)
         return ids
 
-    def _check_length(self, n_prompt: int, params: SamplingParams) -> None:
+    def check_length(self, n_prompt: int, params: SamplingParams) -> None:
         limit = self.max_model_len
         if n_prompt >= limit:
             raise ContextLengthError(
@@ -329,6 +329,10 @@ class EngineCore:
         )
 
     # ---- state ------------------------------------------------------------------------------
+    def is_active(self, request_id: str) -> bool:
+        """The client request is known and has not yet reported all its choices."""
+        return request_id in self._groups
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups) or self.scheduler.has_unfinished()
 

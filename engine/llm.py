@@ -12,6 +12,7 @@ from dataclasses import fields
 from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
 from engine.engine_core import EngineCore
 from engine.errors import QueueFullError
+from engine.loaders import LoadedModel
 from engine.outputs import CompletionOutput, GenerationResult, RequestOutput, Usage
 from engine.sampling_params import SamplingParams
 
@@ -35,8 +36,11 @@ def build_config(model: str, **kwargs) -> EngineConfig:
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, config: EngineConfig | None = None, progress: bool = False,
-                 **options) -> None:
-        self.engine = EngineCore(config or build_config(model, **options), progress=progress)
+                 loaded: LoadedModel | None = None, **options) -> None:
+        """``options`` are the fields of the per-subsystem configs (block_size, max_num_seqs,
+        max_num_batched_tokens, kv_cache_memory_bytes, device, dtype, attention_backend, ...).
+        ``loaded`` reuses weights already in memory (tests build several engines on one model)."""
+        self.engine = EngineCore(config or build_config(model, **options), progress=progress, loaded=loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -70,7 +74,7 @@ class LLM:
                             return
         finally:
             self.engine.abort_request([rid])
-            while self.engine.has_unfinished_requests() and rid in self.engine._groups:
+            while self.engine.is_active(rid):
                 self.engine.step()
 
     # ---- internals --------------------------------------------------------------------------
@@ -79,19 +83,22 @@ class LLM:
             params = [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"params: got {len(params)} sampling params for {len(prompts)} prompts")
-        # Validate every prompt before queueing any, so a bad one allocates nothing.
+        # Validate and tokenize every prompt before queueing any, so a bad one allocates nothing.
+        encoded = []
         for p, sp in zip(prompts, params):
             sp.validate()
-            self.engine._check_length(len(self.engine.encode_prompt(p, add_special_tokens)), sp)
+            toks = self.engine.encode_prompt(p, add_special_tokens)
+            self.engine.check_length(len(toks), sp)
+            encoded.append(toks)
         ids = [f"offline-{next(self._ids)}" for _ in prompts]
         acc: dict[str, _Accumulator] = {}
-        pending = list(zip(ids, prompts, params))
+        pending = list(zip(ids, prompts, encoded, params))
         try:
             while pending or self.engine.has_unfinished_requests():
                 while pending:
-                    rid, p, sp = pending[0]
+                    rid, p, toks, sp = pending[0]
                     try:
-                        toks = self.engine.add_request(rid, p, sp, add_special_tokens)
+                        self.engine.add_request(rid, toks, sp)
                     except QueueFullError:
                         break   # step until the queue has room
                     acc[rid] = _Accumulator(p if isinstance(p, str) else None, toks, sp.n)
