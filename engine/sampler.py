@@ -1,0 +1,425 @@
+"""Token sampling in torch: penalties, logit bias, temperature, top-k / top-p / min-p, seeded draws.
+
+CPU → device flow of one step:
+  1. host: ``SamplingBatch.from_requests`` reads each scheduled request's parameters and token
+     history and builds one device tensor per stage. A stage that no row needs stays ``None`` and
+     is skipped, so an all-greedy batch without penalties is a single ``argmax``.
+  2. device: ``Sampler()(logits, batch)`` — penalties and logit bias, then (for logprobs) a
+     ``log_softmax`` of those processed logits, then temperature, the top-k / top-p / min-p
+     masks, and the draw. Nothing in it waits on the host.
+  3. host: the caller copies ``SamplerOutput`` back once.
+
+The draw is an exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(probs / q)``
+picks token ``i`` with probability ``probs[i]`` (the minimum of ``q_i / p_i`` is token ``i``
+with probability ``p_i``). It needs no cumulative sum, no sort and no host sync. Each seeded
+request draws its noise from its own ``torch.Generator`` (``V`` numbers per step, whatever else
+is in the batch), so a seed reproduces its tokens in any batch. Unseeded rows share one
+generator seeded from the engine seed, so whole runs are reproducible too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprob
+from engine.request import Request
+
+_NEG_INF = float("-inf")
+
+
+# ---- generators ---------------------------------------------------------------------------------
+class GeneratorCache:
+    """Per-request ``torch.Generator``s, kept by the runner across steps.
+
+    A request with a seed gets its own generator on first use (seeded with ``request.seed``, or
+    ``sampling_params.seed`` when the request carries none); ``drop`` forgets it when the request
+    finishes. Requests without a seed share one generator seeded with the engine seed.
+    """
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed: must be an integer, got {seed!r}")
+        self.device = torch.device(device)
+        self.shared = torch.Generator(device=self.device)
+        self.shared.manual_seed(seed)
+        self._by_request: dict[str, torch.Generator] = {}
+
+    def get(self, request: Request) -> torch.Generator:
+        seed = request_seed(request)
+        if seed is None:
+            return self.shared
+        gen = self._by_request.get(request.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device)
+            # manual_seed wants a non-negative 64-bit value; fold negative seeds into that range.
+            gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            self._by_request[request.request_id] = gen
+        return gen
+
+    def drop(self, request_id: str) -> None:
+        self._by_request.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_request
+
+    def __len__(self) -> int:
+        return len(self._by_request)
+
+
+def request_seed(request: Request) -> int | None:
+    return request.seed if request.seed is not None else request.sampling_params.seed
+
+
+# ---- the batch ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling tensors for one step. ``None`` means no row needs that stage."""
+    vocab_size: int
+    greedy: torch.Tensor                        # [B] bool: temperature 0 or top_k 1
+    all_greedy: bool
+    temperature: torch.Tensor | None            # [B] float32; 1.0 on greedy rows
+    top_k: torch.Tensor | None                  # [B] int64; 0 = off
+    max_top_k: int                              # largest enabled top_k (0 when none)
+    top_p: torch.Tensor | None                  # [B] float32; 1.0 = off
+    min_p: torch.Tensor | None                  # [B] float32; 0.0 = off
+    presence_penalty: torch.Tensor | None       # [B] float32
+    frequency_penalty: torch.Tensor | None      # [B] float32
+    output_counts: torch.Tensor | None          # [B, V] float32: occurrences in each row's output
+    repetition_penalty: torch.Tensor | None     # [B] float32; 1.0 = off
+    seen_mask: torch.Tensor | None              # [B, V] bool: token in prompt or output
+    logit_bias: torch.Tensor | None             # [B, V] float32, dense
+    forbidden: torch.Tensor | None              # [B, V] bool: EOS/stop ids before min_tokens
+    seeded_rows: tuple[tuple[int, torch.Generator], ...]  # random rows with their own generator
+    unseeded_rows: torch.Tensor | None          # [U] int64: random rows drawing from `shared`
+    shared_generator: torch.Generator | None
+    num_logprobs: tuple[int | None, ...]        # per row: None, or k top alternatives wanted
+    max_num_logprobs: int | None                # None: no row wants logprobs
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.num_logprobs)
+
+    @classmethod
+    def from_requests(
+        cls,
+        requests: list[Request],
+        vocab_size: int,
+        device: torch.device | str,
+        generators: GeneratorCache | None = None,
+    ) -> SamplingBatch:
+        if not requests:
+            raise ValueError("requests: a sampling batch needs at least one request")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
+        device = torch.device(device)
+        params = [r.sampling_params for r in requests]
+        for sp in params:
+            sp.check_vocab(vocab_size)
+        greedy = [sp.greedy for sp in params]
+        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if random_rows and generators is None:
+            raise ValueError("generators: a GeneratorCache is needed when a request samples at random")
+        lp = tuple(sp.logprobs for sp in params)
+        wanted = [k for k in lp if k is not None]
+        counts, seen, presence, frequency, repetition = _penalty_tensors(requests, vocab_size, device)
+        seeded, unseeded, shared = _generator_rows(requests, random_rows, generators, device)
+        return cls(
+            vocab_size=vocab_size,
+            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            all_greedy=not random_rows,
+            **_random_row_tensors(params, random_rows, vocab_size, device),
+            presence_penalty=presence,
+            frequency_penalty=frequency,
+            output_counts=counts,
+            repetition_penalty=repetition,
+            seen_mask=seen,
+            logit_bias=_logit_bias(params, vocab_size, device),
+            forbidden=_forbidden(requests, vocab_size, device),
+            seeded_rows=seeded,
+            unseeded_rows=unseeded,
+            shared_generator=shared,
+            num_logprobs=lp,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+def _random_row_tensors(params, random_rows: list[int], vocab_size: int, device) -> dict:
+    """Temperature and the three masks; greedy rows get neutral values (they take the argmax)."""
+    out = {"temperature": None, "top_k": None, "max_top_k": 0, "top_p": None, "min_p": None}
+    if not random_rows:
+        return out
+    rows = set(random_rows)
+    temp = [sp.temperature if i in rows else 1.0 for i, sp in enumerate(params)]
+    top_k = [sp.top_k if i in rows and 0 < sp.top_k < vocab_size else 0 for i, sp in enumerate(params)]
+    top_p = [sp.top_p if i in rows else 1.0 for i, sp in enumerate(params)]
+    min_p = [sp.min_p if i in rows else 0.0 for i, sp in enumerate(params)]
+    out["temperature"] = torch.tensor(temp, dtype=torch.float32, device=device)
+    if any(top_k):
+        out["top_k"] = torch.tensor(top_k, dtype=torch.int64, device=device)
+        out["max_top_k"] = max(top_k)
+    if any(p < 1.0 for p in top_p):
+        out["top_p"] = torch.tensor(top_p, dtype=torch.float32, device=device)
+    if any(m > 0.0 for m in min_p):
+        out["min_p"] = torch.tensor(min_p, dtype=torch.float32, device=device)
+    return out
+
+
+def _penalty_tensors(requests: list[Request], vocab_size: int, device):
+    """(output_counts, seen_mask, presence, frequency, repetition); each None when no row needs it."""
+    params = [r.sampling_params for r in requests]
+    additive = [sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 for sp in params]
+    repeat = [sp.repetition_penalty != 1.0 for sp in params]
+    if not any(additive) and not any(repeat):
+        return None, None, None, None, None
+    # Only rows that need penalties contribute tokens; other rows count nothing.
+    outputs = [r.output_token_ids if a or p else [] for r, a, p in zip(requests, additive, repeat)]
+    counts = _token_counts(outputs, vocab_size, device)      # [B, V]
+    presence = frequency = repetition = seen = None
+    if any(additive):
+        presence = torch.tensor([sp.presence_penalty for sp in params], dtype=torch.float32, device=device)
+        frequency = torch.tensor([sp.frequency_penalty for sp in params], dtype=torch.float32, device=device)
+    if any(repeat):
+        repetition = torch.tensor([sp.repetition_penalty for sp in params], dtype=torch.float32, device=device)
+        prompts = [r.prompt_token_ids if p else [] for r, p in zip(requests, repeat)]
+        seen = (_token_counts(prompts, vocab_size, device) > 0) | (counts > 0)
+    return counts, seen, presence, frequency, repetition
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
+    """[B, V] float32 occurrence counts, by one scatter_add over the right-padded id lists."""
+    batch = len(token_lists)
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=device)
+    if width == 0:
+        return counts[:, :vocab_size]
+    # Checked on the host: an out-of-range index would be a device-side assert on CUDA.
+    if any(t and (min(t) < 0 or max(t) >= vocab_size) for t in token_lists):
+        raise ValueError(f"token ids: a prompt or output token is outside the vocabulary (size {vocab_size})")
+    # Padding points at the spare column vocab_size, which is cut off afterwards.
+    padded = [list(t) + [vocab_size] * (width - len(t)) for t in token_lists]
+    ids = torch.tensor(padded, dtype=torch.int64, device=device)             # [B, width]
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def _logit_bias(params, vocab_size: int, device) -> torch.Tensor | None:
+    rows, cols, vals = [], [], []
+    for i, sp in enumerate(params):
+        for tok, bias in sp.logit_bias.items():
+            rows.append(i)
+            cols.append(tok)
+            vals.append(float(bias))
+    if not rows:
+        return None
+    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)   # [B, V]
+    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
+    bias.index_put_(index, torch.tensor(vals, dtype=torch.float32, device=device))
+    return bias
+
+
+def _forbidden(requests: list[Request], vocab_size: int, device) -> torch.Tensor | None:
+    """EOS (unless ignore_eos) and stop token ids, for rows still short of min_tokens."""
+    rows, cols = [], []
+    for i, req in enumerate(requests):
+        sp = req.sampling_params
+        if req.num_output_tokens >= sp.min_tokens:
+            continue
+        ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+        for tok in sorted(ids):
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"eos_token_ids: token id {tok} is outside the vocabulary (size {vocab_size})")
+            rows.append(i)
+            cols.append(tok)
+    if not rows:
+        return None
+    mask = torch.zeros(len(requests), vocab_size, dtype=torch.bool, device=device)  # [B, V]
+    mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
+    return mask
+
+
+def _generator_rows(requests, random_rows: list[int], generators: GeneratorCache | None, device):
+    if not random_rows:
+        return (), None, None
+    if generators.device.type != device.type:
+        raise ValueError(f"generators: cache is on {generators.device}, the batch on {device}")
+    seeded, unseeded = [], []
+    for i in random_rows:
+        gen = generators.get(requests[i])
+        if gen is generators.shared:
+            unseeded.append(i)
+        else:
+            seeded.append((i, gen))
+    index = torch.tensor(unseeded, dtype=torch.int64, device=device) if unseeded else None
+    return tuple(seeded), index, generators.shared if unseeded else None
+
+
+# ---- mask functions -----------------------------------------------------------------------------
+def apply_top_k(logits: torch.Tensor, k: torch.Tensor, max_k: int | None = None) -> torch.Tensor:
+    """Keep each row's ``k`` largest logits; tokens tied with the k-th value are all kept.
+
+    logits: [B, V]; k: [B] int64, where ``k <= 0`` or ``k >= V`` leaves the row unchanged.
+    ``max_k`` (the largest enabled k, known on the host) avoids a device sync; it must not be
+    smaller than any enabled row's k.
+    """
+    vocab = logits.shape[-1]
+    off = (k <= 0) | (k >= vocab)                                    # [B]
+    if max_k is None:
+        max_k = int(torch.where(off, 0, k).max())
+    if max_k <= 0:
+        return logits
+    top = logits.topk(min(max_k, vocab), dim=-1).values              # [B, max_k], descending
+    kth = top.gather(-1, (k.clamp(1, max_k) - 1).unsqueeze(-1))      # [B, 1]
+    kth = kth.masked_fill(off.unsqueeze(-1), _NEG_INF)
+    return logits.masked_fill(logits < kth, _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability mass is >= ``p``.
+
+    logits: [B, V]; p: [B] in (0, 1], where 1 leaves the row unchanged. The most likely token is
+    always kept; tokens tied with the least likely kept one are kept too, so the result does
+    not depend on how a sort orders ties.
+    """
+    probs = logits.softmax(dim=-1)                                   # [B, V]
+    sorted_probs = probs.sort(dim=-1, descending=True).values        # [B, V]
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs         # [B, V], exclusive prefix sum
+    n_keep = (mass_before < p.unsqueeze(-1)).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
+    threshold = sorted_probs.gather(-1, n_keep - 1)                  # [B, 1]
+    threshold = threshold.masked_fill(p.unsqueeze(-1) >= 1.0, 0.0)
+    return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's top probability.
+
+    logits: [B, V]; min_p: [B] in [0, 1], where 0 leaves the row unchanged. Done in logit space:
+    ``p_i >= m * p_max``  <=>  ``logit_i >= logit_max + log(m)`` (log 0 = -inf keeps everything).
+    """
+    top = logits.max(dim=-1, keepdim=True).values                    # [B, 1]
+    threshold = top + torch.log(min_p).unsqueeze(-1)                 # [B, 1]
+    return logits.masked_fill(logits < threshold, _NEG_INF)
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: torch.Tensor) -> torch.Tensor:
+    """HF semantics on tokens in prompt or output: positive logits divided, negative multiplied.
+
+    logits: [B, V]; seen: [B, V] bool; penalty: [B] > 0.
+    """
+    r = penalty.unsqueeze(-1)                                        # [B, 1]
+    penalised = torch.where(logits > 0, logits / r, logits * r)
+    return torch.where(seen, penalised, logits)
+
+
+def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presence: torch.Tensor,
+                             frequency: torch.Tensor) -> torch.Tensor:
+    """OpenAI semantics on output tokens: ``logit - frequency * count - presence * (count > 0)``.
+
+    logits, counts: [B, V]; presence, frequency: [B].
+    """
+    return logits - frequency.unsqueeze(-1) * counts - presence.unsqueeze(-1) * (counts > 0).to(logits.dtype)
+
+
+# ---- the sampler --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor                # [B] int64
+    logprobs: torch.Tensor | None          # [B] float32: logprob of each sampled token
+    top_ids: torch.Tensor | None           # [B, k] int64, most likely first; k = largest request
+    top_logprobs: torch.Tensor | None      # [B, k] float32
+
+    def to_token_logprobs(self, batch: SamplingBatch) -> list[TokenLogprob | None]:
+        """Host view (one copy back): per row its TokenLogprob, or None where none was asked."""
+        if self.logprobs is None:
+            return [None] * batch.batch_size
+        ids, lps = self.token_ids.tolist(), self.logprobs.tolist()
+        top_ids, top_lps = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out: list[TokenLogprob | None] = []
+        for i, k in enumerate(batch.num_logprobs):
+            top = () if k is None else tuple(zip(top_ids[i][:k], top_lps[i][:k]))
+            out.append(None if k is None else TokenLogprob(ids[i], lps[i], top))
+        return out
+
+
+def penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Repetition penalty, presence/frequency penalties, logit bias, then the min_tokens mask.
+
+    logits: [B, V] float32. Returns a new tensor; the caller's is left alone.
+    """
+    _check_logits(logits, batch)
+    if batch.repetition_penalty is not None:
+        logits = apply_repetition_penalty(logits, batch.seen_mask, batch.repetition_penalty)
+    if batch.presence_penalty is not None:
+        logits = apply_presence_frequency(logits, batch.output_counts, batch.presence_penalty,
+                                          batch.frequency_penalty)
+    if batch.logit_bias is not None:
+        logits = logits + batch.logit_bias
+    if batch.forbidden is not None:
+        logits = logits.masked_fill(batch.forbidden, _NEG_INF)
+    return logits
+
+
+def _check_logits(logits: torch.Tensor, batch: SamplingBatch) -> None:
+    if logits.dim() != 2 or logits.shape != (batch.batch_size, batch.vocab_size):
+        raise ValueError(f"logits: expected shape ({batch.batch_size}, {batch.vocab_size}), "
+                         f"got {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits: expected a floating-point tensor, got {logits.dtype}")
+
+
+def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Temperature then the top-k, top-p and min-p masks; logits [B, V] already penalised."""
+    logits = logits / batch.temperature.unsqueeze(-1)
+    if batch.top_k is not None:
+        logits = apply_top_k(logits, batch.top_k, batch.max_top_k)
+    if batch.top_p is not None:
+        logits = apply_top_p(logits, batch.top_p)
+    if batch.min_p is not None:
+        logits = apply_min_p(logits, batch.min_p)
+    return logits
+
+
+def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B] int64: argmax(probs / q), q ~ Exp(1) from each row's generator; greedy rows get q = 1."""
+    q = torch.ones_like(probs)                                       # [B, V]
+    for row, gen in batch.seeded_rows:
+        q[row].exponential_(generator=gen)
+    if batch.unseeded_rows is not None:
+        noise = torch.empty(batch.unseeded_rows.numel(), probs.shape[-1], dtype=probs.dtype,
+                            device=probs.device).exponential_(generator=batch.shared_generator)
+        q.index_copy_(0, batch.unseeded_rows, noise)
+    # Exp(1) can return exactly 0; clamp so that a zero-probability token never wins via 0 / 0.
+    return (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+
+
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] the distribution each row samples from, after every stage; greedy rows one-hot.
+
+    For speculative decoding's rejection sampler, which compares target and draft probabilities.
+    """
+    logits = penalize(logits.float(), batch)
+    onehot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    if batch.all_greedy:
+        return onehot
+    probs = _truncate(logits, batch).softmax(dim=-1)
+    return torch.where(batch.greedy.unsqueeze(-1), onehot, probs)
+
+
+class Sampler:
+    """Stateless: per-request state (the generators) lives in the caller's ``GeneratorCache``."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        logits = penalize(logits.float(), batch)                     # [B, V]
+        argmax = logits.argmax(dim=-1)                               # [B]
+        if batch.all_greedy:
+            token_ids = argmax
+        else:
+            probs = _truncate(logits, batch).softmax(dim=-1)         # [B, V]
+            token_ids = torch.where(batch.greedy, argmax, _exponential_race(probs, batch))
+        if batch.max_num_logprobs is None:
+            return SamplerOutput(token_ids, None, None, None)
+        # OpenAI semantics: logprobs of the processed distribution before temperature.
+        logprobs = logits.log_softmax(dim=-1)                        # [B, V]
+        sampled = logprobs.gather(-1, token_ids.unsqueeze(-1)).squeeze(-1)  # [B]
+        top = logprobs.topk(batch.max_num_logprobs, dim=-1)          # [B, k], sorted
+        return SamplerOutput(token_ids, sampled, top.indices, top.values)
