@@ -1,0 +1,186 @@
+"""The logical side of the paged KV cache: which blocks each request owns, prefix-cache lookups,
+and slot allocation for a step. Pure Python (no torch).
+
+The scheduler sees only block ids. For one request, block ``i`` of its table holds the KV of token
+positions ``i * block_size .. (i + 1) * block_size - 1``.
+
+Prefix caching: the hash of full block ``i`` of a request is
+``hash_block_tokens(hash of block i-1, its token ids, extra keys)``, so equal hashes mean (barring
+collisions) equal prefixes. Blocks are registered in the pool's cache map when they become full of
+known tokens, at the allocation of the step that computes them (the forward of that step writes
+their KV before any later step can read them). A hit is verified against stored tokens and parent
+links in the pool (see ``block_pool``), so a collision can only cost a miss, never wrong KV.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.kv_cache.block_pool import BlockPool, BlockPoolStats, KVBlock
+from engine.request import Request
+
+
+def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+    """Hash of one full block. ``extra_keys`` is for anything besides the tokens that changes the
+    KV (an adapter id, image hashes); no request field does so today, so callers pass ``()``."""
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_hashes: dict[str, list[int]] = {}        # hashes of the request's full blocks
+        self._req_num_registered: dict[str, int] = {}      # leading blocks past registration
+        self._query_tokens = 0
+        self._hit_tokens = 0
+
+    # ---- sizes -----------------------------------------------------------------------------
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free plus evictable cached blocks."""
+        return self.pool.num_free
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the pool held by requests."""
+        return 1.0 - self.pool.num_free / self.pool.num_blocks
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Prompt(-plus-output) tokens served from the cache over tokens looked up, at admission."""
+        return self._hit_tokens / self._query_tokens if self._query_tokens else 0.0
+
+    def stats(self) -> BlockPoolStats:
+        return self.pool.stats()
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    # ---- prefix cache ----------------------------------------------------------------------
+    def _block_hashes(self, request: Request, token_ids: list[int], num_full: int) -> list[int]:
+        """The request's full-block hashes up to ``num_full``, extended incrementally."""
+        hashes = self._req_hashes.setdefault(request.request_id, [])
+        bs = self.block_size
+        for i in range(len(hashes), num_full):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_block_tokens(parent, token_ids[i * bs:(i + 1) * bs], ()))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached full blocks that prefixes the request's tokens, leaving at least
+        one token to compute so that the last position's logits exist."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        max_blocks = (len(tokens) - 1) // self.block_size
+        hashes = self._block_hashes(request, tokens, max_blocks)
+        bs, hits, parent = self.block_size, [], None
+        for i in range(max_blocks):
+            block = self.pool.lookup(hashes[i], tokens[i * bs:(i + 1) * bs], parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block
+        return [b.block_id for b in hits], len(hits) * bs
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.reset_prefix_cache()
+
+    # ---- allocation ------------------------------------------------------------------------
+    def _check_hits(self, request: Request, computed_blocks: Sequence[int],
+                    num_computed_from_cache: int) -> list[KVBlock]:
+        if not computed_blocks and not num_computed_from_cache:
+            return []
+        if self._req_blocks.get(request.request_id) or request.num_computed_tokens:
+            raise ValueError(f"computed_blocks: request {request.request_id!r} already has blocks "
+                             "or computed tokens; prefix hits apply only at admission")
+        if num_computed_from_cache != len(computed_blocks) * self.block_size:
+            raise ValueError(f"num_computed_from_cache: {num_computed_from_cache} is not "
+                             f"{len(computed_blocks)} blocks x {self.block_size} tokens")
+        blocks = [self.pool.blocks[i] for i in computed_blocks]
+        stale = [b.block_id for b in blocks if b.block_hash is None]
+        if stale:
+            raise ValueError(f"computed_blocks: blocks {stale} are no longer cached")
+        return blocks
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+                       num_computed_from_cache: int = 0, num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Makes the request's table cover its computed tokens, the prefix hit, ``num_new_tokens``
+        and ``num_lookahead_tokens`` draft slots. Returns the ids of newly taken blocks (hits not
+        included), or None -- with nothing changed -- when the pool cannot provide them."""
+        if num_new_tokens < 0 or num_lookahead_tokens < 0:
+            raise ValueError(f"num_new_tokens: must be >= 0 (lookahead too), got "
+                             f"{num_new_tokens} and {num_lookahead_tokens}")
+        hits = self._check_hits(request, computed_blocks, num_computed_from_cache)
+        rid = request.request_id
+        held = self._req_blocks.get(rid, [])
+        num_computed = request.num_computed_tokens + num_computed_from_cache
+        total = num_computed + num_new_tokens + num_lookahead_tokens
+        num_needed = max(0, -(-total // self.block_size) - len(held) - len(hits))
+        # Hits that are cached-but-free sit in the free list: taking them shrinks what is left.
+        available = self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+        if num_needed > available:
+            return None
+        if rid not in self._req_blocks:
+            self._query_tokens += request.num_tokens
+            self._hit_tokens += num_computed_from_cache
+            self._req_num_registered[rid] = len(hits)
+        self.pool.touch(hits)
+        new_blocks = self.pool.take_new(num_needed)
+        blocks = self._req_blocks.setdefault(rid, [])
+        blocks.extend(hits)
+        blocks.extend(new_blocks)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return [b.block_id for b in new_blocks]
+
+    def _register_full_blocks(self, request: Request, num_known_computed: int) -> None:
+        """Registers blocks that are full of known tokens once this step has run."""
+        rid = request.request_id
+        start, num_full = self._req_num_registered[rid], num_known_computed // self.block_size
+        if num_full <= start:
+            return
+        tokens = request.all_token_ids
+        hashes = self._block_hashes(request, tokens, num_full)
+        blocks, bs = self._req_blocks[rid], self.block_size
+        for i in range(start, num_full):
+            block = blocks[i]
+            if block.block_hash is not None:
+                continue  # a prefix hit: already registered
+            parent = blocks[i - 1] if i else None
+            if parent is not None and parent.block_hash is None:
+                break     # the chain is broken (a hash was taken): later blocks cannot be found
+            self.pool.register(block, hashes[i], tokens[i * bs:(i + 1) * bs], parent)
+        # Failures are permanent for this request, so never retry them.
+        self._req_num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Releases the request's blocks, last block first so that tail blocks are evicted before
+        the shared prefix. Safe to call for a request holding nothing."""
+        rid = request.request_id
+        blocks = self._req_blocks.pop(rid, [])
+        self._req_hashes.pop(rid, None)
+        self._req_num_registered.pop(rid, None)
+        self.pool.release(reversed(blocks))
+
+    def check_invariants(self) -> None:
+        """Pool invariants plus: every block's ref count equals the number of request tables that
+        hold it. Raises AssertionError naming what is wrong."""
+        self.pool.check_invariants()
+        refs: dict[int, int] = {}
+        for blocks in self._req_blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        wrong = [(b.block_id, b.ref_cnt, refs.get(b.block_id, 0))
+                 for b in self.pool.blocks if b.ref_cnt != refs.get(b.block_id, 0)]
+        if wrong:
+            raise AssertionError("KV ref counts differ from request tables (block, ref, owners): "
+                                 f"{wrong[:8]}")
