@@ -269,6 +269,9 @@ class EngineCore:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             elif req.is_finished:
                 d.text += choice.detok.finish()
+                if choice.detok.stop_string is not None:   # completed by the flushed bytes
+                    req.stop_reason = choice.detok.stop_string
+                    req.status = RequestStatus.FINISHED_STOPPED
         except Exception as exc:
             log.exception("request %s failed", req.request_id)
             self._fail([req], f"{type(exc).__name__}: {exc}")
