@@ -1,0 +1,135 @@
+"""Paged prefill / extend attention over a varlen batch.
+
+Sequence ``i`` brings query rows ``query_start_loc[i]:query_start_loc[i+1]``, at positions
+``seq_lens[i]-q_len .. seq_lens[i]-1``; its K/V, new tokens included, are already in the paged
+cache. Each query attends causally to every earlier token through the block table, so the one
+kernel covers plain prefill (empty prefix), chunked prefill and prefix-cache hits (cached
+prefix), and speculative verification (a few rows on a long prefix).
+
+One program per (query tile, sequence, query head). Tokens are gathered through the block
+table one by one, which makes any block size work.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels._checks import check_shape, check_tensor, next_pow2
+from kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
+
+# Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
+_BLOCK_M = 64
+_BLOCK_N = 64
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    stride_query_tok, stride_query_head,
+    stride_kc_block, stride_kc_slot, stride_kc_head,
+    stride_vc_block, stride_vc_slot, stride_vc_head,
+    stride_bt_seq, stride_out_tok, stride_out_head,
+    scale_log2, block_size, head_dim,
+    GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+    kv_head = head // GROUP
+
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)              # [BLOCK_M] query index in the chunk
+    d = tl.arange(0, HEAD_DIM_PAD)
+    q_pos = context_len + rows                                     # [BLOCK_M]
+    q_mask = (rows < q_len)[:, None] & (d < head_dim)[None, :]
+    q_off = (q_start + rows).to(tl.int64)[:, None] * stride_query_tok + head * stride_query_head + d[None, :]
+    q = tl.load(query_ptr + q_off, mask=q_mask, other=0.0)        # [BLOCK_M, HEAD_DIM_PAD]
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table_ptr = block_tables_ptr + seq * stride_bt_seq
+    # The last row of this tile sees up to position context_len + (m_block+1)*BLOCK_M - 1.
+    hi = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
+    for start in range(0, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)                        # [BLOCK_N]
+        valid = pos < hi
+        block = tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+        slot = (pos % block_size).to(tl.int64)
+        kv_mask = valid[:, None] & (d < head_dim)[None, :]
+        k = tl.load(key_cache_ptr + block[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot
+                    + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2       # [BLOCK_M, BLOCK_N]
+        # Tile 0 holds position 0, visible to every row, so m is finite from the first tile on.
+        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(value_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
+                    + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    o_off = (q_start + rows).to(tl.int64)[:, None] * stride_out_tok + head * stride_out_head + d[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def paged_prefill(
+    query: torch.Tensor,            # [num_tokens, num_heads, head_dim]
+    key_cache: torch.Tensor,        # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor,      # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,     # [num_seqs, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor,         # [num_seqs] int32, this step's tokens included (already stored)
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
+    check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens)
+    num_seqs = seq_lens.shape[0]
+    check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), query.device)
+    check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    out = torch.empty_like(query)
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    grid = (triton.cdiv(max_query_len, _BLOCK_M), num_seqs, num_heads)
+    _paged_prefill_kernel[grid](
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        query.stride(0), query.stride(1),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        scale * LOG2E, block_size, head_dim,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
+        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+    )
+    return out
+
+
+def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale: float):
+    """Plain-torch ``paged_prefill``: per sequence, gather its KV densely and attend causally."""
+    out = torch.zeros_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        lo, hi = starts[i], starts[i + 1]
+        if hi == lo:
+            continue
+        k = gather_dense(key_cache, block_tables[i], seq_len)
+        v = gather_dense(value_cache, block_tables[i], seq_len)
+        out[lo:hi] = attention_ref(query[lo:hi], k, v, scale).to(query.dtype)
+    return out

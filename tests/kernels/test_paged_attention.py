@@ -1,0 +1,109 @@
+"""Paged decode and prefill/extend kernels equal their torch references and plain causal attention.
+
+Shapes cover head_dim 64 and 80 (non-power-of-2), block sizes 1, 16 and 32, GQA ratios 1, 3
+and 8, ragged lengths, a sequence ending exactly on a block boundary, a prefix-hit chunk and
+split-KV decode. Each case is checked twice: against the kernel's ``*_ref`` and against torch
+SDPA over K/V rebuilt token by token from the block table.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
+from kernels.paged_prefill import paged_prefill, paged_prefill_ref
+from tests.kernels.paged_cases import dense_attention, make_case
+
+SHAPES = [(64, 1, 16), (80, 3, 16), (64, 8, 1), (80, 1, 32), (80, 8, 32), (64, 3, 1)]  # head_dim, group, block
+
+
+def _close(actual, expected, dtype=torch.float32):
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", SHAPES)
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode(device, head_dim, group, block_size, num_splits):
+    # Ragged lengths; 2 * block_size ends exactly on a block boundary; 1 is a lone first token.
+    seq_lens = [7, 2 * block_size, 1, 45]
+    case = make_case(seq_lens, [1] * 4, block_size, 2, group, head_dim, device=device)
+    out = paged_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                       case.scale, num_splits=num_splits)
+    _close(out, paged_decode_ref(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                 case.seq_lens, case.scale))
+    _close(out, dense_attention(case))
+
+
+def test_paged_decode_default_splits_and_max_len(device):
+    case = make_case([33, 64], [1, 1], 16, 1, 8, 64, device=device)
+    out = paged_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                       case.scale, max_seq_len=64)
+    _close(out, dense_attention(case))
+
+
+def test_choose_num_splits_fills_the_machine_only_for_long_contexts():
+    assert choose_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=32768) == 1
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=32768) == 32
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=300) == 1
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", SHAPES)
+def test_paged_prefill_varlen_batch(device, head_dim, group, block_size):
+    # seq 0: plain prefill; seq 1: prefix-hit chunk (2 cached blocks, then 5 new tokens);
+    # seq 2: a decode row in a mixed step; seq 3: chunk ending on a block boundary.
+    seq_lens = [9, 2 * block_size + 5, 20, 3 * block_size]
+    query_lens = [9, 5, 1, block_size]
+    case = make_case(seq_lens, query_lens, block_size, 2, group, head_dim, device=device)
+    out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
+                        case.query_start_loc, case.seq_lens, case.scale)
+    _close(out, paged_prefill_ref(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                  case.query_start_loc, case.seq_lens, case.scale))
+    _close(out, dense_attention(case))
+
+
+def test_paged_prefill_chunk_longer_than_one_tile(device):
+    # 70 query rows span two 64-row tiles; the second tile starts mid-sequence behind a prefix.
+    case = make_case([90, 3], [70, 3], 16, 1, 3, 80, device=device)
+    out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
+                        case.query_start_loc, case.seq_lens, case.scale, max_query_len=70)
+    _close(out, dense_attention(case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_paged_kernels_half_precision(device, dtype):
+    case = make_case([300, 17], [1, 1], 16, 2, 4, 128, dtype=dtype, device=device)
+    out = paged_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
+                       case.scale, num_splits=4)
+    _close(out, dense_attention(case), dtype)
+    case = make_case([300, 17], [200, 17], 16, 2, 4, 128, dtype=dtype, device=device)
+    out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
+                        case.query_start_loc, case.seq_lens, case.scale)
+    _close(out, dense_attention(case), dtype)
+
+
+def _decode_args(case):
+    return {"query": case.query, "key_cache": case.key_cache, "value_cache": case.value_cache,
+            "block_tables": case.block_tables, "seq_lens": case.seq_lens, "scale": case.scale}
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda a: {**a, "query": a["query"][:, :3]}, "query: num_heads 3 is not a multiple of num_kv_heads 2"),
+    (lambda a: {**a, "query": a["query"][..., :32]}, "query: head_dim 32 differs"),
+    (lambda a: {**a, "block_tables": a["block_tables"].long()}, "block_tables: dtype must be one of \\(int32\\)"),
+    (lambda a: {**a, "seq_lens": a["seq_lens"][:1]}, "block_tables: 2 rows for 1 sequences"),
+    (lambda a: {**a, "value_cache": a["value_cache"].double()}, "value_cache: dtype must be one of"),
+    (lambda a: {**a, "num_splits": 0}, "num_splits: must be >= 1"),
+])
+def test_paged_decode_rejects_bad_arguments(change, message):
+    args = change(_decode_args(make_case([5, 9], [1, 1], 16, 2, 2, 64)))
+    with pytest.raises(ValueError, match=message):
+        paged_decode(**args)
+
+
+def test_paged_prefill_rejects_bad_query_start_loc():
+    case = make_case([5, 9], [5, 9], 16, 2, 2, 64)
+    with pytest.raises(ValueError, match="query_start_loc: expected shape \\(3,\\)"):
+        paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
+                      case.query_start_loc[:2], case.seq_lens, case.scale)

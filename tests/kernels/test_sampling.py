@@ -1,0 +1,98 @@
+"""The fused sampling kernel: greedy and top-k=1 are exact argmax; seeded draws repeat; filtered
+tokens are never drawn; and draws follow the reference distribution (chi-square).
+
+Chi-square tests use fixed seeds, so they are deterministic; were the seeds random, a correct
+kernel would fail each with probability 1e-3 (the p-value threshold).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.sampling import sample, sample_ref, sampling_probs_ref
+from tests.kernels.stats import chi_square_pvalue
+
+P_MIN = 1e-3
+
+
+def _params(rows, device, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, offset=0):
+    f = lambda v, dt: torch.full((rows,), v, dtype=dt, device=device)  # noqa: E731
+    return {"temperature": f(temperature, torch.float32), "top_k": f(top_k, torch.int32),
+            "top_p": f(top_p, torch.float32), "min_p": f(min_p, torch.float32),
+            "seeds": torch.arange(rows, dtype=torch.int64, device=device) * 7919 + 1,
+            "offsets": f(offset, torch.int64)}
+
+
+def test_greedy_and_top_k_1_are_argmax(device):
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).to(device)
+    expected = logits.argmax(-1)
+    p = _params(6, device, temperature=0.0)
+    assert torch.equal(sample(logits, **p), expected)
+    p = _params(6, device, temperature=1.3, top_k=1)
+    assert torch.equal(sample(logits, **p), expected)
+    assert torch.equal(sample_ref(logits, **p), expected)
+
+
+def test_greedy_ties_take_the_lowest_index_across_tiles(device):
+    logits = torch.zeros(1, 5000, device=device)     # spans two 4096-wide tiles
+    logits[0, [4500, 4100]] = 3.0
+    assert sample(logits, **_params(1, device, temperature=0.0)).tolist() == [4100]
+
+
+def test_seeded_rows_repeat_and_offsets_change_draws(device):
+    logits = torch.zeros(8, 50, device=device)
+    a = sample(logits, **_params(8, device))
+    assert torch.equal(a, sample(logits, **_params(8, device)))
+    assert not torch.equal(a, sample(logits, **_params(8, device, offset=1)))
+
+
+@pytest.mark.parametrize("filters", [
+    {"temperature": 0.7, "top_k": 4},
+    {"temperature": 1.5, "min_p": 0.1, "top_k": 6, "top_p": 0.8},
+])
+def test_draws_follow_reference_distribution(device, filters):
+    rows, vocab = 600, 12
+    base = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
+    logits = base.repeat(rows, 1).to(device)
+    p = _params(rows, device, **filters)
+    tokens = sample(logits, **p)
+    probs = sampling_probs_ref(logits[:1], p["temperature"][:1], p["top_k"][:1], p["top_p"][:1], p["min_p"][:1])[0]
+    counts = torch.bincount(tokens, minlength=vocab).cpu()
+    assert counts[probs.cpu() == 0].sum() == 0, "a filtered-out token was drawn"
+    assert (probs > 0).sum() >= 2, "the filters must leave a real choice for this test to mean something"
+    assert chi_square_pvalue(counts, probs) > P_MIN
+
+
+def test_reference_filters_on_a_known_distribution():
+    # weights ∝ [8, 4, 2, 1, 1] / 16: top-p 0.7 keeps tokens whose heavier mass is < 0.7: {0, 1} (token 2: 0.75)
+    logits = torch.log(torch.tensor([[8.0, 4.0, 2.0, 1.0, 1.0]]))
+    one = lambda v, dt: torch.tensor([v], dtype=dt)  # noqa: E731
+    probs = sampling_probs_ref(logits, one(1.0, torch.float32), one(0, torch.int32), one(0.7, torch.float32),
+                               one(0.0, torch.float32))
+    torch.testing.assert_close(probs, torch.tensor([[8 / 12, 4 / 12, 0, 0, 0]]))
+    probs = sampling_probs_ref(logits, one(1.0, torch.float32), one(4, torch.int32), one(1.0, torch.float32),
+                               one(0.0, torch.float32))   # top-4 keeps the tie at the 4th place
+    torch.testing.assert_close(probs, torch.tensor([[8 / 16, 4 / 16, 2 / 16, 1 / 16, 1 / 16]]))
+    probs = sampling_probs_ref(logits, one(1.0, torch.float32), one(0, torch.int32), one(1.0, torch.float32),
+                               one(0.25, torch.float32))  # min-p: weight >= 2
+    torch.testing.assert_close(probs, torch.tensor([[8 / 14, 4 / 14, 2 / 14, 0, 0]]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_logits(device, dtype):
+    logits = torch.randn(4, 1000, device=device).to(dtype)
+    assert torch.equal(sample(logits, **_params(4, device, temperature=0.0)), logits.float().argmax(-1))
+
+
+@pytest.mark.parametrize("name,bad,message", [
+    ("logits", torch.zeros(2, 5, dtype=torch.int64), "logits: dtype must be one of"),
+    ("top_k", torch.zeros(2, dtype=torch.int64), "top_k: dtype must be one of \\(int32\\)"),
+    ("seeds", torch.zeros(3, dtype=torch.int64), "seeds: expected shape \\(2,\\)"),
+    ("temperature", torch.zeros(2, 1), "temperature: must have 1 dims"),
+])
+def test_sample_rejects_bad_arguments(name, bad, message):
+    args = {"logits": torch.zeros(2, 5), **_params(2, "cpu")}
+    args[name] = bad
+    with pytest.raises(ValueError, match=message):
+        sample(**args)
