@@ -340,11 +340,11 @@ class EngineCore:
         return bool(self._groups) or self.scheduler.has_unfinished()
 
     def get_load(self) -> LoadStats:
-        total = self.kv.num_blocks
+        st = self.scheduler.stats()
         return LoadStats(
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            kv_blocks_used=total - self.kv.num_free_blocks,
-            kv_blocks_total=total,
-            prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate,
+            num_running=st.num_running,
+            num_waiting=st.num_waiting,
+            kv_blocks_used=st.kv_blocks_used,
+            kv_blocks_total=st.kv_blocks_total,
+            prefix_cache_hit_rate=st.prefix_cache_hit_rate,
         )
