@@ -26,7 +26,7 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, QueueFullError
 from engine.kv_cache import KVCacheManager, num_blocks_for_budget
-from engine.loaders import LoadedModel, load_model
+from engine.loaders import LoadedModel, load_model, resolve_dtype
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage
 from engine.request import Request, RequestStatus
@@ -86,12 +86,6 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -101,7 +95,7 @@ class EngineCore:
         if device.type == "cpu" and threads:
             torch.set_num_threads(threads)
         attn = get_attention_backend(config.device.attention_backend, device)
-        self.loaded = loaded or load_model(config.model, dtype=dtype, device=device, progress=progress)
+        self.loaded = loaded or self._load(config.model, dtype, device, progress)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(arch)
@@ -128,6 +122,15 @@ class EngineCore:
         self._dirty: dict[str, None] = {}                          # client ids with news, in order
 
     # ---- set-up -------------------------------------------------------------------------
+    @staticmethod
+    def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool) -> LoadedModel:
+        if not progress:
+            return load_model(model, dtype=dtype, device=device)
+        from tqdm import tqdm
+
+        with tqdm(desc=f"loading {model}", unit="tensor", leave=False) as bar:
+            return load_model(model, dtype=dtype, device=device, progress=bar)
+
     def _max_model_len(self, arch) -> int:
         own = arch.max_position_embeddings
         asked = self.config.max_model_len

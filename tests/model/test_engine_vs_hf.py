@@ -13,7 +13,7 @@ import torch
 
 from engine.llm import LLM
 from engine.loaders import load_model
-from engine.models.registry import resolve_model_path
+from engine.models.registry import resolve_short_name
 from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def hf_greedy(loaded):
     """transformers' greedy continuation of each prompt (KV-cached loop, no EOS stop)."""
     from transformers import AutoModelForCausalLM
 
-    path = resolve_model_path("smollm2")
+    path = resolve_short_name("smollm2")
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     model.eval()
     outs = []
