@@ -1,0 +1,112 @@
+"""``load_model``: a ``.gguf`` file, a Hugging Face folder or a short name → model + tokenizer.
+
+Every failure a user can cause (missing path, corrupt or truncated file, unsupported
+architecture, a missing or misshapen tensor) raises ``ModelLoadError`` naming the path and why.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.errors import ModelLoadError
+from engine.models.config import ModelArchConfig
+from engine.models.llama import LlamaForCausalLM
+from engine.models.registry import is_short_name, resolve_short_name
+from engine.tokenizer import Tokenizer
+
+ProgressFn = Callable[[int, int], None]   # (steps done, steps total)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    name: str                 # what the caller asked for (short name or path)
+    path: Path                # the file or folder actually read
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": float32 on CPU (no fast bf16 matmul there), bfloat16 on CUDA."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: must be auto or one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_path(path_or_name: str | Path) -> Path:
+    path = Path(path_or_name).expanduser()
+    if path.exists():
+        return path
+    if isinstance(path_or_name, str) and is_short_name(path_or_name):
+        return resolve_short_name(path_or_name)
+    if path.suffix == ".gguf" or path.parent != Path("."):
+        raise ModelLoadError(f"{path}: no such file or folder")
+    return resolve_short_name(str(path_or_name))  # raises, listing the known names
+
+
+def _progress_fn(progress) -> ProgressFn | None:
+    """Accept a callback ``(done, total)`` or a tqdm-like bar (``total`` + ``update``)."""
+    if progress is None or not hasattr(progress, "update"):
+        return progress
+
+    def advance(done: int, total: int) -> None:
+        if progress.total != total:
+            progress.total = total
+            progress.refresh()
+        progress.update(done - progress.n)
+
+    return advance
+
+
+def build_model(
+    arch: ModelArchConfig, weights, dtype: torch.dtype, device: torch.device, max_seq_len: int | None = None
+) -> LlamaForCausalLM:
+    """Allocate uninitialised parameters (no random init), copy the HF-named weights in, eval mode."""
+    model = LlamaForCausalLM(arch, max_seq_len, dtype=dtype, device=device)
+    model.load_hf_weights(weights)
+    return model.eval().requires_grad_(False)
+
+
+def load_model(
+    path_or_name: str | Path,
+    dtype: str | torch.dtype = "auto",
+    device: str | torch.device = "cpu",
+    progress=None,
+    max_seq_len: int | None = None,
+) -> LoadedModel:
+    device = torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    path = resolve_path(path_or_name)
+    report = _progress_fn(progress)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"{path}: a model file must be a .gguf (or give a Hugging Face folder)")
+        from engine.loaders.gguf_loader import load_gguf
+
+        arch, weights, reader = load_gguf(path, report)
+        tokenizer = Tokenizer.from_gguf(reader, path)
+    else:
+        from engine.loaders.hf_loader import load_hf_folder
+
+        arch, weights = load_hf_folder(path, report)
+        tokenizer = Tokenizer.from_folder(path)
+    try:
+        model = build_model(arch, weights, dtype, device, max_seq_len)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, name=str(path_or_name),
+                       path=path, dtype=dtype, device=device)
+
+
+__all__ = ["LoadedModel", "ModelLoadError", "build_model", "load_model", "resolve_dtype", "resolve_path"]

@@ -1,0 +1,223 @@
+"""Read a GGUF file (llama.cpp's format) into a ``ModelArchConfig`` and HF-named float tensors.
+
+Facts this relies on (llama.cpp's ``convert_hf_to_gguf.py``, mirrored by transformers'
+``modeling_gguf_pytorch_utils.py`` when it loads a GGUF):
+
+* numpy's view of a GGUF tensor is in PyTorch order: ``dequantize`` of a ``[in, out]`` GGUF
+  tensor gives ``[out, in]``, the layout of ``torch.nn.Linear.weight``.
+* For architectures whose llama.cpp RoPE is the interleaved "NORM" kind (llama, mistral) the
+  converter permutes the rows of ``attn_q`` / ``attn_k`` within each head, from HF's
+  rotate-half pairing ``(i, i + D/2)`` to adjacent pairs ``(2i, 2i + 1)``. We undo it
+  (``unpermute_qk``) so the model uses HF's layout. Qwen2 is converted unpermuted (NEOX rope).
+* The metadata keys are ``{arch}.block_count``, ``{arch}.attention.head_count`` and so on; see
+  ``_arch_from_metadata``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.errors import ModelLoadError
+from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+
+ProgressFn = Callable[[int, int], None]   # (tensors done, tensors total)
+
+# llama.cpp architectures whose Q/K rows the converter permuted for interleaved RoPE.
+_PERMUTED_QK = ("llama", "mistral")
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+
+def open_gguf(path: str | Path):
+    """A ``GGUFReader`` over ``path``; ModelLoadError when it is missing, truncated or not a GGUF."""
+    from gguf import GGUFReader
+
+    path = Path(path)
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: no such GGUF file")
+    try:
+        return GGUFReader(path)
+    except Exception as exc:  # the reader raises ValueError/IndexError/... on bad bytes
+        raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
+
+
+def gguf_metadata(reader, key: str, default=None):
+    """The decoded value of one metadata key (scalars as Python values, arrays as lists)."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def gguf_architecture(reader, path: Path) -> str:
+    arch = gguf_metadata(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
+    kind = gguf_metadata(reader, f"{arch}.rope.scaling.type")
+    if kind in (None, "none"):
+        return None
+    factor = gguf_metadata(reader, f"{arch}.rope.scaling.factor")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        rs = {"rope_type": "yarn", "factor": float(factor) if factor is not None else None}
+        for gguf_key, hf_key in (("original_context_length", "original_max_position_embeddings"),
+                                 ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = gguf_metadata(reader, f"{arch}.rope.scaling.{gguf_key}")
+            if value is not None:
+                rs[hf_key] = value
+        return rs
+    raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r} (supported: none, linear, yarn)")
+
+
+def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
+    arch = gguf_architecture(reader, path)
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ModelLoadError(
+            f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported "
+            "in GGUF files; load the Hugging Face folder instead"
+        )
+
+    def req(key: str):
+        value = gguf_metadata(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata lacks {arch}.{key}")
+        return value
+
+    hidden, heads = int(req("embedding_length")), int(req("attention.head_count"))
+    vocab = gguf_metadata(reader, f"{arch}.vocab_size")
+    if vocab is None:
+        tokens = reader.fields.get("tokenizer.ggml.tokens")
+        vocab = len(tokens.data) if tokens is not None else None
+    head_dim = gguf_metadata(reader, f"{arch}.attention.key_length") or hidden // heads
+    try:
+        return ModelArchConfig(
+            architecture=arch,
+            vocab_size=int(vocab) if vocab is not None else 0,
+            hidden_size=hidden,
+            intermediate_size=int(req("feed_forward_length")),
+            num_hidden_layers=int(req("block_count")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(gguf_metadata(reader, f"{arch}.attention.head_count_kv", heads)),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
+            rope_theta=float(gguf_metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
+            max_position_embeddings=int(req("context_length")),
+            rope_scaling=_rope_scaling(reader, arch, path),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+        )
+    except ValueError as exc:
+        raise ModelLoadError(f"{path}: bad model metadata: {exc}") from exc
+
+
+def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation: rows of each head from (D/2, 2) order back to (2, D/2).
+
+    w is [n_head * D, ...] (a weight or a bias); the converter did
+    ``w.reshape(n_head, 2, D/2, ...).swapaxes(1, 2)``, so we reshape to (n_head, D/2, 2, ...)
+    and swap back.
+    """
+    rest = w.shape[1:]
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_name(gguf_name: str, path: Path) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} for a Llama-family model")
+
+
+def _dequantized(tensor, arch: ModelArchConfig, path: Path) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    try:
+        # np.asarray drops the np.memmap subclass, whose per-slice bookkeeping doubles the time.
+        w = dequantize(np.asarray(tensor.data), tensor.tensor_type)   # float32, PyTorch order
+    except NotImplementedError as exc:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r}: {exc}") from exc
+    if arch.architecture in _PERMUTED_QK:
+        if ".attn_q." in tensor.name:
+            w = unpermute_qk(w, arch.num_attention_heads)
+        elif ".attn_k." in tensor.name:
+            w = unpermute_qk(w, arch.num_key_value_heads)
+    # F32 tensors come back as read-only views of the memory map; torch wants writable memory.
+    return w if w.flags.writeable else w.copy()
+
+
+def _check_size(tensor, path: Path) -> None:
+    """A truncated file maps fewer bytes than the header promises; say so by name."""
+    expected = int(tensor.n_bytes)
+    got = int(tensor.data.nbytes)
+    if got != expected:
+        raise ModelLoadError(f"{path}: tensor {tensor.name!r} is truncated: {got} of {expected} bytes")
+
+
+class GGUFWeights(Mapping):
+    """HF name → float32 tensor, dequantized on access so that peak memory is the model plus one tensor.
+
+    Every tensor's name and byte size are checked up front, so a bad file fails before any work.
+    """
+
+    def __init__(self, reader, arch: ModelArchConfig, path: Path, progress: ProgressFn | None = None) -> None:
+        self._arch, self._path, self._progress = arch, path, progress
+        self._tensors = {}
+        for tensor in reader.tensors:
+            _check_size(tensor, path)
+            self._tensors[hf_name(tensor.name, path)] = tensor
+        self._done = 0
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = torch.from_numpy(_dequantized(self._tensors[name], self._arch, self._path))
+        self._done += 1
+        if self._progress is not None:
+            self._progress(min(self._done, len(self._tensors)), len(self._tensors))
+        return w
+
+    def __contains__(self, name: object) -> bool:
+        # Mapping's default would read (dequantize) the tensor just to test membership.
+        return name in self._tensors
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+
+def load_gguf(path: str | Path, progress: ProgressFn | None = None) -> tuple[ModelArchConfig, GGUFWeights, object]:
+    """``(arch, lazy HF-named float32 weights, reader)``; the reader is kept for the tokenizer."""
+    path = Path(path)
+    reader = open_gguf(path)
+    arch = _arch_from_metadata(reader, path)
+    return arch, GGUFWeights(reader, arch, path, progress), reader

@@ -1,0 +1,140 @@
+"""The shape of a Llama-family decoder, whichever file it came from (GGUF or a Hugging Face folder).
+
+``rope_scaling`` keeps Hugging Face's semantics (the ``rope_scaling`` / ``rope_parameters`` dict
+of ``config.json``, normalised so the kind is under ``"rope_type"``); ``engine.models.rope`` is
+the one reader of it. Tokenizer facts (special tokens, FIM tokens) belong to the tokenizer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+
+# Keys each rope type must carry besides "rope_type" (HF validation, less the optional ones).
+_ROPE_REQUIRED = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": (),  # factor, or original_max_position_embeddings to derive it
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
+
+
+def _positive_float(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: must be a positive finite number, got {value!r}")
+
+
+def normalize_rope_scaling(raw: dict | None) -> dict | None:
+    """HF spells the kind ``type`` (old) or ``rope_type`` (new); ``default``/None means no scaling."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise ValueError(f"rope_scaling: must be a dict or None, got {type(raw).__name__}")
+    out = {k: v for k, v in raw.items() if k not in ("type", "rope_theta")}
+    out["rope_type"] = raw.get("rope_type", raw.get("type", "default"))
+    if out["rope_type"] == "default" and len(out) == 1:
+        return None
+    return out
+
+
+def _validate_rope_scaling(rs: dict | None) -> None:
+    if rs is None:
+        return
+    kind = rs.get("rope_type")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling: rope_type must be one of {ROPE_TYPES}, got {kind!r}")
+    for key in _ROPE_REQUIRED[kind]:
+        if key not in rs:
+            raise ValueError(f"rope_scaling: {kind} scaling needs {key!r}, got keys {sorted(rs)}")
+    # YaRN alone may leave factor None: it is then max_position_embeddings / original (HF).
+    if not (kind == "yarn" and rs.get("factor") is None and "original_max_position_embeddings" in rs):
+        if kind != "default":
+            _positive_float("rope_scaling.factor", rs.get("factor"))
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    architecture: str                       # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict | None = None        # HF semantics, see module docstring
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False            # Qwen2: q/k/v projections carry a bias
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture: {self.architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+            _positive_int(name, getattr(self, name))
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_key_value_heads: {self.num_key_value_heads} must divide "
+                f"num_attention_heads={self.num_attention_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: rotary embedding needs an even head_dim, got {self.head_dim}")
+        _positive_float("rms_norm_eps", self.rms_norm_eps)
+        _positive_float("rope_theta", self.rope_theta)
+        _validate_rope_scaling(self.rope_scaling)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
+        """From a parsed ``config.json``; raises ValueError naming the missing or bad field."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"architecture: model_type {model_type!r} is not supported; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
+            # Newer configs nest rope_theta inside rope_parameters.
+            rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
+            theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+            return cls(
+                architecture=model_type,
+                vocab_size=cfg["vocab_size"],
+                hidden_size=hidden,
+                intermediate_size=cfg["intermediate_size"],
+                num_hidden_layers=cfg["num_hidden_layers"],
+                num_attention_heads=heads,
+                num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+                head_dim=cfg.get("head_dim") or hidden // heads,
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(theta),
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                rope_scaling=normalize_rope_scaling(rope),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                # Qwen2 always has a QKV bias; Llama/Mistral say so with attention_bias.
+                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            )
+        except KeyError as exc:
+            raise ValueError(f"{exc.args[0]}: missing from config.json") from None

@@ -1,0 +1,171 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a flattened varlen batch.
+
+RMSNorm → fused QKV projection (+ optional bias, Qwen2) → RoPE → attention through the
+backend (which owns the paged KV cache) → output projection; RMSNorm → fused gate/up
+projection → SwiGLU → down projection. Q/K/V and gate/up are each one matmul: on a
+bandwidth-bound CPU, fewer and larger matmuls are faster.
+
+Weights arrive under Hugging Face names (``model.layers.N.self_attn.q_proj.weight``...) from
+either loader; ``load_hf_weights`` checks every shape, fuses, and names what is wrong.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from engine.errors import ModelLoadError
+from engine.models.config import ModelArchConfig
+from engine.models.rope import RotaryEmbedding, apply_rotary
+
+
+class _Linear(torch.nn.Linear):
+    """A Linear left uninitialised: every weight comes from a checkpoint, so random init is wasted time."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
+class _Embedding(torch.nn.Embedding):
+    def reset_parameters(self) -> None:
+        pass
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(size, **factory))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Statistics in float32 whatever the dtype; the weight multiplies in the model dtype (as HF).
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, arch: ModelArchConfig, **factory) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim)
+        self.q_size, self.kv_size = arch.q_size, arch.kv_size
+        self.scale = arch.head_dim ** -0.5
+        self.qkv_proj = _Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias, **factory)
+        self.o_proj = _Linear(self.q_size, arch.hidden_size, bias=False, **factory)
+
+    def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, attn: AttentionBackend):
+        # x [T, hidden]
+        qkv = self.qkv_proj(x)                                                 # [T, q + 2 kv]
+        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)     # [T, Hq, D]
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
+        out = attn.forward(q, k, v, kv_cache, meta, self.scale)                  # [T, Hq, D]
+        return self.o_proj(out.reshape(-1, self.q_size))                         # [T, hidden]
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, arch: ModelArchConfig, **factory) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = _Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False, **factory)
+        self.down_proj = _Linear(arch.intermediate_size, arch.hidden_size, bias=False, **factory)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)                                 # [T, hidden]
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, arch: ModelArchConfig, **factory) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+        self.self_attn = LlamaAttention(arch, **factory)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+        self.mlp = LlamaMLP(arch, **factory)
+
+    def forward(self, h, cos, sin, kv_cache, meta, attn):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, attn)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """Parameters are allocated uninitialised (``torch.empty``); fill them with ``load_hf_weights``."""
+
+    def __init__(
+        self,
+        arch: ModelArchConfig,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.arch = arch
+        self.embed_tokens = _Embedding(arch.vocab_size, arch.hidden_size, **factory)
+        self.rotary = RotaryEmbedding(arch, max_seq_len, device=device)
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(arch, **factory) for _ in range(arch.num_hidden_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+        # Tied: the output projection is the embedding matrix itself (no copy).
+        self.lm_head = None if arch.tie_word_embeddings else _Linear(
+            arch.hidden_size, arch.vocab_size, bias=False, **factory)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,       # [T] int64, all sequences' new tokens flattened
+        positions: torch.Tensor,       # [T] int64
+        kv_caches: list[KVCache],      # one per layer
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:                 # [T, hidden]
+        h = self.embed_tokens(input_ids)                       # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)     # [T, 1, D/2] each, shared by all layers
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, attn)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; ModelLoadError names a missing/misshapen one."""
+        arch = self.arch
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(_take(weights, "model.embed_tokens.weight", self.embed_tokens.weight.shape))
+            self.norm.weight.copy_(_take(weights, "model.norm.weight", self.norm.weight.shape))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(_take(weights, "lm_head.weight", self.lm_head.weight.shape))
+            for i, layer in enumerate(self.layers):
+                _load_layer(layer, weights, f"model.layers.{i}.", arch)
+
+
+def _take(weights: Mapping[str, torch.Tensor], name: str, shape) -> torch.Tensor:
+    if name not in weights:
+        raise ModelLoadError(f"missing tensor {name!r}")
+    t = weights[name]
+    if tuple(t.shape) != tuple(shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return t
+
+
+def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchConfig) -> None:
+    h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
+    a, m = prefix + "self_attn.", prefix + "mlp."
+    layer.input_layernorm.weight.copy_(_take(weights, prefix + "input_layernorm.weight", (h,)))
+    layer.post_attention_layernorm.weight.copy_(_take(weights, prefix + "post_attention_layernorm.weight", (h,)))
+    qkv = layer.self_attn.qkv_proj
+    # Rows of the fused weight: [q | k | v]; copy_ into slices avoids a concatenated temporary.
+    for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+        qkv.weight[start:start + rows].copy_(_take(weights, f"{a}{name}.weight", (rows, h)))
+        if qkv.bias is not None:
+            qkv.bias[start:start + rows].copy_(_take(weights, f"{a}{name}.bias", (rows,)))
+    layer.self_attn.o_proj.weight.copy_(_take(weights, a + "o_proj.weight", (h, q)))
+    gate_up = layer.mlp.gate_up_proj.weight
+    gate_up[:inter].copy_(_take(weights, m + "gate_proj.weight", (inter, h)))
+    gate_up[inter:].copy_(_take(weights, m + "up_proj.weight", (inter, h)))
+    layer.mlp.down_proj.weight.copy_(_take(weights, m + "down_proj.weight", (h, inter)))

@@ -1,0 +1,136 @@
+"""Rotary position embedding, with the rope-scaling variants a ``config.json`` may declare.
+
+Layout: Hugging Face's "rotate_half" (GPT-NeoX) layout, where dimension ``i`` pairs with
+``i + head_dim/2``. GGUF files store Q/K permuted for llama.cpp's interleaved layout; the GGUF
+loader undoes that, so this module only ever sees the HF layout.
+
+The inverse frequencies follow the maths of transformers' ``ROPE_INIT_FUNCTIONS`` (default,
+linear, dynamic, yarn, llama3); ``tests/unit/test_rope.py`` holds each against transformers.
+
+Dynamic NTK: transformers recomputes the frequencies whenever a batch runs past the cached
+length, which changes the rotation of keys already in a KV cache. A paged cache must rotate a
+position the same way for its whole life, so here the frequencies are fixed once, at
+``max(max_seq_len, max_position_embeddings)``: identical to transformers for any sequence that
+fits ``max_position_embeddings``, and a fixed NTK stretch beyond it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.models.config import ModelArchConfig
+
+
+def _base_inv_freq(base: float, dim: int) -> torch.Tensor:
+    # [dim // 2] float32; int64 arange then float, as transformers does, for identical rounding.
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim))
+
+
+def _linear(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    return _base_inv_freq(arch.rope_theta, arch.head_dim) / rs["factor"], 1.0
+
+
+def _dynamic(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    dim, mpe, factor = arch.head_dim, arch.max_position_embeddings, rs["factor"]
+    seq_len = max(seq_len or mpe, mpe)
+    base = arch.rope_theta * ((factor * seq_len / mpe) - (factor - 1)) ** (dim / (dim - 2))
+    return _base_inv_freq(base, dim), 1.0
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_attention_factor(rs: dict, factor: float) -> float:
+    if rs.get("attention_factor") is not None:
+        return float(rs["attention_factor"])
+    mscale, mscale_all_dim = rs.get("mscale"), rs.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return float(_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim))
+    return _yarn_mscale(factor)
+
+
+def _yarn_correction_range(rs: dict, dim: int, base: float, original: int) -> tuple[float, float]:
+    """The band of dimensions that blends interpolation and extrapolation (YaRN paper, eq. 17)."""
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def dim_for(rotations: float) -> float:
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = dim_for(beta_fast), dim_for(beta_slow)
+    if rs.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    return max(low, 0), min(high, dim - 1)
+
+
+def _yarn(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    dim, base = arch.head_dim, arch.rope_theta
+    original = rs.get("original_max_position_embeddings", arch.max_position_embeddings)
+    factor = rs.get("factor")
+    if factor is None:
+        factor = arch.max_position_embeddings / original
+    attention_factor = _yarn_attention_factor(rs, factor)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(torch.float) / dim)      # [dim // 2]
+    low, high = _yarn_correction_range(rs, dim, base, original)
+    if low == high:
+        high += 0.001  # avoids a division by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp                                           # [dim // 2]
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, attention_factor
+
+
+def _llama3(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    inv_freq = _base_inv_freq(arch.rope_theta, arch.head_dim)
+    factor, low_ff, high_ff = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old_len = rs["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_len / low_ff, old_len / high_ff
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are divided by factor, short ones kept, the band between interpolated.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low_ff) / (high_ff - low_ff)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled), 1.0
+
+
+_SCALED = {"linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+
+
+def compute_inv_freq(arch: ModelArchConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """``(inv_freq [head_dim // 2] float32, attention_scaling)`` for ``arch.rope_scaling``."""
+    rs = arch.rope_scaling
+    if rs is None or rs["rope_type"] == "default":
+        return _base_inv_freq(arch.rope_theta, arch.head_dim), 1.0
+    return _SCALED[rs["rope_type"]](arch, rs, seq_len)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """cos/sin from positions on the fly (no table: O(T * head_dim) per step, exact like HF)."""
+
+    def __init__(
+        self, arch: ModelArchConfig, max_seq_len: int | None = None, device: torch.device | str = "cpu"
+    ) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = compute_inv_freq(arch, max_seq_len)
+        # [head_dim // 2] float32 whatever the model dtype: bf16 frequencies would misplace far positions.
+        # (A later ``model.to(bf16)`` would cast it too: move models with ``.to(device)`` only.)
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] → (cos, sin), each [T, 1, head_dim // 2] in ``dtype``, ready to broadcast over heads."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
+        cos = (freqs.cos() * self.attention_scaling).to(dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(dtype)
+        return cos[:, None, :], sin[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D], cos/sin [T, 1, D/2] → rotated x [T, H, D] (rotate_half layout).
+
+    Equal, element for element, to HF's ``x * cat(cos, cos) + rotate_half(x) * cat(sin, sin)``.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
