@@ -1,0 +1,166 @@
+"""The aiohttp application: routes, and the middlewares that make every answer OpenAI-shaped.
+
+Middleware order (outermost first): CORS (preflight answers, headers on every response, errors
+included) → errors (``ApiError``, aiohttp's HTTP errors, gRPC errors and real faults → the
+OpenAI error shape; never a stack trace) → auth (API keys).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from aiohttp import web
+
+from http_facade import routes_openai
+from http_facade.engine_link import EngineLink
+from http_facade.errors import ApiError, from_rpc_error, internal, unavailable
+from http_facade.openapi import ENDPOINTS, docs_page, openapi_document
+from http_facade.sse import CORS_HEADERS
+from http_facade.state import STATE_KEY, FacadeConfig, FacadeState, state_of
+
+log = logging.getLogger("sluice.facade")
+
+_HTTP_ERRORS = {
+    404: ("not_found", "invalid_request_error"),
+    405: ("method_not_allowed", "invalid_request_error"),
+    413: ("request_too_large", "invalid_request_error"),
+}
+
+
+def _from_http_exception(request: web.Request, exc: web.HTTPException, limit: int) -> ApiError:
+    code, kind = _HTTP_ERRORS.get(exc.status, ("http_error", "invalid_request_error"))
+    if exc.status == 404:
+        message = f"no route for {request.method} {request.path} (see /docs)"
+    elif exc.status == 405:
+        message = f"method {request.method} is not allowed on {request.path}"
+    elif exc.status == 413:
+        message = f"the request body exceeds the limit of {limit} bytes"
+    else:
+        message = exc.reason or f"HTTP {exc.status}"
+    headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+    return ApiError(exc.status, message, kind, None, code, headers)
+
+
+def _route_name(request: web.Request) -> str:
+    route = request.match_info.route
+    resource = route.resource if route is not None else None
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
+    state = state_of(request)
+    try:
+        response = await handler(request)
+    except ApiError as err:
+        response = _error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _error_response(_from_http_exception(request, exc, state.config.max_body_bytes))
+    except grpc.aio.AioRpcError as err:
+        response = _error_response(from_rpc_error(err))
+    except (asyncio.CancelledError, ConnectionError):
+        raise   # the client is gone: nothing to answer
+    except Exception:  # noqa: BLE001 - a real fault: log it, tell the client only that it happened
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        response = _error_response(internal())
+    state.metrics.count(_route_name(request), response.status)
+    return response
+
+
+def _error_response(err: ApiError) -> web.Response:
+    return web.json_response(err.body(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
+    state_of(request).config.auth.check(request)
+    return await handler(request)
+
+
+@web.middleware
+async def cors_middleware(request: web.Request, handler) -> web.StreamResponse:
+    policy = state_of(request).config.cors
+    if policy.is_preflight(request):
+        headers = policy.headers_for(request, preflight=True)
+        return web.Response(status=204 if headers else 403, headers=headers)
+    extra = policy.headers_for(request, preflight=False)
+    if extra:
+        request[CORS_HEADERS] = extra   # streaming responses add them before prepare()
+    try:
+        response = await handler(request)
+    except web.HTTPException as exc:
+        exc.headers.update(extra)
+        raise
+    if not response.prepared:
+        response.headers.update(extra)
+    return response
+
+
+# ----------------------------------------------------------------------------- plain routes
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    if await state_of(request).link.serving():
+        return web.json_response({"status": "ready"})
+    raise unavailable("the engine is not serving (loading, draining or down)")
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = state_of(request)
+    try:
+        load = await state.link.get_load()
+    except grpc.aio.AioRpcError:
+        load = None
+    state.metrics.set_load(load)
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": state.metrics.content_type})
+
+
+async def docs(request: web.Request) -> web.Response:
+    return web.Response(text=docs_page(), content_type="text/html")
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+async def dump_event_trace(request: web.Request) -> web.Response:
+    state = state_of(request)
+    if not state.config.enable_tracing:
+        raise ApiError(400, "event tracing is off: start the server with --enable-tracing", "invalid_request_error",
+                       None, "tracing_disabled")
+    return web.json_response({"object": "list", "data": list(state.traces)})
+
+
+_HANDLERS = {
+    ("GET", "/v1/models"): routes_openai.list_models,
+    ("GET", "/v1/models/{model}"): routes_openai.get_model,
+    ("POST", "/v1/chat/completions"): routes_openai.chat_completions,
+    ("POST", "/v1/completions"): routes_openai.completions,
+    ("POST", "/v1/embeddings"): routes_openai.embeddings,
+    ("GET", "/health"): health,
+    ("GET", "/ready"): ready,
+    ("GET", "/metrics"): metrics,
+    ("GET", "/docs"): docs,
+    ("GET", "/openapi.json"): openapi_json,
+    ("POST", "/debug/dump_event_trace"): dump_event_trace,
+}
+
+
+def build_app(config: FacadeConfig, link: EngineLink | None = None) -> web.Application:
+    """The facade app. ``link`` defaults to a channel to ``config.engine_addr`` (closed on cleanup)."""
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[cors_middleware, error_middleware, auth_middleware])
+    app[STATE_KEY] = FacadeState(config, link or EngineLink(config.engine_addr))
+    for ep in ENDPOINTS:
+        app.router.add_route(ep.method, ep.path, _HANDLERS[(ep.method, ep.path)])
+
+    async def close_link(app: web.Application) -> None:
+        await app[STATE_KEY].link.close()
+
+    app.on_cleanup.append(close_link)
+    return app

@@ -1,0 +1,147 @@
+"""``sluice facade`` and ``sluice serve``: argument parsers and entry points.
+
+``engine/cli.py`` registers the two subcommands with ``add_facade_arguments`` /
+``add_serve_arguments`` and calls ``main_facade`` / ``main_serve``. The module also runs on its
+own (``python -m http_facade.cli facade --engine HOST:PORT``), which is how ``sluice serve``
+starts the facade process.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from aiohttp import web
+
+from http_facade.app import build_app
+from http_facade.auth import AuthPolicy, load_keys
+from http_facade.cors import CorsPolicy, parse_json_list
+from http_facade.state import DEFAULT_MAX_BODY_BYTES, FacadeConfig
+
+log = logging.getLogger("sluice.facade")
+
+_MODES = ("local", "interactive", "server")
+
+
+# --------------------------------------------------------------------------------- parsers
+def _add_http_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    p.add_argument("--api-key", action="append", default=[], dest="api_key",
+                   help="an accepted API key (repeatable); also SLUICE_API_KEYS (comma-separated)")
+    p.add_argument("--api-key-file", default=None, help="a file of API keys, one per line")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    p.add_argument("--allowed-origins", default='["*"]', help='CORS: JSON list of origins (default: ["*"])')
+    p.add_argument("--allowed-methods", default='["*"]', help='CORS: JSON list of methods (default: ["*"])')
+    p.add_argument("--allowed-headers", default='["*"]', help='CORS: JSON list of headers (default: ["*"])')
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"largest accepted request body (default: {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--default-max-tokens", type=int, default=None,
+                   help="chat max_tokens when a request sets none (default: until the context window)")
+    p.add_argument("--enable-tracing", action="store_true",
+                   help="log per-request events with timings; served at POST /debug/dump_event_trace")
+
+
+def add_facade_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", required=True, metavar="HOST:PORT", help="the engine's gRPC address")
+    _add_http_arguments(parser)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default="smollm2",
+                        help="a .gguf file, a Hugging Face folder or a short name (default: smollm2)")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    parser.add_argument("--mode", default="local", choices=_MODES, help="engine preset (default: local)")
+    parser.add_argument("--overrides", default="", help='engine options "key=value;..." as mlc_llm serve')
+    parser.add_argument("--speculative-mode", default=None, help="not supported yet")
+    parser.add_argument("--additional-models", default=None, help="not supported yet")
+    parser.add_argument("--engine-port", type=int, default=0, help="the engine's gRPC port (default: a free one)")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="seconds in-flight requests may run on after SIGTERM (default: 30)")
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds to wait for the engine to load (default: 600)")
+    _add_http_arguments(parser)
+
+
+def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
+    """Raises ValueError naming the flag for a bad value."""
+    cors = CorsPolicy(
+        allow_credentials=args.allow_credentials,
+        allowed_origins=parse_json_list(args.allowed_origins, "--allowed-origins"),
+        allowed_methods=parse_json_list(args.allowed_methods, "--allowed-methods"),
+        allowed_headers=parse_json_list(args.allowed_headers, "--allowed-headers"),
+    )
+    keys = load_keys(args.api_key, args.api_key_file)
+    return FacadeConfig(engine_addr=engine_addr, auth=AuthPolicy(keys=keys), cors=cors,
+                        max_body_bytes=args.max_body_bytes, enable_tracing=args.enable_tracing,
+                        default_max_tokens=args.default_max_tokens)
+
+
+# ---------------------------------------------------------------------------------- running
+async def serve_facade(config: FacadeConfig, host: str, port: int, stop: asyncio.Event) -> None:
+    """Serve until ``stop`` is set. Disconnected clients cancel their handlers (and engine requests)."""
+    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        print(f"sluice facade: listening on http://{host}:{port} (engine {config.engine_addr})",
+              file=sys.stderr, flush=True)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_facade(engine_addr: str, host: str = "127.0.0.1", port: int = 8000, api_keys: Sequence[str] = (),
+               cors: CorsPolicy | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               enable_tracing: bool = False) -> int:
+    """Run the facade until SIGTERM/SIGINT; returns the exit code (0)."""
+    config = FacadeConfig(engine_addr=engine_addr, auth=AuthPolicy(keys=tuple(api_keys)),
+                          cors=cors or CorsPolicy(), max_body_bytes=max_body_bytes, enable_tracing=enable_tracing)
+    return asyncio.run(_run_until_signal(config, host, port))
+
+
+async def _run_until_signal(config: FacadeConfig, host: str, port: int) -> int:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await serve_facade(config, host, port, stop)
+    return 0
+
+
+def main_facade(args: argparse.Namespace) -> int:
+    try:
+        config = facade_config(args, args.engine)
+    except ValueError as exc:
+        print(f"sluice facade: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_run_until_signal(config, args.host, args.port))
+    except OSError as exc:   # e.g. the port is taken
+        print(f"sluice facade: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def main_serve(args: argparse.Namespace) -> int:
+    from http_facade.supervisor import serve_from_args
+
+    return serve_from_args(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m http_facade.cli")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_facade_arguments(sub.add_parser("facade", help="run the HTTP facade in front of a running engine"))
+    add_serve_arguments(sub.add_parser("serve", help="run the engine and the facade, supervised"))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return main_facade(args) if args.command == "facade" else main_serve(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The facade's one connection to the engine: a grpc.aio channel and the generated stubs.
+
+Unary calls carry a short deadline so that a dead engine turns into a 503 quickly instead of a
+hung request. ``open_stream`` yields a Generate call and, on leaving (client gone, error,
+handler cancelled), cancels it and sends ``Abort`` for its request id, so that the engine frees
+the request's KV blocks within one step even if the cancellation races the stream's end.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engine.rpc import engine_pb2 as pb
+from engine.rpc import engine_pb2_grpc as pb_grpc
+
+log = logging.getLogger("sluice.facade.engine")
+
+_MAX_MESSAGE_BYTES = 64 << 20
+_UNARY_TIMEOUT_S = 10.0
+_MODELS_TTL_S = 5.0
+
+
+class EngineLink:
+    def __init__(self, address: str, unary_timeout_s: float = _UNARY_TIMEOUT_S) -> None:
+        self.address = address
+        self.unary_timeout_s = unary_timeout_s
+        self._channel: grpc.aio.Channel | None = None   # opened on first use, inside the event loop
+        self._models: tuple[float, tuple[pb.ModelInfo, ...]] | None = None
+
+    def _open(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(
+                self.address, options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+        return self._channel
+
+    @property
+    def _stub(self) -> pb_grpc.EngineStub:
+        return pb_grpc.EngineStub(self._open())
+
+    @property
+    def _health(self) -> health_pb2_grpc.HealthStub:
+        return health_pb2_grpc.HealthStub(self._open())
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    # ---- generation -------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def open_stream(self, request: pb.GenerateRequest) -> AsyncIterator[grpc.aio.UnaryStreamCall]:
+        call = self._stub.Generate(request)
+        try:
+            yield call
+        finally:
+            if not call.done():
+                call.cancel()
+            if call.cancelled():   # by us just now, or by the task's cancellation while it awaited
+                # shield: the abort must go out even when the handler itself is being cancelled
+                await asyncio.shield(self._abort_quietly(request.request_id))
+
+    async def _abort_quietly(self, request_id: str) -> None:
+        try:
+            await self._stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=2.0)
+        except grpc.aio.AioRpcError as err:
+            log.debug("abort of %s failed: %s", request_id, err.code().name)
+
+    # ---- unary ------------------------------------------------------------------------------
+    async def serving(self) -> bool:
+        """True when the engine's health service reports SERVING."""
+        try:
+            resp = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def list_models(self) -> tuple[pb.ModelInfo, ...]:
+        now = time.monotonic()
+        if self._models is not None and now - self._models[0] < _MODELS_TTL_S:
+            return self._models[1]
+        resp = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.unary_timeout_s)
+        models = tuple(resp.models)
+        self._models = (now, models)
+        return models
+
+    async def get_load(self) -> pb.LoadStats:
+        return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.unary_timeout_s)
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        resp = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False),
+                                           timeout=self.unary_timeout_s)
+        return resp.text
+
+    async def embed(self, texts: list[str], normalize: bool = True) -> pb.EmbedResponse:
+        return await self._stub.Embed(pb.EmbedRequest(texts=texts, normalize=normalize),
+                                      timeout=self.unary_timeout_s * 6)

@@ -1,0 +1,150 @@
+"""Running a ``GenerationPlan`` against the engine: one Generate stream per prompt, merged.
+
+``run_plan`` yields ``(prompt_index, GenerateResponse)`` with every choice index already turned
+into the response's global index (``prompt_index * n + j``). Leaving the iterator early (the
+client went away, an error) closes every stream, which cancels and aborts its engine request.
+``RequestTimer`` measures what the client sees (TTFT, inter-token gaps, end-to-end) for the
+metrics and the optional tracing log.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import grpc
+
+from engine.rpc import engine_pb2 as pb
+from http_facade.engine_link import EngineLink
+from http_facade.errors import from_rpc_error
+from http_facade.protocol import GenerationPlan
+
+log = logging.getLogger("sluice.facade.trace")
+
+_END = object()
+
+
+async def run_plan(link: EngineLink, plan: GenerationPlan, base_id: str
+                   ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    requests = []
+    for i, template in enumerate(plan.requests):
+        req = pb.GenerateRequest()
+        req.CopyFrom(template)
+        req.request_id = f"{base_id}-{i}"
+        requests.append(req)
+    try:
+        if len(requests) == 1:
+            async for msg in _one(link, requests[0]):
+                yield 0, msg
+        else:
+            async for item in _merged(link, requests, plan.n):
+                yield item
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err) from None
+
+
+async def _one(link: EngineLink, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async with link.open_stream(request) as call:
+        async for msg in call:
+            yield msg
+
+
+async def _merged(link: EngineLink, requests: list[pb.GenerateRequest], n: int
+                  ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, req: pb.GenerateRequest) -> None:
+        try:
+            async for msg in _one(link, req):
+                for c in msg.choices:
+                    c.index += i * n
+                await queue.put((i, msg))
+            await queue.put((i, _END))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, re-raised there
+            await queue.put((i, exc))
+            raise
+
+    tasks = [asyncio.ensure_future(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@dataclass
+class RequestTimer:
+    """What one HTTP request's client saw, for metrics and tracing."""
+    request_id: str
+    route: str
+    start: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+    last_token: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def on_tokens(self, count: int) -> None:
+        if count <= 0:
+            return
+        now = time.monotonic()
+        if self.first_token is None:
+            self.first_token = now
+        elif self.last_token is not None:
+            # a delta carrying k tokens spreads its gap over them
+            self.gaps.extend([(now - self.last_token) / count] * count)
+        self.last_token = now
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token is None else self.first_token - self.start
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+
+def usage_of(finals: dict[int, pb.ChoiceFinal], n: int) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens: each prompt counted once, every choice's completion."""
+    prompt = cached = completion = 0
+    per_prompt: dict[int, tuple[int, int]] = {}
+    for index, final in finals.items():
+        completion += final.usage.completion_tokens
+        p, c = per_prompt.get(index // n, (0, 0))
+        per_prompt[index // n] = (max(p, final.usage.prompt_tokens), max(c, final.usage.cached_prompt_tokens))
+    for p, c in per_prompt.values():
+        prompt += p
+        cached += c
+    return prompt, completion, cached
+
+
+def usage_body(prompt: int, completion: int, cached: int) -> dict:
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def trace(timer: RequestTimer, finals: dict[int, pb.ChoiceFinal], outcome: str) -> dict:
+    """One request's events with timings (the engine's queue/schedule times and what the client saw)."""
+    engine = {}
+    for index, f in sorted(finals.items()):
+        t = f.timings
+        engine[index] = {name: getattr(t, name) for name in ("queued_s", "ttft_s", "total_s") if t.HasField(name)}
+    event = {"request_id": timer.request_id, "route": timer.route, "outcome": outcome,
+             "first_token_s": timer.ttft, "finished_s": timer.elapsed(),
+             "prompt_tokens": timer.prompt_tokens, "completion_tokens": timer.completion_tokens,
+             "engine": engine}
+    log.info("trace %s", event)
+    return event

@@ -1,0 +1,68 @@
+"""Prometheus metrics of one facade (a registry per app: no process-global state).
+
+Load gauges (running / waiting / KV usage / prefix-cache hit rate) are read from the engine's
+GetLoad at scrape time; latencies and token counts are observed by the routes as clients see
+them.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from engine.rpc import engine_pb2 as pb
+from http_facade.generation import RequestTimer
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class FacadeMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.engine_up = Gauge("sluice_engine_up", "1 when the engine answered GetLoad at this scrape", registry=r)
+        self.running = Gauge("sluice_num_requests_running", "sequences the engine is running", registry=r)
+        self.waiting = Gauge("sluice_num_requests_waiting", "sequences waiting in the engine's queue", registry=r)
+        self.in_flight = Gauge("sluice_num_requests_in_flight", "client streams open on the engine", registry=r)
+        self.kv_usage = Gauge("sluice_kv_cache_usage_ratio", "fraction of KV blocks in use", registry=r)
+        self.kv_used = Gauge("sluice_kv_cache_blocks_used", "KV blocks in use", registry=r)
+        self.kv_total = Gauge("sluice_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
+        self.prefix_hit = Gauge("sluice_prefix_cache_hit_rate", "prefix-cache hit rate", registry=r)
+        self.ttft = Histogram("sluice_time_to_first_token_seconds", "request arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("sluice_inter_token_latency_seconds", "time between generated tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "request arrival to its last byte",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("sluice_prompt_tokens", "prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("sluice_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter("sluice_http_requests", "HTTP requests by route and status",
+                                ["route", "status"], registry=r)
+
+    def set_load(self, load: pb.LoadStats | None) -> None:
+        if load is None:
+            self.engine_up.set(0)
+            return
+        self.engine_up.set(1)
+        self.running.set(load.num_running)
+        self.waiting.set(load.num_waiting)
+        self.in_flight.set(load.num_in_flight)
+        self.kv_used.set(load.kv_blocks_used)
+        self.kv_total.set(load.kv_blocks_total)
+        self.kv_usage.set(load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0)
+        self.prefix_hit.set(load.prefix_cache_hit_rate)
+
+    def observe(self, timer: RequestTimer) -> None:
+        if timer.ttft is not None:
+            self.ttft.observe(timer.ttft)
+        for gap in timer.gaps:
+            self.itl.observe(gap)
+        self.e2e.observe(timer.elapsed())
+        self.prompt_tokens.inc(timer.prompt_tokens)
+        self.generation_tokens.inc(timer.completion_tokens)
+
+    def count(self, route: str, status: int) -> None:
+        self.requests.labels(route=route, status=str(status)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

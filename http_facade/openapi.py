@@ -1,0 +1,104 @@
+"""The OpenAPI document (``/openapi.json``) and the ``/docs`` page that lists the endpoints.
+
+Both are built from ``ENDPOINTS``, the same table ``app.py`` registers routes from, so that the
+documentation cannot drift from what is served.
+"""
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"},
+    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
+    "top_p": {"type": "number"}, "top_k": {"type": "integer"}, "min_p": {"type": "number"},
+    "n": {"type": "integer", "minimum": 1}, "seed": {"type": "integer"},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "presence_penalty": {"type": "number"}, "frequency_penalty": {"type": "number"},
+    "repetition_penalty": {"type": "number"},
+    "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": "string"}, "ignore_eos": {"type": "boolean"}, "min_tokens": {"type": "integer"},
+}
+_CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
+    "model": {"type": "string"},
+    "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+        "name": {"type": "string"}, "tool_call_id": {"type": "string"}}}},
+    "max_completion_tokens": {"type": "integer"}, "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING}}
+_COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
+    "model": {"type": "string"},
+    "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                         {"type": "array", "items": {"type": "integer"}},
+                         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]},
+    "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}, "echo": {"type": "boolean"}, **_SAMPLING}}
+_EMBED = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string"},
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
+    "encoding_format": {"enum": ["float", "base64"]}}}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str
+    summary: str
+    public: bool = False              # no API key needed
+    schema: dict | None = None        # the JSON request body, for POST
+
+
+ENDPOINTS: tuple[Endpoint, ...] = (
+    Endpoint("GET", "/v1/models", "List the served models"),
+    Endpoint("GET", "/v1/models/{model}", "Describe one served model"),
+    Endpoint("POST", "/v1/chat/completions", "Chat completion, streaming (SSE) or not", schema=_CHAT),
+    Endpoint("POST", "/v1/completions", "Text completion, streaming (SSE) or not", schema=_COMPLETION),
+    Endpoint("POST", "/v1/embeddings", "Embeddings (models with the embeddings capability)", schema=_EMBED),
+    Endpoint("GET", "/health", "Liveness: the facade process is up", public=True),
+    Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True),
+    Endpoint("GET", "/metrics", "Prometheus metrics"),
+    Endpoint("GET", "/docs", "This page"),
+    Endpoint("GET", "/openapi.json", "The OpenAPI document"),
+    Endpoint("POST", "/debug/dump_event_trace", "Per-request event trace (needs --enable-tracing)"),
+)
+
+
+def openapi_document(title: str = "sluice", version: str = "0.1.0") -> dict:
+    paths: dict[str, dict] = {}
+    for ep in ENDPOINTS:
+        op: dict = {"summary": ep.summary, "responses": {
+            "200": {"description": "OK"},
+            "default": {"description": "Error", "content": {"application/json": {"schema": _ERROR}}}}}
+        if not ep.public:
+            op["security"] = [{"bearer": []}]
+        if ep.schema is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ep.schema}}}
+        if "{model}" in ep.path:
+            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        paths.setdefault(ep.path, {})[ep.method.lower()] = op
+    return {"openapi": "3.1.0", "info": {"title": title, "version": version,
+                                         "description": "OpenAI- and MLC-compatible REST API of sluice"},
+            "paths": paths,
+            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+
+
+def docs_page() -> str:
+    rows = "\n".join(
+        f"<tr><td><code>{ep.method}</code></td><td><code>{html.escape(ep.path)}</code></td>"
+        f"<td>{html.escape(ep.summary)}</td><td>{'no' if ep.public else 'if keys are set'}</td></tr>"
+        for ep in ENDPOINTS)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>sluice API</title>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 12px;text-align:left}}</style></head>
+<body><h1>sluice REST API</h1>
+<p>OpenAI-compatible endpoints under <code>/v1</code>. Machine-readable:
+<a href="/openapi.json">/openapi.json</a>. Keys go in <code>Authorization: Bearer &lt;key&gt;</code>.</p>
+<table><tr><th>method</th><th>path</th><th>what</th><th>API key</th></tr>
+{rows}
+</table></body></html>
+"""

@@ -1,0 +1,237 @@
+"""OpenAI routes: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings.
+
+A generation request is validated (``protocol``), its model resolved, then run as one engine
+stream per prompt (``generation.run_plan``). Streaming responses prepare the SSE response only
+after the engine's first message, so that an error the engine reports up front (bad parameter,
+context too long, queue full) is still an ordinary HTTP error; an error later becomes an SSE
+``data: {"error": ...}`` event and the stream ends. Leaving the handler by any path — done,
+error, client gone (aiohttp cancels the handler, or a write fails) — closes the engine streams,
+which cancels and aborts the engine requests.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import struct
+import time
+import uuid
+
+import grpc
+from aiohttp import web
+
+from engine.rpc import engine_pb2 as pb
+from http_facade import protocol, shapes
+from http_facade.errors import ApiError, bad_request, from_rpc_error
+from http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
+from http_facade.sse import SSEWriter
+from http_facade.state import FacadeState, state_of
+
+log = logging.getLogger("sluice.facade")
+
+
+def _model_card(m: pb.ModelInfo, created: int) -> dict:
+    return {"id": m.name, "object": "model", "created": created, "owned_by": "sluice",
+            "root": m.path, "max_model_len": m.max_model_len, "capabilities": list(m.capabilities)}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    state = state_of(request)
+    models = await state.link.list_models()
+    return web.json_response({"object": "list", "data": [_model_card(m, state.started) for m in models]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    state = state_of(request)
+    model = await state.resolve_model(request.match_info["model"])
+    return web.json_response(_model_card(model, state.started))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = protocol.parse_json(await request.read())
+    return await _generate(request, protocol.parse_chat(body, state_of(request).config.default_max_tokens), "chatcmpl")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = protocol.parse_json(await request.read())
+    return await _generate(request, protocol.parse_completion(body), "cmpl")
+
+
+class _Run:
+    """One HTTP generation request in flight."""
+
+    def __init__(self, state: FacadeState, plan: protocol.GenerationPlan, env: shapes.Envelope,
+                 route: str) -> None:
+        self.state = state
+        self.plan = plan
+        self.env = env
+        self.timer = RequestTimer(env.id, route)
+        total = len(plan.requests) * plan.n
+        self.choices = [shapes.ChoiceState(i) for i in range(total)]
+        self.echo: dict[int, str] = {}
+
+    def finals(self) -> dict[int, pb.ChoiceFinal]:
+        return {c.index: c.final for c in self.choices if c.final is not None}
+
+    def usage(self) -> dict:
+        prompt, completion, cached = usage_of(self.finals(), self.plan.n)
+        self.timer.prompt_tokens, self.timer.completion_tokens, self.timer.cached_tokens = prompt, completion, cached
+        return usage_body(prompt, completion, cached)
+
+    async def prepare_echo(self, prompt_index: int, msg: pb.GenerateResponse) -> None:
+        if not self.plan.echo:
+            return
+        req = self.plan.requests[prompt_index]
+        if req.WhichOneof("input") == "text":
+            text = req.text
+        else:
+            text = await self.state.link.detokenize(list(msg.prompt_token_ids or req.token_ids.ids))
+        for j in range(self.plan.n):
+            self.echo[prompt_index * self.plan.n + j] = text
+
+    def close(self, outcome: str) -> None:
+        self.usage()
+        self.state.metrics.observe(self.timer)
+        if self.state.config.enable_tracing:
+            self.state.record_trace(trace(self.timer, self.finals(), outcome))
+
+
+async def _generate(request: web.Request, plan: protocol.GenerationPlan, prefix: str) -> web.StreamResponse:
+    state = state_of(request)
+    model = await state.resolve_model(plan.model)
+    env = shapes.Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model.name, shapes.fingerprint(model))
+    run = _Run(state, plan, env, request.path)
+    outcome = "error"
+    try:
+        async with contextlib.aclosing(run_plan(state.link, plan, env.id)) as stream:
+            if plan.stream:
+                response = await _stream(request, run, stream)
+            else:
+                response = await _collect(run, stream)
+        outcome = "ok"
+        return response
+    except BaseException as exc:
+        outcome = "cancelled" if isinstance(exc, (ConnectionError, asyncio.CancelledError)) else "error"
+        raise
+    finally:
+        run.close(outcome)
+
+
+async def _collect(run: _Run, stream) -> web.Response:
+    async for prompt_index, msg in stream:
+        if msg.prompt_token_ids:
+            await run.prepare_echo(prompt_index, msg)
+        for delta in msg.choices:
+            run.timer.on_tokens(len(delta.token_ids))
+            run.choices[delta.index].add(delta)
+    if any(c.final is None for c in run.choices):
+        raise ApiError(502, "the engine ended the stream before every choice finished", "server_error")
+    usage = run.usage()
+    if run.plan.kind == "chat":
+        body = shapes.chat_response(run.env, run.choices, usage, run.plan.logprobs)
+    else:
+        body = shapes.completion_response(run.env, run.choices, usage, run.plan.logprobs, run.echo)
+    return web.json_response(body)
+
+
+async def _stream(request: web.Request, run: _Run, stream) -> web.StreamResponse:
+    iterator = stream.__aiter__()
+    try:
+        first = await iterator.__anext__()     # errors before any output stay plain HTTP errors
+    except StopAsyncIteration:
+        raise ApiError(502, "the engine ended the stream without output", "server_error") from None
+    sse = SSEWriter(request)
+    await sse.prepare()
+    try:
+        await _emit(run, sse, *first)
+        async for prompt_index, msg in iterator:
+            await _emit(run, sse, prompt_index, msg)
+    except ApiError as err:
+        await sse.send_error(err)
+        return await sse.finish()
+    if run.plan.include_usage:
+        await sse.send(shapes.usage_chunk(run.env, run.plan.kind, run.usage()))
+    return await sse.done()
+
+
+async def _emit(run: _Run, sse: SSEWriter, prompt_index: int, msg: pb.GenerateResponse) -> None:
+    if msg.prompt_token_ids:
+        await run.prepare_echo(prompt_index, msg)
+    for delta in msg.choices:
+        run.timer.on_tokens(len(delta.token_ids))
+        choice = run.choices[delta.index]
+        choice.add(delta)
+        if delta.HasField("final"):
+            err = shapes.finish_error(delta.final)
+            if err is not None:
+                raise err
+        for chunk in _chunks(run, choice, delta):
+            await sse.send(chunk)
+
+
+def _chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta) -> list[dict]:
+    plan, env = run.plan, run.env
+    with_usage = plan.include_usage
+    first = not choice.started
+    choice.started = True
+    out = []
+    if plan.kind == "chat":
+        lp = shapes.chat_logprobs(list(delta.logprobs)) if plan.logprobs else None
+        if first or delta.text or delta.logprobs:
+            body = {"role": "assistant", "content": delta.text} if first else {"content": delta.text}
+            out.append(shapes.chat_chunk(env, choice.index, body, None, lp, with_usage))
+        if delta.HasField("final"):
+            out.append(shapes.chat_chunk(env, choice.index, {}, shapes.finish_reason(delta.final), None, with_usage))
+        return out
+    text = (run.echo.get(choice.index, "") if first else "") + delta.text
+    if first:
+        choice.offset = len(text) - len(delta.text)
+    if text or delta.logprobs:
+        lp = shapes.completion_logprobs(list(delta.logprobs), choice.offset) if plan.logprobs else None
+        out.append(shapes.completion_chunk(env, choice.index, text, None, lp, with_usage))
+    choice.offset += len(delta.text)
+    if delta.HasField("final"):
+        out.append(shapes.completion_chunk(env, choice.index, "", shapes.finish_reason(delta.final), None, with_usage))
+    return out
+
+
+# ------------------------------------------------------------------------------ embeddings
+async def embeddings(request: web.Request) -> web.Response:
+    state = state_of(request)
+    body = protocol.parse_json(await request.read())
+    model = await state.resolve_model(protocol.get_model(body))
+    texts = _embedding_inputs(body.get("input"))
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad_request("encoding_format: must be 'float' or 'base64'", "encoding_format")
+    if body.get("dimensions") is not None:
+        raise bad_request("dimensions: not supported (the model's own dimension is returned)", "dimensions")
+    unsupported = bad_request(f"model {model.name} does not support embeddings (it is a "
+                              f"{'/'.join(model.capabilities) or 'generation'} model)", "model", "model_not_supported")
+    if "embeddings" not in model.capabilities:
+        raise unsupported
+    try:
+        resp = await state.link.embed(texts)
+    except grpc.aio.AioRpcError as err:
+        raise (unsupported if err.code() == grpc.StatusCode.UNIMPLEMENTED else from_rpc_error(err)) from None
+    data = [{"object": "embedding", "index": i, "embedding": _encode(list(e.values), fmt)}
+            for i, e in enumerate(resp.embeddings)]
+    tokens = resp.usage.prompt_tokens
+    return web.json_response({"object": "list", "data": data, "model": model.name,
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _embedding_inputs(value) -> list[str]:
+    if isinstance(value, str) and value:
+        return [value]
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return value
+    raise bad_request("input: must be a non-empty string or a list of non-empty strings "
+                      "(token-id input is not supported)", "input")
+
+
+def _encode(values: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return values
+    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")

@@ -1,0 +1,70 @@
+"""The facade's configuration (frozen) and its per-app state (engine link, metrics, traces)."""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from engine.rpc import engine_pb2 as pb
+from http_facade.auth import AuthPolicy
+from http_facade.cors import CorsPolicy
+from http_facade.engine_link import EngineLink
+from http_facade.errors import ApiError, not_found
+from http_facade.metrics import FacadeMetrics
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+_TRACE_KEEP = 1024
+
+
+@dataclass(frozen=True)
+class FacadeConfig:
+    engine_addr: str = "127.0.0.1:50051"
+    auth: AuthPolicy = field(default_factory=AuthPolicy)
+    cors: CorsPolicy = field(default_factory=CorsPolicy)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    enable_tracing: bool = False
+    # chat max_tokens when a client sends none; None: until a stop or the context window (OpenAI)
+    default_max_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be a positive integer, got {self.max_body_bytes!r}")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError(f"default_max_tokens: must be >= 1, got {self.default_max_tokens}")
+        host, sep, port = self.engine_addr.rpartition(":")
+        if not sep or not host or not port.isdigit():
+            raise ValueError(f"engine_addr: expected HOST:PORT, got {self.engine_addr!r}")
+
+
+class FacadeState:
+    def __init__(self, config: FacadeConfig, link: EngineLink) -> None:
+        self.config = config
+        self.link = link
+        self.metrics = FacadeMetrics()
+        self.started = int(time.time())
+        self.traces: collections.deque[dict] = collections.deque(maxlen=_TRACE_KEEP)
+
+    async def resolve_model(self, name: str) -> pb.ModelInfo:
+        """The served model a request names (by name or path); 404 if none."""
+        models = await self.link.list_models()
+        for m in models:
+            if name in (m.name, m.path):
+                return m
+        served = ", ".join(m.name for m in models) or "none"
+        raise not_found(f"The model '{name}' does not exist (served: {served})", "model", "model_not_found")
+
+    def record_trace(self, event: dict) -> None:
+        if self.config.enable_tracing:
+            self.traces.append(event)
+
+
+STATE_KEY: web.AppKey[FacadeState] = web.AppKey("sluice_state", FacadeState)
+
+
+def state_of(request: web.Request) -> FacadeState:
+    return request.app[STATE_KEY]
+
+
+__all__ = ["ApiError", "FacadeConfig", "FacadeState", "STATE_KEY", "state_of"]

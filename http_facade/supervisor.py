@@ -1,0 +1,191 @@
+"""``sluice serve``: the engine and the facade as two child processes, supervised.
+
+Start the engine (``python -m engine.cli engine MODEL --port <free port>``), wait for its gRPC
+health to say SERVING, start the facade (``python -m http_facade.cli facade --engine ...``),
+wait for its ``/health``, then watch both:
+
+* one child exits → the other is stopped and ``serve`` exits non-zero (never a hung port);
+* SIGTERM / SIGINT → the facade stops taking requests, the engine drains, exit 0.
+
+Children get their own session (terminal signals reach only the supervisor, which forwards
+them in order) and, on Linux, a parent-death signal so that they do not outlive a killed
+supervisor. API keys reach the facade through its environment, not its command line.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from http_facade.auth import ENV_KEYS
+from http_facade.cli import facade_config
+
+log = logging.getLogger("sluice.serve")
+
+_POLL_S = 0.2
+_FACADE_STOP_S = 10.0
+_FACADE_START_S = 60.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: SIGTERM this child when the supervisor dies (Linux; elsewhere a no-op)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True)
+class ServePlan:
+    engine_cmd: tuple[str, ...]
+    facade_cmd: tuple[str, ...]
+    engine_addr: str
+    facade_url: str
+    facade_env: dict[str, str]
+    ready_timeout_s: float
+    engine_stop_s: float
+
+
+class Supervisor:
+    def __init__(self, plan: ServePlan) -> None:
+        self.plan = plan
+        self.stopping = False
+        self.engine: subprocess.Popen | None = None
+        self.facade: subprocess.Popen | None = None
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self.stopping = True
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            return self._run()
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _spawn(self, cmd: tuple[str, ...], env: dict[str, str] | None = None) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+    def _run(self) -> int:
+        self.engine = self._spawn(self.plan.engine_cmd)
+        if not self._wait(self._engine_serving, self.plan.ready_timeout_s, "the engine to load"):
+            return 0 if self.stopping else 1
+        self.facade = self._spawn(self.plan.facade_cmd, self.plan.facade_env)
+        if not self._wait(self._facade_healthy, _FACADE_START_S, "the facade to listen"):
+            return 0 if self.stopping else 1
+        print(f"sluice serve: ready on {self.plan.facade_url} (engine {self.plan.engine_addr})",
+              file=sys.stderr, flush=True)
+        while not self.stopping:
+            for name, proc in (("engine", self.engine), ("facade", self.facade)):
+                rc = proc.poll()
+                if rc is not None:
+                    print(f"sluice serve: the {name} exited with code {rc}; stopping", file=sys.stderr, flush=True)
+                    return rc if rc not in (0, None) else 1
+            time.sleep(_POLL_S)
+        return 0
+
+    def _wait(self, ready, timeout_s: float, what: str) -> bool:
+        """Poll ``ready()`` until true; False if a child died, a signal came or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.stopping:
+                return False
+            for name, proc in (("engine", self.engine), ("facade", self.facade)):
+                if proc is not None and proc.poll() is not None:
+                    print(f"sluice serve: the {name} exited with code {proc.returncode} while waiting for {what}",
+                          file=sys.stderr, flush=True)
+                    return False
+            if ready():
+                return True
+            time.sleep(_POLL_S)
+        print(f"sluice serve: timed out after {timeout_s:.0f}s waiting for {what}", file=sys.stderr, flush=True)
+        return False
+
+    def _engine_serving(self) -> bool:
+        try:
+            with grpc.insecure_channel(self.plan.engine_addr) as channel:
+                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+        except grpc.RpcError:
+            return False
+        return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _facade_healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.plan.facade_url + "/health", timeout=1.0) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _stop_all(self) -> None:
+        # The facade first (no new requests), then the engine (drains what is in flight).
+        _stop(self.facade, _FACADE_STOP_S)
+        _stop(self.engine, self.plan.engine_stop_s)
+
+
+def _stop(proc: subprocess.Popen | None, timeout_s: float) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        log.warning("pid %d ignored SIGTERM for %.0fs; killing it", proc.pid, timeout_s)
+        proc.kill()
+        proc.wait()
+
+
+def build_plan(args: argparse.Namespace) -> ServePlan:
+    """Raises ValueError naming the flag for anything wrong, before a process starts."""
+    if args.speculative_mode not in (None, "disable"):
+        raise ValueError("--speculative-mode: speculative decoding is not supported by sluice serve yet")
+    if args.additional_models:
+        raise ValueError("--additional-models: additional (draft) models are not supported yet")
+    engine_port = args.engine_port or free_port()
+    engine_addr = f"127.0.0.1:{engine_port}"
+    config = facade_config(args, engine_addr)   # validates CORS lists, key file, body limit
+    if any("," in k for k in config.auth.keys):
+        raise ValueError("--api-key: keys must not contain commas")
+    engine_cmd = (sys.executable, "-m", "engine.cli", "engine", args.model, "--host", "127.0.0.1",
+                  "--port", str(engine_port), "--device", args.device, "--mode", args.mode,
+                  "--overrides", args.overrides, "--grace", str(args.grace))
+    facade_cmd = [sys.executable, "-m", "http_facade.cli", "facade", "--engine", engine_addr,
+                  "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
+                  "--allowed-origins", args.allowed_origins, "--allowed-methods", args.allowed_methods,
+                  "--allowed-headers", args.allowed_headers]
+    if args.default_max_tokens is not None:
+        facade_cmd += ["--default-max-tokens", str(args.default_max_tokens)]
+    facade_cmd += ["--allow-credentials"] * args.allow_credentials + ["--enable-tracing"] * args.enable_tracing
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    return ServePlan(engine_cmd, tuple(facade_cmd), engine_addr, f"http://{host}:{args.port}",
+                     {ENV_KEYS: ",".join(config.auth.keys)}, args.ready_timeout, args.grace + 10.0)
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    try:
+        plan = build_plan(args)
+    except ValueError as exc:
+        print(f"sluice serve: error: {exc}", file=sys.stderr)
+        return 2
+    return Supervisor(plan).run()
