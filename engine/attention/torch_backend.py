@@ -24,7 +24,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """One sequence's cached K or V, densely: [seq_len, num_kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
+    # index_select with int64 ids: indexing with an int32 tensor takes a far slower path on CPU.
+    return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -60,17 +61,22 @@ class TorchAttentionBackend(AttentionBackend):
     def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):
         # query [B, Hq, D]; one new token per sequence, already stored in the cache.
         key_cache, value_cache = kv_cache
-        block_size = key_cache.shape[1]
+        batch, block_size = query.shape[0], key_cache.shape[1]
         num_blocks = -(-max_seq_len // block_size)
-        tables = block_tables[:, :num_blocks]
-        k = key_cache[tables].flatten(1, 2)          # [B, L, Hkv, D]
-        v = value_cache[tables].flatten(1, 2)        # [B, L, Hkv, D]
-        pos = torch.arange(k.shape[1], device=query.device)
-        mask = (pos[None, :] < seq_lens[:, None].to(pos.dtype))[:, None, None, :]  # [B, 1, 1, L]
+        ids = block_tables[:, :num_blocks].reshape(-1).long()
+        k = key_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])    # [B, L, Hkv, D]
+        v = value_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])  # [B, L, Hkv, D]
+        if batch == 1:
+            k, v, bias = k[:, :max_seq_len], v[:, :max_seq_len], None
+        else:
+            # An additive float mask: SDPA on CPU takes a much slower path for boolean masks.
+            pos = torch.arange(k.shape[1], device=query.device)
+            bias = torch.zeros(batch, 1, 1, k.shape[1], dtype=query.dtype, device=query.device)
+            bias.masked_fill_((pos[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),                      # [B, Hq, 1, D]
             k.transpose(1, 2), v.transpose(1, 2),    # [B, Hkv, L, D]
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            attn_mask=bias, scale=scale, enable_gqa=True,
         )
         return out.squeeze(2)                        # [B, Hq, D]
 
@@ -87,6 +93,7 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]                        # [Lq, L]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            bias = torch.zeros(q_len, seq_len, dtype=query.dtype, device=query.device)
+            bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))   # [Lq, L]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)                                         # [Lq, Hq, D]
