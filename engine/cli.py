@@ -1,0 +1,172 @@
+"""The ``sluice`` command line.
+
+    sluice engine MODEL [--host H] [--port P] [--device auto|cpu|cuda[:i]]
+                        [--mode local|interactive|server] [--overrides "k=v;k=v"] [--grace S]
+    sluice generate MODEL PROMPT [--max-tokens N] [--temperature T] [--seed S] ...
+    sluice chat MODEL [--message TEXT] [--system TEXT] ...
+
+``engine`` runs the gRPC engine server; ``generate`` and ``chat`` run the model in-process for
+people without a server. MODEL is a ``.gguf`` path, a Hugging Face folder or a short name
+(default model: ``smollm2``). Mode and overrides follow ``mlc_llm serve`` (see
+``engine.overrides``); they are checked before anything loads.
+
+``sluice serve`` (engine + HTTP facade under one supervisor) belongs to the facade and is added
+there: register it in ``_build_parser`` next to ``engine``.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+
+from engine.errors import EngineError
+from engine.overrides import MODES, check_mode, parse_overrides
+
+DEFAULT_MODEL = "smollm2"
+
+
+def _add_model_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"a .gguf file, a Hugging Face folder or a short name (default: {DEFAULT_MODEL})")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
+    p.add_argument("--mode", default="local", choices=MODES,
+                   help="picks the defaults of batch size, KV capacity and prefill chunk (default: local)")
+    p.add_argument("--overrides", default="",
+                   help='"key=value;..." e.g. "max_num_sequence=32;max_total_seq_length=4096"')
+
+
+def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.7)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sluice", description="sluice LLM inference server")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    eng = sub.add_parser("engine", help="run the gRPC engine server")
+    _add_model_options(eng)
+    eng.add_argument("--host", default="127.0.0.1")
+    eng.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on start)")
+    eng.add_argument("--grace", type=float, default=30.0,
+                     help="seconds in-flight requests may run on after SIGTERM/SIGINT (default: 30)")
+    eng.set_defaults(func=_cmd_engine)
+
+    gen = sub.add_parser("generate", help="complete a prompt in-process (no server)")
+    _add_model_options(gen)
+    gen.add_argument("prompt", help="the prompt text")
+    _add_sampling_options(gen, max_tokens=64)
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model in-process (no server)")
+    _add_model_options(chat)
+    chat.add_argument("--message", default=None, help="send one message, print the reply and exit")
+    chat.add_argument("--system", default=None, help="a system prompt")
+    _add_sampling_options(chat, max_tokens=256)
+    chat.set_defaults(func=_cmd_chat)
+    return parser
+
+
+def _engine_config(args: argparse.Namespace):
+    from engine.overrides import build_engine_config
+
+    return build_engine_config(args.model, mode=args.mode, overrides=args.overrides, device=args.device)
+
+
+def _cmd_engine(args: argparse.Namespace) -> int:
+    from engine.engine_core import EngineCore
+    from engine.rpc.server import ServerConfig, serve
+
+    server_config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace)
+    config = _engine_config(args)
+
+    def on_started(port: int) -> None:
+        print(f"sluice engine: listening on {args.host}:{port}, loading {args.model}", file=sys.stderr, flush=True)
+
+    return asyncio.run(serve(lambda: EngineCore(config, progress=True), server_config, on_started))
+
+
+def _sampling(args: argparse.Namespace):
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, seed=args.seed, stop=list(args.stop))
+
+
+def _stream(llm, prompt: str, params, add_special_tokens: bool) -> str:
+    """Print a completion as it is generated; returns its text."""
+    text = []
+    for out in llm.generate_stream(prompt, params, add_special_tokens=add_special_tokens):
+        for d in out.deltas:
+            if d.text:
+                print(d.text, end="", flush=True)
+                text.append(d.text)
+    print(flush=True)
+    return "".join(text)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+
+    params = _sampling(args)
+    llm = LLM(config=_engine_config(args), progress=True)
+    _stream(llm, args.prompt, params, add_special_tokens=True)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+
+    params = _sampling(args)
+    llm = LLM(config=_engine_config(args), progress=True)
+    messages: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
+
+    def turn(user_text: str) -> None:
+        messages.append({"role": "user", "content": user_text})
+        prompt = llm.engine.render_chat(messages)
+        reply = _stream(llm, prompt, params, add_special_tokens=False)   # the template wrote them
+        messages.append({"role": "assistant", "content": reply})
+
+    if args.message is not None:
+        turn(args.message)
+        return 0
+    print("sluice chat: an empty line or Ctrl-D quits, /reset clears the history", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            return 0
+        if line == "/reset":
+            del messages[1 if args.system else 0:]
+            continue
+        turn(line)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_mode(args.mode)
+        parse_overrides(args.overrides)   # fail on a bad key or value before anything loads
+        return args.func(args)
+    except ValueError as exc:
+        parser.exit(2, f"sluice {args.command}: error: {exc}\n")
+    except EngineError as exc:   # e.g. a missing or corrupt model file
+        parser.exit(1, f"sluice {args.command}: error: {exc}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,179 @@
+"""MLC-LLM style ``--mode`` and ``--overrides "k=v;k=v"`` turned into an ``EngineConfig``.
+
+Semantics follow ``mlc_llm serve``: the mode picks the defaults of the batch size
+(``max_num_sequence``), the KV capacity (``max_total_seq_length``) and the prefill chunk
+(``prefill_chunk_size``); an override replaces a mode default or any other option. An explicit
+memory budget (``kv_cache_memory_bytes`` / ``gpu_memory_utilization``) without
+``max_total_seq_length`` sizes the KV pool instead of the mode's capacity.
+
+* ``local``: at most 4 sequences; KV capacity and prefill chunk = the context window.
+* ``interactive``: 1 sequence; KV capacity and prefill chunk = the context window.
+* ``server``: as many sequences as the KV pool holds (up to 128 per step); KV capacity from
+  memory (``gpu_memory_utilization`` on CUDA, ``kv_cache_memory_bytes`` on CPU); prefill chunk
+  = min(context window, 2048).
+
+``parse_overrides`` checks every key and value before any model file is opened; an unknown key or
+a bad value raises ``ValueError`` that names the key.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.config import EngineConfig
+
+MODES = ("local", "interactive", "server")
+_SERVER_MAX_SEQS = 128
+_SERVER_PREFILL_CHUNK = 2048
+
+
+def _int(text: str) -> int:
+    return int(text.replace("_", ""), 10)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def _bytes(text: str) -> int:
+    """A byte count: ``1073741824``, ``512MiB``, ``1.5G``."""
+    m = _SIZE.match(text)
+    if not m:
+        raise ValueError("expected a byte count such as 1073741824, 512MiB or 2G")
+    unit = (m.group(2) or "").upper()[:1]
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+@dataclass(frozen=True)
+class _Key:
+    option: str                      # the flat option name that engine.llm.build_config takes
+    parse: Callable[[str], Any]
+    help: str
+
+
+# MLC's names first, then sluice's own. Each maps to one field of the per-subsystem configs.
+KEYS: dict[str, _Key] = {
+    "max_num_sequence": _Key("max_num_seqs", _int, "sequences running per step (batch size)"),
+    "max_total_seq_length": _Key("max_total_tokens", _int, "KV cache capacity in tokens"),
+    "prefill_chunk_size": _Key("max_num_batched_tokens", _int, "token budget of one step (prefill chunk)"),
+    "gpu_memory_utilization": _Key("gpu_memory_utilization", float, "fraction of GPU memory for weights + KV"),
+    "context_window_size": _Key("max_model_len", _int, "context window in tokens (<= the model's)"),
+    "block_size": _Key("block_size", _int, "tokens per KV block"),
+    "kv_cache_memory_bytes": _Key("kv_cache_memory_bytes", _bytes, "KV pool size on CPU (e.g. 512MiB)"),
+    "enable_prefix_caching": _Key("enable_prefix_caching", _bool, "reuse KV blocks of shared prefixes"),
+    "enable_chunked_prefill": _Key("enable_chunked_prefill", _bool, "split long prompts across steps"),
+    "max_waiting": _Key("max_waiting", _int, "bound of the waiting queue (beyond: RESOURCE_EXHAUSTED)"),
+    "attention_backend": _Key("attention_backend", str, "auto | torch | triton | flash_attn"),
+    "dtype": _Key("dtype", str, "auto | float32 | float16 | bfloat16"),
+    "num_threads": _Key("num_threads", _int, "torch intra-op threads on CPU"),
+    "num_speculative_tokens": _Key("num_speculative_tokens", _int, "draft tokens per step"),
+    "seed": _Key("seed", _int, "the engine's base random seed"),
+}
+# MLC options with no sluice equivalent: named, so the error says so rather than "unknown".
+_UNSUPPORTED_MLC = ("tensor_parallel_shards", "pipeline_parallel_stages", "max_history_size",
+                    "spec_draft_length", "prefix_cache_max_num_recycling_seqs", "sliding_window_size",
+                    "attention_sink_size", "max_single_sequence_length")
+
+
+def parse_overrides(text: str | None) -> dict[str, Any]:
+    """``"max_num_sequence=32;max_total_seq_length=4096"`` -> {MLC key: typed value}."""
+    result: dict[str, Any] = {}
+    for item in (text or "").split(";"):
+        item = item.strip()
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        key, raw = key.strip(), raw.strip()
+        if not sep or not key or not raw:
+            raise ValueError(f"overrides: expected key=value, got {item!r}")
+        if key in _UNSUPPORTED_MLC:
+            raise ValueError(f"overrides: {key} is an MLC-LLM option that sluice does not support")
+        spec = KEYS.get(key)
+        if spec is None:
+            raise ValueError(f"overrides: unknown key {key!r}; known keys: {', '.join(KEYS)}")
+        if key in result:
+            raise ValueError(f"overrides: {key} is given twice")
+        try:
+            result[key] = spec.parse(raw)
+        except ValueError as exc:
+            raise ValueError(f"overrides: {key}={raw!r} is not valid: {exc}") from None
+    return result
+
+
+def mode_defaults(mode: str, context_window: int) -> dict[str, Any]:
+    """The MLC keys a mode fixes, for a model with this context window."""
+    if mode == "local":
+        return {"max_num_sequence": 4, "max_total_seq_length": context_window, "prefill_chunk_size": context_window}
+    if mode == "interactive":
+        return {"max_num_sequence": 1, "max_total_seq_length": context_window, "prefill_chunk_size": context_window}
+    if mode == "server":
+        return {"max_num_sequence": _SERVER_MAX_SEQS,
+                "prefill_chunk_size": min(context_window, _SERVER_PREFILL_CHUNK)}
+    raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
+
+
+def build_engine_config(model: str, *, mode: str = "local", overrides: str | dict[str, Any] | None = None,
+                        device: str = "auto", context_window: Callable[[str], int] | None = None,
+                        ) -> EngineConfig:
+    """Mode defaults, then overrides, into a validated ``EngineConfig``.
+
+    ``context_window(model)`` reads the model's context length from its metadata (no weights);
+    it is called only when the mode needs it and ``context_window_size`` was not overridden.
+    """
+    from engine.llm import build_config   # the one place that splits flat options per subsystem
+
+    check_mode(mode)
+    given = parse_overrides(overrides) if not isinstance(overrides, dict) else dict(overrides)
+    window = given.get("context_window_size")
+    if window is None:
+        window = (context_window or model_context_window)(model)
+    defaults = mode_defaults(mode, window)
+    if given.keys() & {"kv_cache_memory_bytes", "gpu_memory_utilization"}:
+        defaults.pop("max_total_seq_length", None)   # an explicit memory budget sizes the pool
+    values = {**defaults, **given}
+    options = {KEYS[k].option: v for k, v in values.items()}
+    try:
+        return build_config(model, device=device, **options)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"overrides: {_mlc_name(str(exc))}") from None
+
+
+def _mlc_name(message: str) -> str:
+    """Say the MLC key in a config error that names the internal field."""
+    field_name = message.split(":", 1)[0]
+    for key, spec in KEYS.items():
+        if spec.option == field_name and key != field_name:
+            return f"{key} ({message})"
+    return message
+
+
+def model_context_window(model: str) -> int:
+    """The model's own context window, read from its metadata without loading weights."""
+    from engine.errors import ModelLoadError
+    from engine.loaders import resolve_path
+    from engine.loaders.gguf_loader import gguf_architecture, gguf_metadata, open_gguf
+    from engine.loaders.hf_loader import arch_from_folder
+
+    path = resolve_path(model)
+    if not path.is_file():
+        return arch_from_folder(path).max_position_embeddings
+    reader = open_gguf(path)
+    window = gguf_metadata(reader, f"{gguf_architecture(reader, path)}.context_length")
+    if window is None:
+        raise ModelLoadError(f"{path}: GGUF metadata lacks the context length")
+    return int(window)

@@ -1,0 +1,142 @@
+"""Protobuf <-> engine dataclasses, at the edge only. Nothing past the servicer sees a message.
+
+Every conversion error is a ``ValueError`` whose message starts with the offending field's path
+in the request (``sampling.top_logprobs: ...``, ``chat.messages[1].role: ...``).
+"""
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Callable
+
+from engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from engine.rpc import engine_pb2 as pb
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine_core import LoadStats, ModelInfo
+
+# proto3 `optional` scalars copied as-is when present; unset means the engine's default.
+_OPTIONAL_SCALARS = (
+    "n", "max_tokens", "min_tokens", "temperature", "top_k", "top_p", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "ignore_eos", "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+ROLE_NAMES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant", pb.ROLE_TOOL: "tool"}
+FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
+                  "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
+    if msg.max_tokens_unlimited:
+        if msg.HasField("max_tokens"):
+            raise ValueError("sampling.max_tokens: must be unset when max_tokens_unlimited is true")
+        kwargs["max_tokens"] = None
+    if msg.logit_bias:
+        kwargs["logit_bias"] = dict(msg.logit_bias)
+    if msg.stop:
+        kwargs["stop"] = list(msg.stop)
+    if msg.stop_token_ids:
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+    if msg.HasField("top_logprobs") and not msg.logprobs:
+        raise ValueError("sampling.top_logprobs: requires logprobs to be true")
+    if msg.logprobs:
+        kwargs["logprobs"] = msg.top_logprobs if msg.HasField("top_logprobs") else 0
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise ValueError(f"sampling.{exc}") from None
+
+
+def chat_from_proto(msg: pb.ChatInput, field: str = "chat") -> tuple[list[dict], list[dict] | None, bool]:
+    """Returns (messages, tools, add_generation_prompt) as the chat template expects them."""
+    if not msg.messages:
+        raise ValueError(f"{field}.messages: must hold at least one message")
+    messages = []
+    for i, m in enumerate(msg.messages):
+        role = ROLE_NAMES.get(m.role)
+        if role is None:
+            raise ValueError(f"{field}.messages[{i}].role: must be system, user, assistant or tool")
+        out: dict = {"role": role, "content": m.content}
+        if m.name:
+            out["name"] = m.name
+        if m.tool_call_id:
+            out["tool_call_id"] = m.tool_call_id
+        if m.tool_calls_json:
+            out["tool_calls"] = _json_list(m.tool_calls_json, f"{field}.messages[{i}].tool_calls_json")
+        messages.append(out)
+    tools = _json_list(msg.tools_json, f"{field}.tools_json") if msg.tools_json else None
+    add_gen = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    return messages, tools, add_gen
+
+
+def _json_list(text: str, field: str) -> list:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{field}: not valid JSON ({exc.msg} at position {exc.pos})") from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"{field}: must be a JSON list of objects")
+    return value
+
+
+def output_to_proto(out: RequestOutput, token_text: Callable[[int], str], first: bool) -> pb.GenerateResponse:
+    msg = pb.GenerateResponse(request_id=out.request_id)
+    if first and out.prompt_token_ids:
+        msg.prompt_token_ids.extend(out.prompt_token_ids)
+    for d in out.deltas:
+        _delta_to_proto(d, msg.choices.add(), token_text)
+    return msg
+
+
+def _delta_to_proto(d: CompletionDelta, c: pb.ChoiceDelta, token_text: Callable[[int], str]) -> None:
+    c.index = d.index
+    c.text = d.text
+    c.token_ids.extend(d.token_ids)
+    for lp in d.logprobs or ():
+        _logprob_to_proto(lp, c.logprobs.add(), token_text)
+    if d.finish_reason is None:
+        return
+    f = c.final
+    f.finish_reason = FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
+    if isinstance(d.stop_reason, str):
+        f.stop_string = d.stop_reason
+    elif isinstance(d.stop_reason, int):
+        f.stop_token_id = d.stop_reason
+    if d.usage is not None:
+        f.usage.prompt_tokens = d.usage.prompt_tokens
+        f.usage.completion_tokens = d.usage.completion_tokens
+        f.usage.cached_prompt_tokens = d.usage.cached_tokens
+    m = d.metrics
+    if m is not None:
+        for name in ("queued_s", "ttft_s", "total_s"):
+            value = getattr(m, name)
+            if value is not None:
+                setattr(f.timings, name, value)
+    f.timings.SetInParent()
+    if d.error:
+        f.error = d.error
+
+
+def _logprob_to_proto(lp: TokenLogprob, msg: pb.TokenLogprob, token_text: Callable[[int], str]) -> None:
+    msg.token_id = lp.token_id
+    msg.logprob = lp.logprob
+    msg.token = token_text(lp.token_id)
+    for tok, logprob in lp.top:
+        msg.top.add(token_id=tok, logprob=logprob, token=token_text(tok))
+
+
+def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name, path=info.path, architecture=info.architecture, max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size, dtype=info.dtype, device=info.device,
+        attention_backend=info.attention_backend, capabilities=sorted(info.capabilities),
+    )
+
+
+def load_to_proto(load: LoadStats, num_in_flight: int) -> pb.LoadStats:
+    return pb.LoadStats(
+        num_running=load.num_running, num_waiting=load.num_waiting, kv_blocks_used=load.kv_blocks_used,
+        kv_blocks_total=load.kv_blocks_total, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+        num_in_flight=num_in_flight,
+    )

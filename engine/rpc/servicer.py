@@ -1,0 +1,123 @@
+"""The ``sluice.v1.Engine`` servicer: thin. Messages are converted at entry and exit
+(``engine.rpc.convert``); exceptions become status codes in ``engine.rpc.status``."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import uuid
+from typing import AsyncIterator
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import UnsupportedError
+from engine.rpc import convert
+from engine.rpc import engine_pb2 as pb
+from engine.rpc import engine_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name   # "sluice.v1.Engine"
+
+
+class EngineServicer(pb_grpc.EngineServicer):
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    # ---- Generate -------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                       ) -> AsyncIterator[pb.GenerateResponse]:
+        params = convert.sampling_from_proto(request.sampling)
+        prompt, add_special = await self._prompt(request)
+        request_id = request.request_id or f"req-{uuid.uuid4().hex}"
+        core = self.engine.core
+        token_text = functools.lru_cache(maxsize=4096)(lambda t: core.tokenizer.decode([t], skip_special_tokens=False))
+        first = True
+        errors: list[str] = []
+        stream = self.engine.generate(request_id, prompt, params, add_special)
+        async with contextlib.aclosing(stream):
+            async for out in stream:
+                yield convert.output_to_proto(out, token_text, first)
+                first = False
+                errors += [d.error or "engine fault" for d in out.deltas if d.finish_reason == "error"]
+        if errors:
+            # The final records already carry finish_reason ERROR; the call's status says it too.
+            await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {errors[0]}")
+
+    async def _prompt(self, request: pb.GenerateRequest) -> tuple[str | list[int], bool]:
+        kind = request.WhichOneof("input")
+        explicit = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        if kind == "text":
+            if not request.text:
+                raise ValueError("text: must not be empty")
+            return request.text, True if explicit is None else explicit
+        if kind == "token_ids":
+            if not request.token_ids.ids:
+                raise ValueError("token_ids: must hold at least one token id")
+            return list(request.token_ids.ids), False
+        if kind == "chat":
+            text = await self._render(request.chat)
+            return text, False if explicit is None else explicit
+        raise ValueError("input: one of text, token_ids or chat is required")
+
+    async def _render(self, chat: pb.ChatInput) -> str:
+        messages, tools, add_gen = convert.chat_from_proto(chat)
+        core = self.engine.core
+        if "chat" not in core.model_info.capabilities:
+            raise UnsupportedError(f"chat: model {core.model_info.name} has no chat template")
+        return await asyncio.to_thread(core.render_chat, messages, tools, add_gen)
+
+    # ---- unary RPCs ---------------------------------------------------------------------------
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if not request.request_ids or not all(request.request_ids):
+            raise ValueError("request_ids: must hold at least one non-empty request id")
+        return pb.AbortResponse(aborted=self.engine.abort(request.request_ids))
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        core = self.engine.core
+        explicit = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        kind = request.WhichOneof("input")
+        if kind == "chat":
+            text = await self._render(request.chat)
+            ids = await asyncio.to_thread(core.encode_prompt, text, bool(explicit))
+            return pb.TokenizeResponse(token_ids=ids, prompt=text, max_model_len=core.model_info.max_model_len)
+        if kind != "text" or not request.text:
+            raise ValueError("input: a non-empty text or chat is required")
+        add = True if explicit is None else explicit
+        ids = await asyncio.to_thread(core.encode_prompt, request.text, add)
+        return pb.TokenizeResponse(token_ids=ids, max_model_len=core.model_info.max_model_len)
+
+    async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.DetokenizeResponse:
+        core = self.engine.core
+        vocab = core.model_info.vocab_size
+        bad = next((t for t in request.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token_ids: token id {bad} is outside the vocabulary (size {vocab})")
+        skip = request.skip_special_tokens if request.HasField("skip_special_tokens") else True
+        text = await asyncio.to_thread(core.tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
+        return pb.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        return convert.model_info_to_proto(self.engine.model_info)
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+                         ) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[convert.model_info_to_proto(self.engine.model_info)])
+
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadStats:
+        load = await self.engine.get_load()
+        return convert.load_to_proto(load, self.engine.num_in_flight)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        self._unsupported("embeddings", "Embed")
+
+    async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
+        self._unsupported("rerank", "Rerank")
+
+    def _unsupported(self, capability: str, rpc: str) -> None:
+        info = self.engine.model_info
+        if capability not in info.capabilities:
+            raise UnsupportedError(
+                f"{rpc}: model {info.name} does not support {capability} "
+                f"(capabilities: {', '.join(sorted(info.capabilities))})")
+        raise UnsupportedError(f"{rpc}: not implemented by this engine version")

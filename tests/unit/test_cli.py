@@ -1,0 +1,143 @@
+"""``sluice`` CLI: bad modes, overrides and devices fail with exit code 2 and a message naming
+the key before any model loads; ``sluice engine`` hands the mode/overrides/host/port/grace to the
+server; ``sluice generate`` and ``sluice chat --message`` print what the offline API generates."""
+from __future__ import annotations
+
+import pytest
+
+from engine import cli, overrides
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail the test if a model's weights (or, with ``metadata=False``, its header) are touched."""
+    import engine.engine_core
+    import engine.llm
+
+    def forbidden(*a, **k):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(engine.engine_core, "EngineCore", forbidden)
+    monkeypatch.setattr(engine.llm, "LLM", forbidden)
+    monkeypatch.setattr(overrides, "model_context_window", forbidden)
+
+
+def _exit(argv: list[str], capsys) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    return info.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["engine", "smollm2", "--overrides", "max_num_seqs=8"], ["unknown key 'max_num_seqs'"]),
+    (["engine", "smollm2", "--overrides", "max_num_sequence=many"], ["max_num_sequence='many'"]),
+    (["generate", "smollm2", "hi", "--overrides", "sliding_window_size=4"], ["sliding_window_size"]),
+    (["chat", "smollm2", "--overrides", "block_size"], ["key=value"]),
+    (["engine", "smollm2", "--mode", "turbo"], ["invalid choice", "turbo"]),
+])
+def test_bad_options_exit_2_before_anything_loads(argv, words, capsys, nothing_loads) -> None:
+    code, err = _exit(argv, capsys)
+    assert code == 2
+    for w in words:
+        assert w in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["engine", "smollm2", "--overrides", "max_num_sequence=0"], ["max_num_sequence", "positive"]),
+    (["engine", "smollm2", "--device", "tpu"], ["device"]),
+    (["generate", "smollm2", "hi", "--overrides", "gpu_memory_utilization=2"], ["gpu_memory_utilization"]),
+])
+def test_bad_values_exit_2_before_weights_load(argv, words, capsys, monkeypatch) -> None:
+    import engine.engine_core
+    import engine.llm
+
+    def forbidden(*a, **k):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(engine.engine_core, "EngineCore", forbidden)
+    monkeypatch.setattr(engine.llm, "LLM", forbidden)
+    monkeypatch.setattr(overrides, "model_context_window", lambda model: 8192)
+    code, err = _exit(argv, capsys)
+    assert code == 2
+    for w in words:
+        assert w in err
+
+
+def test_engine_command_wires_mode_overrides_and_server_options(monkeypatch) -> None:
+    import engine.engine_core
+    import engine.rpc.server
+
+    seen = {}
+    built = []
+    monkeypatch.setattr(overrides, "model_context_window", lambda model: 4096)
+    monkeypatch.setattr(engine.engine_core, "EngineCore", lambda config, progress: built.append((config, progress)))
+
+    async def fake_serve(factory, server_config, on_started):
+        seen["server"] = server_config
+        factory()                       # what the engine thread would call
+        return 0
+
+    monkeypatch.setattr(engine.rpc.server, "serve", fake_serve)
+    code = cli.main(["engine", "my.gguf", "--host", "0.0.0.0", "--port", "6000", "--grace", "2.5",
+                     "--device", "cpu", "--mode", "server", "--overrides", "prefill_chunk_size=512;max_waiting=7"])
+    assert code == 0
+    server = seen["server"]
+    assert (server.host, server.port, server.grace_s) == ("0.0.0.0", 6000, 2.5)
+    (config, progress), = built
+    assert progress is True and config.model == "my.gguf" and config.device.device == "cpu"
+    sched = config.scheduler
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_waiting) == (128, 512, 7)
+
+
+def test_there_is_no_fake_serve_command(capsys) -> None:
+    """``sluice serve`` arrives with the HTTP facade; until then it must not pretend to exist."""
+    code, err = _exit(["serve", "smollm2"], capsys)
+    assert code == 2 and "invalid choice: 'serve'" in err
+
+
+# ---- the offline commands, on the real default model (loaded once) -------------------------
+@pytest.fixture(scope="module")
+def shared_llm():
+    from engine.llm import LLM
+
+    return LLM(config=overrides.build_engine_config("smollm2", device="cpu"))
+
+
+@pytest.fixture
+def cli_llm(shared_llm, monkeypatch):
+    """The CLI's ``LLM(config=...)`` gets the already loaded model if its config is the same."""
+    import engine.llm
+
+    def make(*, config, progress):
+        assert config == shared_llm.engine.config
+        return shared_llm
+
+    monkeypatch.setattr(engine.llm, "LLM", make)
+    return shared_llm
+
+
+@pytest.mark.slow
+def test_generate_prints_the_offline_completion(cli_llm, capsys) -> None:
+    from engine.sampling_params import SamplingParams
+
+    assert cli.main(["generate", "smollm2", "The capital of France is", "--device", "cpu",
+                     "--max-tokens", "6", "--temperature", "0"]) == 0
+    printed = capsys.readouterr().out
+    ref = cli_llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0.0))[0]
+    assert printed == ref.outputs[0].text + "\n"
+
+
+@pytest.mark.slow
+def test_chat_one_shot_and_repl(cli_llm, capsys, monkeypatch) -> None:
+    from engine.sampling_params import SamplingParams
+
+    assert cli.main(["chat", "smollm2", "--device", "cpu", "--message", "Say hi.", "--max-tokens", "8",
+                     "--temperature", "0"]) == 0
+    one_shot = capsys.readouterr().out
+    ref = cli_llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert one_shot == ref.outputs[0].text + "\n"
+
+    lines = iter(["Say hi.", ""])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert cli.main(["chat", "smollm2", "--device", "cpu", "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out == one_shot
