@@ -1,0 +1,111 @@
+"""The bench scripts run end to end on tiny settings, and the serving metrics are computed as
+documented. No benchmark is measured here.
+
+* ``bench/offline.py --quick`` runs every engine section in a subprocess and writes its JSON.
+* ``bench/serving.py`` starts a real sluice facade + engine (``sluice serve``) and a real gRPC
+  engine, drives both, and the server-reported usage shows exactly the requested input and output
+  token counts.
+* The metric arithmetic (TPOT, goodput, percentiles) and the conversation set are checked on known
+  values, and ``--plot`` without matplotlib exits 2 with the install hint.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "bench"))
+
+import serving  # noqa: E402
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+# ------------------------------------------------------------------------------ pure functions
+def test_summarize_tpot_goodput_and_percentiles():
+    recs = [serving.Record(ok=True, ttft=0.1, e2e=1.1, chunk_times=[0.1, 0.6, 1.1], prompt_tokens=8, output_tokens=3),
+            serving.Record(ok=True, ttft=0.5, e2e=0.9, chunk_times=[0.5, 0.9], prompt_tokens=8, output_tokens=2),
+            serving.Record(ok=False, error="HTTP 500: boom")]
+    m = serving.summarize(recs, duration=2.0, slo={"ttft_ms": 200.0, "tpot_ms": None, "e2e_ms": None})
+    assert (m["completed"], m["failed"], m["errors"]) == (2, 1, ["HTTP 500: boom"])
+    # TPOT = (E2E - TTFT) / (output tokens - 1): 1.0/2 = 500 ms and 0.4/1 = 400 ms.
+    assert m["tpot_ms"]["mean"] == pytest.approx(450.0)
+    assert m["itl_ms"]["p50"] == pytest.approx(500.0)     # gaps 500, 500, 400
+    assert m["ttft_ms"]["p50"] == pytest.approx(300.0)
+    assert m["output_throughput"] == pytest.approx(2.5)    # 5 tokens / 2 s, from usage
+    assert m["goodput_req_s"] == pytest.approx(0.5)       # only the first meets TTFT <= 200 ms
+    assert m["goodput_tok_s"] == pytest.approx(1.5)
+
+
+def test_ratios_pair_each_load_point_with_the_peer():
+    def res(name, load, tok_s, ttft):
+        return {"target": name, "load": load, "metrics": {"output_throughput": tok_s, "ttft_ms": {"p90": ttft},
+                                                          "tpot_ms": {"mean": 10.0}}}
+    rows = serving.ratios([res("sluice-http", "c=1", 30, 100), res("llamacpp", "c=1", 60, 50),
+                           res("sluice-http", "c=8", 120, 200)], "sluice-http", "llamacpp")
+    assert rows == [{"load": "c=1", "ours": "sluice-http", "peer": "llamacpp", "output_throughput_ratio": 0.5,
+                     "ttft_p90_ratio": 2.0, "tpot_mean_ratio": 1.0}]
+
+
+def test_conversation_set_is_multi_turn_and_ends_with_a_user_turn():
+    items = serving.conversation_items(serving.CONVERSATIONS, 50, None)
+    assert len(items) == 50 and all(it.kind == "chat" and not it.exact for it in items)
+    convs = [json.loads(line) for line in serving.CONVERSATIONS.read_text().splitlines()]
+    assert len(convs) >= 40
+    assert all(c["messages"][-1]["role"] == "user" and c["max_tokens"] > 0 for c in convs)
+    assert sum(any(m["role"] == "assistant" for m in c["messages"]) for c in convs) >= 10
+
+
+def test_serving_needs_a_target_and_positive_lengths():
+    r = _run(["bench/serving.py", "--concurrency", "2"], timeout=60)
+    assert r.returncode == 2 and "give a target" in r.stderr
+    r = _run(["bench/serving.py", "--url", "http://127.0.0.1:9", "--input-len", "0"], timeout=60)
+    assert r.returncode == 2 and "--input-len: must be a positive integer" in r.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_plot_without_matplotlib_exits_2_with_the_install_hint(tmp_path):
+    r = _run(["bench/serving.py", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path)], timeout=60)
+    assert r.returncode == 2 and "pip install matplotlib" in r.stderr
+
+
+# ------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_offline_quick_runs_every_section(tmp_path):
+    out = tmp_path / "offline.json"
+    r = _run(["bench/offline.py", "--quick", "--skip-hf", "--json", str(out)], timeout=580)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["throughput"]["engine"]["batch1_tok_s"] > 0
+    assert 0 < res["decode"]["fraction_of_ceiling"] and res["decode"]["weight_bytes"] > 100e6
+    assert res["prefix"]["cached_tokens"] >= 48          # the 64-token prefix, in whole blocks
+    assert set(res["chunked"]) == {"16", "64"}
+    assert "prefix (64 tokens): TTFT hit" in r.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_serving_against_real_facade_and_grpc_engine(tmp_path):
+    out = tmp_path / "serving.json"
+    r = _run(["bench/serving.py", "--launch", "http", "--launch", "grpc", "--num-prompts", "3", "--input-len", "12",
+              "--output-len", "4", "--concurrency", "2", "--slo-ttft-ms", "600000", "--json", str(out)], timeout=580)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {x["target"] for x in res["results"]} == {"sluice-http", "sluice-grpc"}
+    for x in res["results"]:
+        m = x["metrics"]
+        assert (m["completed"], m["failed"]) == (3, 0), m["errors"]
+        assert m["mean_prompt_tokens"] == 12 and m["mean_output_tokens"] == 4   # the servers' own usage
+        assert m["goodput_req_s"] == pytest.approx(m["request_throughput"])
+    assert "sluice-grpc" in r.stdout and "TTFT p90" in r.stdout
