@@ -4,10 +4,15 @@ CPU → device flow of one step:
   1. host: ``SamplingBatch.from_requests`` reads each scheduled request's parameters and token
      history and builds one device tensor per stage. A stage that no row needs stays ``None`` and
      is skipped, so an all-greedy batch without penalties is a single ``argmax``.
-  2. device: ``Sampler()(logits, batch)`` — penalties and logit bias, then (for logprobs) a
-     ``log_softmax`` of those processed logits, then temperature, the top-k / top-p / min-p
-     masks, and the draw. Nothing in it waits on the host.
+  2. device: ``Sampler(backend, device)(logits, batch)`` — penalties and logit bias, then (for
+     logprobs) a ``log_softmax`` of those processed logits, then temperature, the top-k / top-p
+     / min-p filters, and the draw. Nothing in it waits on the host.
   3. host: the caller copies ``SamplerOutput`` back once.
+
+Two backends compute the same thing. ``torch`` (the reference; runs anywhere) masks the logits
+stage by stage and draws as below. ``triton`` (the CUDA default) applies penalties and bias
+with ``kernels.penalties`` and draws with ``kernels.sampling``, whose top-k → top-p → min-p
+order is the same as the masks here; greedy rows and logprobs are computed as in ``torch``.
 
 The draw is an exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(probs / q)``
 picks token ``i`` with probability ``probs[i]`` (the minimum of ``q_i / p_i`` is token ``i``
@@ -15,17 +20,26 @@ with probability ``p_i``). It needs no cumulative sum, no sort and no host sync.
 request draws its noise from its own ``torch.Generator`` (``V`` numbers per step, whatever else
 is in the batch), so a seed reproduces its tokens in any batch. Unseeded rows share one
 generator seeded from the engine seed, so whole runs are reproducible too.
+
+The triton draw keeps no generator state: a seeded row keys Philox with its seed and counts
+steps with its number of output tokens, so the same seed, prompt and parameters give the same
+tokens in any batch (and after a preemption). Unseeded rows get fresh keys drawn each step from
+the shared generator.
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 from dataclasses import dataclass
 
 import torch
 
+from engine import envs
 from engine.outputs import TokenLogprob
 from engine.request import Request
 
 _NEG_INF = float("-inf")
+SAMPLER_BACKENDS = ("auto", "torch", "triton")
 
 
 # ---- generators ---------------------------------------------------------------------------------
@@ -85,14 +99,17 @@ class SamplingBatch:
     min_p: torch.Tensor | None                  # [B] float32; 0.0 = off
     presence_penalty: torch.Tensor | None       # [B] float32
     frequency_penalty: torch.Tensor | None      # [B] float32
-    output_counts: torch.Tensor | None          # [B, V] float32: occurrences in each row's output
+    output_counts: torch.Tensor | None          # [B, V] int32: occurrences in each row's output
     repetition_penalty: torch.Tensor | None     # [B] float32; 1.0 = off
     seen_mask: torch.Tensor | None              # [B, V] bool: token in prompt or output
-    logit_bias: torch.Tensor | None             # [B, V] float32, dense
+    bias_ids: torch.Tensor | None               # [B, max_bias] int32; padding (0, +0.0) is a no-op
+    bias_values: torch.Tensor | None            # [B, max_bias] float32
     forbidden: torch.Tensor | None              # [B, V] bool: EOS/stop ids before min_tokens
     seeded_rows: tuple[tuple[int, torch.Generator], ...]  # random rows with their own generator
     unseeded_rows: torch.Tensor | None          # [U] int64: random rows drawing from `shared`
     shared_generator: torch.Generator | None
+    philox_seeds: torch.Tensor | None           # [B] int64: seeded rows' seed, else 0 (triton draw)
+    philox_offsets: torch.Tensor | None         # [B] int64: each row's number of output tokens
     num_logprobs: tuple[int | None, ...]        # per row: None, or k top alternatives wanted
     max_num_logprobs: int | None                # None: no row wants logprobs
 
@@ -124,6 +141,7 @@ class SamplingBatch:
         wanted = [k for k in lp if k is not None]
         counts, seen, presence, frequency, repetition = _penalty_tensors(requests, vocab_size, device)
         seeded, unseeded, shared = _generator_rows(requests, random_rows, generators, device)
+        bias_ids, bias_values = _logit_bias(params, device)
         return cls(
             vocab_size=vocab_size,
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -134,11 +152,13 @@ class SamplingBatch:
             output_counts=counts,
             repetition_penalty=repetition,
             seen_mask=seen,
-            logit_bias=_logit_bias(params, vocab_size, device),
+            bias_ids=bias_ids,
+            bias_values=bias_values,
             forbidden=_forbidden(requests, vocab_size, device),
             seeded_rows=seeded,
             unseeded_rows=unseeded,
             shared_generator=shared,
+            **_philox_rows(requests, random_rows, device),
             num_logprobs=lp,
             max_num_logprobs=max(wanted) if wanted else None,
         )
@@ -187,10 +207,10 @@ def _penalty_tensors(requests: list[Request], vocab_size: int, device):
 
 
 def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torch.Tensor:
-    """[B, V] float32 occurrence counts, by one scatter_add over the right-padded id lists."""
+    """[B, V] int32 occurrence counts, by one scatter_add over the right-padded id lists."""
     batch = len(token_lists)
     width = max((len(t) for t in token_lists), default=0)
-    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.float32, device=device)
+    counts = torch.zeros(batch, vocab_size + 1, dtype=torch.int32, device=device)
     if width == 0:
         return counts[:, :vocab_size]
     # Checked on the host: an out-of-range index would be a device-side assert on CUDA.
@@ -199,23 +219,23 @@ def _token_counts(token_lists: list[list[int]], vocab_size: int, device) -> torc
     # Padding points at the spare column vocab_size, which is cut off afterwards.
     padded = [list(t) + [vocab_size] * (width - len(t)) for t in token_lists]
     ids = torch.tensor(padded, dtype=torch.int64, device=device)             # [B, width]
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.int32))
     return counts[:, :vocab_size]
 
 
-def _logit_bias(params, vocab_size: int, device) -> torch.Tensor | None:
-    rows, cols, vals = [], [], []
-    for i, sp in enumerate(params):
-        for tok, bias in sp.logit_bias.items():
-            rows.append(i)
-            cols.append(tok)
-            vals.append(float(bias))
-    if not rows:
-        return None
-    bias = torch.zeros(len(params), vocab_size, dtype=torch.float32, device=device)   # [B, V]
-    index = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
-    bias.index_put_(index, torch.tensor(vals, dtype=torch.float32, device=device))
-    return bias
+def _logit_bias(params, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Padded (ids, values) [B, max_bias] lists, or (None, None) when no row has a bias.
+
+    Padding is token 0 with bias +0.0, which leaves any logit unchanged, so both backends can
+    add every entry without a mask (no device sync to drop the padding).
+    """
+    width = max(len(sp.logit_bias) for sp in params)
+    if width == 0:
+        return None, None
+    ids = [[*sp.logit_bias] + [0] * (width - len(sp.logit_bias)) for sp in params]
+    vals = [[float(v) for v in sp.logit_bias.values()] + [0.0] * (width - len(sp.logit_bias)) for sp in params]
+    return (torch.tensor(ids, dtype=torch.int32, device=device),
+            torch.tensor(vals, dtype=torch.float32, device=device))
 
 
 def _forbidden(requests: list[Request], vocab_size: int, device) -> torch.Tensor | None:
@@ -252,6 +272,21 @@ def _generator_rows(requests, random_rows: list[int], generators: GeneratorCache
             seeded.append((i, gen))
     index = torch.tensor(unseeded, dtype=torch.int64, device=device) if unseeded else None
     return tuple(seeded), index, generators.shared if unseeded else None
+
+
+def _philox_rows(requests, random_rows: list[int], device) -> dict:
+    """Per-row Philox key and step counter for the triton draw; None when every row is greedy."""
+    if not random_rows:
+        return {"philox_seeds": None, "philox_offsets": None}
+    seeds = []
+    for req in requests:
+        seed = request_seed(req)
+        # Fold any Python int into the signed 64-bit range that an int64 tensor holds.
+        seeds.append(0 if seed is None else ((seed + (1 << 63)) % (1 << 64)) - (1 << 63))
+    return {
+        "philox_seeds": torch.tensor(seeds, dtype=torch.int64, device=device),
+        "philox_offsets": torch.tensor([r.num_output_tokens for r in requests], dtype=torch.int64, device=device),
+    }
 
 
 # ---- mask functions -----------------------------------------------------------------------------
@@ -352,8 +387,8 @@ def penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.presence_penalty is not None:
         logits = apply_presence_frequency(logits, batch.output_counts, batch.presence_penalty,
                                           batch.frequency_penalty)
-    if batch.logit_bias is not None:
-        logits = logits + batch.logit_bias
+    if batch.bias_ids is not None:
+        logits = logits.scatter_add(-1, batch.bias_ids.long(), batch.bias_values)
     if batch.forbidden is not None:
         logits = logits.masked_fill(batch.forbidden, _NEG_INF)
     return logits
@@ -405,17 +440,105 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(batch.greedy.unsqueeze(-1), onehot, probs)
 
 
+# ---- the triton path ----------------------------------------------------------------------------
+def resolve_sampler_backend(name: str, device: torch.device | str | None) -> str:
+    """"torch" or "triton" for ``name`` on ``device``; a forced backend that cannot run raises.
+
+    "auto" is triton on CUDA and torch elsewhere, including when the device is not given (None),
+    which keeps a bare ``Sampler()`` the torch reference.
+    """
+    if name not in SAMPLER_BACKENDS:
+        raise ValueError(f"sampler_backend: must be one of {SAMPLER_BACKENDS}, got {name!r}")
+    device = torch.device("cpu" if device is None else device)
+    reason = _triton_unavailable_reason(device)
+    if name == "auto":
+        return "triton" if device.type == "cuda" and reason is None else "torch"
+    if name == "triton" and reason is not None:
+        raise ValueError(reason)
+    return name
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return "sampler_backend=triton needs the triton package"
+    if device.type == "cuda" or envs.triton_interpret():
+        return None
+    return f"sampler_backend=triton needs a CUDA device or TRITON_INTERPRET=1, got device {device}"
+
+
+def _penalize_triton(penalties, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """``penalize`` with the penalties kernel; logits [B, V] are copied, never changed."""
+    _check_logits(logits, batch)
+    out = logits.to(torch.float32, copy=True)                        # [B, V], the kernel's in-place target
+    if batch.output_counts is not None or batch.bias_ids is not None:
+        rows, vocab, dev = batch.batch_size, batch.vocab_size, out.device
+        # Absent tables are stride-0 views of one zero row: no [B, V] allocation for them.
+        counts = batch.output_counts if batch.output_counts is not None else \
+            torch.zeros(1, vocab, dtype=torch.int32, device=dev).expand(rows, vocab)
+        seen = batch.seen_mask if batch.seen_mask is not None else \
+            torch.zeros(1, vocab, dtype=torch.bool, device=dev).expand(rows, vocab)
+        zeros = torch.zeros(rows, dtype=torch.float32, device=dev)
+        presence = batch.presence_penalty if batch.presence_penalty is not None else zeros
+        frequency = batch.frequency_penalty if batch.frequency_penalty is not None else zeros
+        repetition = batch.repetition_penalty if batch.repetition_penalty is not None else zeros + 1.0
+        bias_ids = batch.bias_ids if batch.bias_ids is not None else torch.zeros(rows, 0, dtype=torch.int32, device=dev)
+        bias_values = batch.bias_values if batch.bias_values is not None else torch.zeros(rows, 0, device=dev)
+        # seen_mask (prompt or output) serves as the kernel's prompt mask: it adds the output itself.
+        penalties.apply_penalties(out, counts, seen, presence, frequency, repetition, bias_ids, bias_values)
+    if batch.forbidden is not None:
+        out.masked_fill_(batch.forbidden, _NEG_INF)
+    return out
+
+
+def _draw_triton(sampling, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B] int64 from the sampling kernel; greedy rows get temperature 0 (its argmax, no draw)."""
+    rows, dev = batch.batch_size, logits.device
+    temperature = torch.where(batch.greedy, torch.zeros_like(batch.temperature), batch.temperature)
+    top_k = batch.top_k.to(torch.int32) if batch.top_k is not None else torch.zeros(rows, dtype=torch.int32, device=dev)
+    top_p = batch.top_p if batch.top_p is not None else torch.ones(rows, dtype=torch.float32, device=dev)
+    min_p = batch.min_p if batch.min_p is not None else torch.zeros(rows, dtype=torch.float32, device=dev)
+    seeds = batch.philox_seeds
+    if batch.unseeded_rows is not None:
+        fresh = torch.randint(0, (1 << 63) - 1, (batch.unseeded_rows.numel(),), dtype=torch.int64,
+                              device=dev, generator=batch.shared_generator)   # [U]
+        seeds = seeds.index_copy(0, batch.unseeded_rows, fresh)
+    return sampling.sample(logits, temperature, top_k, top_p, min_p, seeds, batch.philox_offsets)
+
+
+def _check_triton_device(logits: torch.Tensor) -> None:
+    if logits.device.type != "cuda" and not envs.triton_interpret():
+        raise ValueError(f"logits: the triton sampler needs them on a CUDA device (or TRITON_INTERPRET=1), "
+                         f"got {logits.device}")
+
+
 class Sampler:
-    """Stateless: per-request state (the generators) lives in the caller's ``GeneratorCache``."""
+    """Stateless: per-request state (the generators) lives in the caller's ``GeneratorCache``.
+
+    ``backend``: "auto" (triton on a CUDA ``device``, else torch), "torch" or "triton"; a forced
+    triton on a device where it cannot run raises ``ValueError`` here, at engine start.
+    ``device``: where the logits will live; None keeps "auto" on torch.
+    """
+
+    def __init__(self, backend: str = "auto", device: torch.device | str | None = None) -> None:
+        self.backend = resolve_sampler_backend(backend, device)
+        self._kernels = None
+        if self.backend == "triton":   # imported here: CPU-only installs never load triton
+            self._kernels = (importlib.import_module("kernels.penalties"), importlib.import_module("kernels.sampling"))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        logits = penalize(logits.float(), batch)                     # [B, V]
+        if self._kernels is None:
+            logits = penalize(logits.float(), batch)                 # [B, V]
+        else:
+            _check_triton_device(logits)
+            logits = _penalize_triton(self._kernels[0], logits, batch)
         argmax = logits.argmax(dim=-1)                               # [B]
         if batch.all_greedy:
             token_ids = argmax
-        else:
+        elif self._kernels is None:
             probs = _truncate(logits, batch).softmax(dim=-1)         # [B, V]
             token_ids = torch.where(batch.greedy, argmax, _exponential_race(probs, batch))
+        else:
+            token_ids = torch.where(batch.greedy, argmax, _draw_triton(self._kernels[1], logits, batch))
         if batch.max_num_logprobs is None:
             return SamplerOutput(token_ids, None, None, None)
         # OpenAI semantics: logprobs of the processed distribution before temperature.

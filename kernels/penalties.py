@@ -6,8 +6,9 @@ Per row, in this order (the reference ``apply_penalties_ref`` defines it):
   2. frequency and presence (additive, OpenAI-style), over the output tokens only:
      ``logit -= frequency * count + presence * (count > 0)``;
   3. logit bias: ``logit += bias`` for each listed token.
-Token history arrives as dense per-row tables (counts of output tokens, a prompt mask), which
-the sampler keeps up to date with a scatter per step; biases as padded (id, value) lists.
+Token history arrives as dense per-row tables (counts of output tokens, a prompt mask; a table
+no row needs may be a stride-0 ``expand`` of one zero row); biases as padded (id, value) lists,
+where padding is id -1, or any id with the value +0.0 (``engine.sampler`` pads with (0, +0.0)).
 """
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def apply_penalties(
     presence: torch.Tensor,        # [num_rows] fp32
     frequency: torch.Tensor,       # [num_rows] fp32
     repetition: torch.Tensor,      # [num_rows] fp32, > 0; 1 disables
-    bias_ids: torch.Tensor,        # [num_rows, max_bias] int32, padded with -1
+    bias_ids: torch.Tensor,        # [num_rows, max_bias] int32, padded with -1 (or value +0.0)
     bias_values: torch.Tensor,     # [num_rows, max_bias] fp32
 ) -> torch.Tensor:
     _check(logits, output_counts, prompt_mask, presence, frequency, repetition, bias_ids, bias_values)

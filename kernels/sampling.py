@@ -1,14 +1,24 @@
 """Fused sampling: temperature, top-k, top-p and min-p without sorting the vocabulary.
 
-Semantics (the reference ``sampling_probs_ref`` defines them): a row with temperature 0 is
-greedy (argmax, the lowest index on ties). Otherwise ``w = softmax(logits / T)``; token ``i``
-survives when all three filters keep it, each judged on ``w`` itself (not renormalised by the
-others, FlashInfer's "joint" order):
-  top-k: fewer than ``k`` tokens have a strictly larger weight (``k <= 0`` disables);
-  top-p: the tokens strictly heavier than ``i`` hold less than ``p`` of the mass (p = 1 disables);
-  min-p: ``w_i >= min_p * max(w)``.
+Semantics (the reference ``sampling_probs_ref`` defines them; they are those of the torch
+sampler ``engine.sampler``, i.e. Hugging Face / vLLM order): a row with temperature 0 is greedy
+(argmax, the lowest index on ties). Otherwise ``w = softmax(logits / T)`` and the filters apply
+one after the other, each on what the previous one kept:
+  top-k: keep ``S_k``, the tokens with fewer than ``k`` strictly heavier ones (``k <= 0`` or
+         ``k >= V`` disables);
+  top-p: on ``w`` renormalised over ``S_k``, keep the tokens whose strictly heavier tokens hold
+         less than ``p`` of that mass: ``mass_gt(i) < p * mass(S_k)`` (p = 1 disables). As
+         ``S_k`` is an upper set, the heavier tokens of a survivor all lie in ``S_k``;
+  min-p: ``w_i >= min_p * max(w)``; the earlier filters always keep the argmax, so the maximum
+         is the same before and after them.
 The survivors form an upper set of the weights, and the sample is drawn from ``w`` restricted
 to them. Ties at a threshold are kept together.
+
+``mass(S_k)`` is needed only when top-k and top-p are both on, and then only for a drawn token
+whose top-p verdict its bounds leave open (see ``_survives``). It is found without sorting:
+bisection on the fp32 bit pattern of the k-th largest weight (weights are >= 0, so bit order is
+value order), one counting pass per step, at most 31 passes and usually fewer (it stops as soon
+as exactly ``k`` tokens lie above the bracket's floor).
 
 The kernel draws by rejection instead of sorting: sample a token from ``w`` over the tokens
 heavier than a pivot (inverse CDF, one pass), count the tokens heavier than it and their mass
@@ -65,6 +75,8 @@ def _sample_kernel(
     top_k = tl.where((top_k <= 0) | (top_k > vocab_size), vocab_size, top_k)
     top_p = tl.load(top_p_ptr + row)
     min_w = tl.load(min_p_ptr + row)          # max(w) is 1 in these unnormalised weights
+    # Mass of the top-k survivors, which top-p renormalises by; -1 until needed (see _survives).
+    mass_k = tl.where(top_k < vocab_size, -1.0, total)
     seed = tl.load(seeds_ptr + row)
     counter = tl.load(offsets_ptr + row).to(tl.int64) << 32
 
@@ -76,12 +88,30 @@ def _sample_kernel(
         u = tl.rand(seed, counter)
         counter += 1
         token, w_tok = _draw_above(row_ptr, vocab_size, m, inv_t, pivot, u * cand_mass, best, BLOCK_V)
-        count_gt, mass_gt = _heavier_than(row_ptr, vocab_size, m, inv_t, w_tok, BLOCK_V)
-        keep = (count_gt < top_k) & ((top_p >= 1.0) | (mass_gt < top_p * total)) & (w_tok >= min_w)
+        count_gt, mass_gt = _mass_above(row_ptr, vocab_size, m, inv_t, w_tok, False, BLOCK_V)
+        keep, mass_k = _survives(row_ptr, vocab_size, m, inv_t, top_k, top_p, min_w, total, mass_k,
+                                 w_tok, count_gt, mass_gt, BLOCK_V)
         searching = ~keep
         pivot = w_tok
         cand_mass = mass_gt
     tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _survives(row_ptr, vocab_size, m, inv_t, top_k, top_p, min_w, total, mass_k, w_tok, count_gt, mass_gt,
+              BLOCK_V: tl.constexpr):
+    """(token passes all three filters, mass_k); mass_k (< 0: not yet known) is found at most once.
+
+    For a token inside the top-k, mass(S_k) lies in [mass_gt + w_tok, total]. Top-p needs it
+    exactly only when that interval straddles ``mass_gt / top_p``; most accepted draws sit in
+    the head of the distribution and skip the search.
+    """
+    keep = (count_gt < top_k) & (w_tok >= min_w)
+    if keep & (top_p < 1.0):
+        if (mass_k < 0) & (mass_gt >= top_p * (mass_gt + w_tok)) & (mass_gt < top_p * total):
+            mass_k = _top_k_mass(row_ptr, vocab_size, m, inv_t, top_k, total, BLOCK_V)
+        keep = mass_gt < top_p * tl.where(mass_k < 0, mass_gt + w_tok, mass_k)
+    return keep, mass_k
 
 
 @triton.jit
@@ -109,8 +139,8 @@ def _draw_above(row_ptr, vocab_size, m, inv_t, pivot, target, fallback, BLOCK_V:
 
 
 @triton.jit
-def _heavier_than(row_ptr, vocab_size, m, inv_t, w_tok, BLOCK_V: tl.constexpr):
-    """How many tokens weigh strictly more than w_tok, and their total weight."""
+def _mass_above(row_ptr, vocab_size, m, inv_t, threshold, INCLUSIVE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """How many tokens weigh more than threshold (or as much, when INCLUSIVE), and their weight."""
     cols0 = tl.arange(0, BLOCK_V)
     count = tl.full([], 0, tl.int32)
     mass = tl.full([], 0.0, tl.float32)
@@ -118,10 +148,37 @@ def _heavier_than(row_ptr, vocab_size, m, inv_t, w_tok, BLOCK_V: tl.constexpr):
         cols = start + cols0
         x = tl.load(row_ptr + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
         w = tl.exp((x - m) * inv_t)
-        heavier = w > w_tok
-        count += tl.sum(heavier.to(tl.int32), 0)
-        mass += tl.sum(tl.where(heavier, w, 0.0), 0)
+        if INCLUSIVE:
+            above = w >= threshold
+        else:
+            above = w > threshold
+        count += tl.sum(above.to(tl.int32), 0)
+        mass += tl.sum(tl.where(above, w, 0.0), 0)
     return count, mass
+
+
+@triton.jit
+def _top_k_mass(row_ptr, vocab_size, m, inv_t, top_k, total, BLOCK_V: tl.constexpr):
+    """Weight of {w >= k-th largest w}, for 0 < top_k < vocab_size; no sort.
+
+    Bisects the threshold's fp32 bit pattern. Invariant: count(w >= lo) >= k > count(w >= hi).
+    When hi = lo + 1 ulp, lo is the k-th largest weight itself; when exactly k tokens weigh
+    >= lo, they are the top-k and no tie lies below them. Padding lanes weigh 0 and are never
+    counted (every threshold tried is > 0).
+    """
+    lo = tl.full([], 0, tl.int32)              # weight 0.0: every token is >= it
+    hi = tl.full([], 0x7F800000, tl.int32)     # +inf: no finite weight reaches it
+    count_lo = tl.full([], 0, tl.int32) + vocab_size
+    mass_lo = total
+    while (hi - lo > 1) & (count_lo != top_k):
+        mid = lo + (hi - lo) // 2
+        count, mass = _mass_above(row_ptr, vocab_size, m, inv_t, mid.to(tl.float32, bitcast=True), True, BLOCK_V)
+        enough = count >= top_k
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+        count_lo = tl.where(enough, count, count_lo)
+        mass_lo = tl.where(enough, mass, mass_lo)
+    return mass_lo
 
 
 def _check(logits, temperature, top_k, top_p, min_p, seeds, offsets) -> None:
@@ -169,13 +226,14 @@ def sampling_probs_ref(logits, temperature, top_k, top_p, min_p) -> torch.Tensor
     t = torch.where(greedy, torch.ones_like(temperature), temperature)
     w = torch.softmax(x / t[:, None], dim=-1)                         # [num_rows, vocab]
     asc, _ = w.sort(dim=-1)
-    cum = asc.cumsum(-1)
+    cum = asc.cumsum(-1)                                              # [num_rows, vocab]
     n_le = torch.searchsorted(asc, w, right=True)                     # tokens weighing <= w_i
     count_gt = vocab - n_le
-    mass_gt = cum[:, -1:] - cum.gather(-1, n_le - 1)
+    mass_gt = cum[:, -1:] - cum.gather(-1, n_le - 1)                  # weight strictly above w_i
     k = torch.where((top_k <= 0) | (top_k > vocab), torch.full_like(top_k, vocab), top_k)
-    keep = count_gt < k[:, None]
-    keep &= (top_p[:, None] >= 1.0) | (mass_gt < top_p[:, None] * cum[:, -1:])
+    keep = count_gt < k[:, None]                                      # S_k, an upper set
+    mass_k = torch.where(keep, w, torch.zeros_like(w)).sum(-1, keepdim=True)  # [num_rows, 1]
+    keep &= (top_p[:, None] >= 1.0) | (mass_gt < top_p[:, None] * mass_k)
     keep &= w >= min_p[:, None] * w.max(-1, keepdim=True).values
     probs = torch.where(keep, w, torch.zeros_like(w))
     probs = probs / probs.sum(-1, keepdim=True)

@@ -1,5 +1,6 @@
 """apply_penalties (repetition, frequency, presence, logit bias) equals its torch reference and
-the hand-computed values of a small example."""
+the hand-computed values of a small example, also with stride-0 (expanded) history tables and
+the sampler's (0, +0.0) bias padding."""
 from __future__ import annotations
 
 import pytest
@@ -37,6 +38,23 @@ def test_penalties_known_values(device):
     out = apply_penalties(logits, counts, prompt, f(0.5), f(0.25), f(2.0), ids, f([10.0])[None, 0:1].reshape(1, 1))
     # token 0: 2/2 - 0.25 - 0.5; token 1 (prompt): -2*2; token 2: 1/2 - 0.5 - 0.5; token 3: 0.5 + 10
     torch.testing.assert_close(out, torch.tensor([[0.25, -4.0, -0.5, 10.5]], device=device))
+
+
+def test_expanded_tables_and_zero_value_padding(device):
+    rows, vocab = 3, 9
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(2)).to(device)
+    counts = torch.zeros(1, vocab, dtype=torch.int32, device=device).expand(rows, vocab)
+    prompt = torch.zeros(1, vocab, dtype=torch.bool, device=device).expand(rows, vocab)
+    f = lambda *v: torch.tensor(v, device=device)  # noqa: E731
+    ids = torch.tensor([[4, 0], [0, 0], [7, 3]], dtype=torch.int32, device=device)
+    vals = f([1.5, 0.0], [0.0, 0.0], [-2.0, 0.25])
+    zeros, ones = f(0.0, 0.0, 0.0), f(1.0, 1.0, 1.0)
+    out = apply_penalties(logits.clone(), counts, prompt, zeros, zeros, ones, ids, vals)
+    expected = logits.clone()
+    expected[0, 4] += 1.5
+    expected[2, 7] -= 2.0
+    expected[2, 3] += 0.25
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -1,5 +1,7 @@
 """The fused sampling kernel: greedy and top-k=1 are exact argmax; seeded draws repeat; filtered
-tokens are never drawn; and draws follow the reference distribution (chi-square).
+tokens are never drawn; draws follow the reference distribution (chi-square); the filters are
+sequential (top-p renormalised over the top-k survivors), and the kernel's reference keeps
+exactly the tokens that ``engine.sampler``'s mask functions keep, on random inputs with ties.
 
 Chi-square tests use fixed seeds, so they are deterministic; were the seeds random, a correct
 kernel would fail each with probability 1e-3 (the p-value threshold).
@@ -9,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from engine.sampler import apply_min_p, apply_top_k, apply_top_p
 from kernels.sampling import sample, sample_ref, sampling_probs_ref
 from tests.kernels.stats import chi_square_pvalue
 
@@ -51,7 +54,7 @@ def test_seeded_rows_repeat_and_offsets_change_draws(device):
     {"temperature": 1.5, "min_p": 0.1, "top_k": 6, "top_p": 0.8},
 ])
 def test_draws_follow_reference_distribution(device, filters):
-    rows, vocab = 600, 12
+    rows, vocab = 400, 12
     base = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
     logits = base.repeat(rows, 1).to(device)
     p = _params(rows, device, **filters)
@@ -76,6 +79,57 @@ def test_reference_filters_on_a_known_distribution():
     probs = sampling_probs_ref(logits, one(1.0, torch.float32), one(0, torch.int32), one(1.0, torch.float32),
                                one(0.25, torch.float32))  # min-p: weight >= 2
     torch.testing.assert_close(probs, torch.tensor([[8 / 14, 4 / 14, 2 / 14, 0, 0]]))
+
+
+def test_top_p_is_judged_on_the_top_k_survivors_renormalised(device):
+    # weights ∝ [8, 4, 2, 1, 1]; top-k 3 keeps mass 14. Token 2's heavier mass is 12/14 = 0.857 >= 0.8:
+    # dropped. (Judged on the full softmax it would be 12/16 = 0.75 < 0.8 and kept.)
+    rows = 240
+    logits = torch.log(torch.tensor([[8.0, 4.0, 2.0, 1.0, 1.0]])).repeat(rows, 1).to(device)
+    p = _params(rows, device, top_k=3, top_p=0.8)
+    probs = sampling_probs_ref(logits[:1], p["temperature"][:1], p["top_k"][:1], p["top_p"][:1], p["min_p"][:1])
+    torch.testing.assert_close(probs.cpu(), torch.tensor([[8 / 12, 4 / 12, 0.0, 0.0, 0.0]]))
+    counts = torch.bincount(sample(logits, **p), minlength=5).cpu()
+    assert counts[2:].sum() == 0, "a token outside top-p of the top-k survivors was drawn"
+    assert chi_square_pvalue(counts, probs[0]) > P_MIN
+
+
+def test_top_k_and_top_p_across_vocabulary_tiles_stay_in_the_support(device):
+    rows, vocab = 16, 5000                                 # two 4096-wide tiles
+    logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(5)) * 2).to(device)
+    p = _params(rows, device, top_k=50, top_p=0.8)   # keeps 23..34 of the top 50
+    probs = sampling_probs_ref(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"])
+    assert ((probs > 0).sum(-1) > 1).all(), "each row must keep a real choice"
+    for offset in range(2):
+        tokens = sample(logits, **{**p, "offsets": torch.full((rows,), offset, dtype=torch.int64, device=device)})
+        assert (probs.gather(1, tokens[:, None]) > 0).all(), "a token outside the survivors was drawn"
+
+
+def _engine_kept(logits, temperature, top_k, top_p, min_p) -> torch.Tensor:
+    """[B, V] bool: the tokens engine.sampler's masks keep, in its order (top-k, top-p, min-p)."""
+    x = logits / temperature[:, None]
+    x = apply_top_p(apply_top_k(x, top_k.long()), top_p)
+    return apply_min_p(x, min_p) != float("-inf")
+
+
+def test_reference_keeps_what_the_engine_masks_keep():
+    g = torch.Generator().manual_seed(11)
+    rows, vocab = 400, 23
+    # Half the rows on a coarse grid, so that ties straddle the thresholds.
+    logits = torch.randn(rows, vocab, generator=g) * 2.0
+    logits[::2] = (logits[::2] * 2).round() / 2
+    temperature = torch.rand(rows, generator=g) * 1.5 + 0.3
+    top_k = torch.randint(-1, vocab + 3, (rows,), generator=g, dtype=torch.int32)
+    top_p = torch.rand(rows, generator=g) * 0.95 + 0.05
+    top_p[torch.rand(rows, generator=g) < 0.2] = 1.0
+    min_p = torch.where(torch.rand(rows, generator=g) < 0.3, torch.zeros(rows), torch.rand(rows, generator=g) * 0.3)
+    probs = sampling_probs_ref(logits, temperature, top_k, top_p, min_p)
+    kept = _engine_kept(logits, temperature, top_k, top_p, min_p)
+    assert torch.equal(probs > 0, kept)
+    engine_probs = (logits / temperature[:, None]).masked_fill(~kept, float("-inf")).softmax(-1)
+    torch.testing.assert_close(probs, engine_probs)
+    # The case mix means something: some rows lose tokens to each filter alone.
+    assert (kept.sum(-1) < vocab).sum() > rows // 2
 
 
 @pytest.mark.gpu

@@ -6,7 +6,10 @@ give the hand-computed logits; greedy rows are the argmax; a seeded request yiel
 tokens alone and inside mixed batches at moving positions, and two seeds differ; sampled
 frequencies match softmax(logits / T) after the masks (chi-square); min_tokens forbids EOS and
 stop ids; logprobs are log_softmax of the processed pre-temperature logits, top-k sorted; bad
-input raises ValueError naming the field.
+input raises ValueError naming the field; logit biases of uneven length per row are padded
+without effect; the backend choice ("auto" stays torch off CUDA and for a bare ``Sampler()``; a
+forced triton without CUDA or the interpreter is refused). The triton backend itself is tested
+in tests/kernels/test_engine_sampler_triton.py (it needs the Triton interpreter).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from engine.sampler import (
     apply_top_p,
     penalize,
     processed_probs,
+    resolve_sampler_backend,
 )
 from engine.sampling_params import SamplingParams
 
@@ -137,11 +141,33 @@ def test_presence_frequency_and_logit_bias_match_hand_computation():
     assert torch.equal(logits[0], torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0]))  # caller's tensor kept
 
 
+def test_logit_biases_of_uneven_length_are_padded_without_effect():
+    logits = torch.zeros(3, 6)
+    reqs = [_req("one", logit_bias={5: 2.0}), _req("none"), _req("three", logit_bias={0: -1.0, 2: 0.5, 4: 1.5})]
+    batch = _batch(reqs, 6)
+    assert batch.bias_ids.shape == (3, 3)
+    expected = torch.tensor([[0, 0, 0, 0, 0, 2.0], [0.0] * 6, [-1.0, 0, 0.5, 0, 1.5, 0]])
+    torch.testing.assert_close(penalize(logits, batch), expected)
+
+
+def test_backend_choice_keeps_torch_off_cuda_and_refuses_an_impossible_triton(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert Sampler().backend == "torch"
+    assert resolve_sampler_backend("auto", None) == "torch"
+    assert resolve_sampler_backend("auto", "cpu") == "torch"
+    assert resolve_sampler_backend("torch", "cuda") == "torch"
+    with pytest.raises(ValueError, match="^sampler_backend=triton needs a CUDA device or TRITON_INTERPRET=1, "
+                                         "got device cpu"):
+        Sampler("triton", "cpu")
+    with pytest.raises(ValueError, match="^sampler_backend: must be one of"):
+        Sampler("fast")
+
+
 def test_stages_no_row_needs_are_skipped():
     batch = _batch([_req("a", temperature=0.0), _req("b", top_k=1)], 7)
     assert batch.all_greedy and batch.temperature is None
-    for name in ("top_k", "top_p", "min_p", "output_counts", "seen_mask", "logit_bias", "forbidden",
-                 "presence_penalty", "repetition_penalty", "unseeded_rows"):
+    for name in ("top_k", "top_p", "min_p", "output_counts", "seen_mask", "bias_ids", "bias_values", "forbidden",
+                 "presence_penalty", "repetition_penalty", "unseeded_rows", "philox_seeds", "philox_offsets"):
         assert getattr(batch, name) is None, name
 
 
