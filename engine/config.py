@@ -57,6 +57,7 @@ class DeviceConfig:
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto: float32 on CPU, bfloat16 on CUDA
     attention_backend: str = "auto"        # auto: triton on CUDA, torch on CPU
+    sampler_backend: str = "auto"          # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None         # torch intra-op threads on CPU
 
     def __post_init__(self) -> None:
@@ -67,6 +68,8 @@ class DeviceConfig:
             raise ValueError(f"dtype: must be one of {_DTYPES}, got {self.dtype!r}")
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend: must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if self.sampler_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"sampler_backend: must be auto, torch or triton, got {self.sampler_backend!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
 

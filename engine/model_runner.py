@@ -44,6 +44,7 @@ class ModelRunner:
         device: torch.device,
         dtype: torch.dtype,
         attn: AttentionBackend,
+        sampler_backend: str = "auto",
         seed: int = 0,
     ) -> None:
         self.model = model
@@ -56,7 +57,7 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)
         ]
-        self.sampler = Sampler()
+        self.sampler = Sampler(backend=sampler_backend, device=device)
         self.generators = GeneratorCache(seed=seed, device=device)
 
     def execute(self, out) -> RunnerOutput:

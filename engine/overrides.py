@@ -74,6 +74,7 @@ KEYS: dict[str, _Key] = {
     "enable_chunked_prefill": _Key("enable_chunked_prefill", _bool, "split long prompts across steps"),
     "max_waiting": _Key("max_waiting", _int, "bound of the waiting queue (beyond: RESOURCE_EXHAUSTED)"),
     "attention_backend": _Key("attention_backend", str, "auto | torch | triton | flash_attn"),
+    "sampler_backend": _Key("sampler_backend", str, "auto | torch | triton"),
     "dtype": _Key("dtype", str, "auto | float32 | float16 | bfloat16"),
     "num_threads": _Key("num_threads", _int, "torch intra-op threads on CPU"),
     "num_speculative_tokens": _Key("num_speculative_tokens", _int, "draft tokens per step"),
