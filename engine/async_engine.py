@@ -12,6 +12,11 @@ Commands are drained before every step, so an abort frees its request's blocks w
 The thread sleeps on the queue when no request is unfinished. A fault in ``step()`` ends the
 requests in flight with an error and the loop keeps serving; the core itself isolates faults
 inside one request (that request finishes with finish_reason "error", the others continue).
+
+The optional embedding engine (``embedding_factory``) is loaded on the engine thread after the
+chat model, and its calls run on one dedicated worker thread (``embed()``): neither the asyncio
+loop nor the generation step loop waits for an encoder forward; each call is batched inside
+``EmbeddingEngine`` by length.
 """
 from __future__ import annotations
 
@@ -25,11 +30,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, TypeVar
 
-from engine.errors import EngineUnavailableError
+from engine.errors import EngineUnavailableError, UnsupportedError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.embedding import EmbeddingEngine
     from engine.engine_core import EngineCore, LoadStats, ModelInfo
 
 log = logging.getLogger("sluice.async_engine")
@@ -76,8 +82,12 @@ class AsyncEngine:
     """Owns the engine thread. Create it, ``start()`` it inside a running loop, ``await
     wait_ready()``; ``drain()`` then ``shutdown()`` to stop."""
 
-    def __init__(self, core_factory: Callable[[], EngineCore]) -> None:
+    def __init__(self, core_factory: Callable[[], EngineCore],
+                 embedding_factory: Callable[[], EmbeddingEngine | None] | None = None) -> None:
         self._core_factory = core_factory
+        self._embedding_factory = embedding_factory
+        self._embedding: EmbeddingEngine | None = None
+        self._embed_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="sluice-embed")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, asyncio.Queue] = {}
         self._live: set[str] = set()           # engine-thread side: ids added and not finished
@@ -122,6 +132,13 @@ class AsyncEngine:
         return self.core.model_info
 
     @property
+    def embedding(self) -> EmbeddingEngine | None:
+        """The embedding / rerank engine (read-only use), or None when this engine serves none.
+        Like ``core``, raises ``EngineUnavailableError`` while loading or stopped."""
+        self.core   # noqa: B018 - the same availability check
+        return self._embedding
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -151,6 +168,7 @@ class AsyncEngine:
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join, 30.0)
+        self._embed_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -204,6 +222,14 @@ class AsyncEngine:
         self._commands.put(cmd)
         return await asyncio.wrap_future(cmd.future)
 
+    async def embed(self, fn: Callable[[EmbeddingEngine], T]) -> T:
+        """Run ``fn(embedding_engine)`` on the embedding worker thread."""
+        self._check_accepting()
+        if self._embedding is None:
+            raise UnsupportedError("this engine serves no embedding model; start it with --embedding-model")
+        assert self._loop is not None
+        return await self._loop.run_in_executor(self._embed_pool, fn, self._embedding)
+
     async def get_load(self) -> LoadStats:
         return await self.call(lambda core: core.get_load())
 
@@ -252,6 +278,7 @@ class AsyncEngine:
     def _run(self) -> None:
         try:
             core = self._core_factory()
+            self._embedding = self._embedding_factory() if self._embedding_factory else None
         except BaseException as exc:  # noqa: BLE001 - reported to wait_ready()
             log.exception("engine failed to load")
             self._post(self._on_loaded, exc)

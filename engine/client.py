@@ -6,6 +6,11 @@ generated stubs only; it does not import torch or any engine internals.
         for delta in client.generate("Once upon a time", max_tokens=32, seed=1):
             print(delta.text, end="")
 
+    with EngineClient("127.0.0.1:50051") as client:
+        vectors = client.embed(["a text", "another"], dimensions=128).vectors
+        best = client.rerank("a query", documents=["doc a", "doc b"], top_n=1).results[0]
+        middle = client.generate("def add(a, b):\n    ", suffix="\n    return c\n", max_tokens=16)
+
 Every RPC failure surfaces as ``EngineRpcError`` with ``.code`` (a ``grpc.StatusCode``) and the
 server's message. Leaving a stream early (``break``, ``.cancel()``, a timeout) cancels the call,
 which aborts the request in the engine.
@@ -24,6 +29,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.rpc import engine_pb2 as pb
 from engine.rpc import engine_pb2_grpc as pb_grpc
+from engine.rpc.client_embed import (Embeddings, RerankHit, Reranked, embed_request,  # noqa: F401 - re-exported
+                                     embeddings_from_proto, rerank_request, reranked_from_proto)
 
 Prompt = str | Sequence[int]
 Message = Mapping[str, Any]    # {"role": ..., "content": ..., "name"?, "tool_call_id"?, "tool_calls"?}
@@ -171,6 +178,14 @@ class ModelInfo:
     device: str
     attention_backend: str
     capabilities: frozenset[str]
+    embedding_model: str = ""              # empty: the engine serves no embedding model
+    embedding_dimension: int = 0
+    embedding_max_length: int = 0
+    embedding_normalize: bool = False
+    embedding_query_prefix: str = ""
+    embedding_document_prefix: str = ""
+    rerank_method: str = ""                # "cross-encoder" | "embedding-cosine"; empty: no rerank
+    rerank_model: str = ""
 
 
 @dataclass(frozen=True)
@@ -219,9 +234,14 @@ def chat_input(messages: Sequence[Message], tools: Sequence[Mapping] | None = No
 def generate_request(prompt: Prompt | None, options: SamplingOptions, request_id: str, *,
                      messages: Sequence[Message] | None = None, tools: Sequence[Mapping] | None = None,
                      add_generation_prompt: bool = True, add_special_tokens: bool | None = None,
-                     ) -> pb.GenerateRequest:
+                     suffix: str | None = None) -> pb.GenerateRequest:
+    """``suffix`` makes a fill-in-the-middle request: ``prompt`` (a text) is the prefix."""
     req = pb.GenerateRequest(request_id=request_id, sampling=options.to_proto())
-    if messages is not None:
+    if suffix is not None:
+        if not isinstance(prompt, str):
+            raise ValueError("prompt: infilling (suffix=...) needs a text prompt as the prefix")
+        req.infill.prefix, req.infill.suffix = prompt, suffix
+    elif messages is not None:
         req.chat.CopyFrom(chat_input(messages, tools, add_generation_prompt))
     elif isinstance(prompt, str):
         req.text = prompt
@@ -261,7 +281,9 @@ def _delta(request_id: str, c: pb.ChoiceDelta) -> Delta:
 
 def _model_info(m: pb.ModelInfo) -> ModelInfo:
     return ModelInfo(m.name, m.path, m.architecture, m.max_model_len, m.vocab_size, m.dtype, m.device,
-                     m.attention_backend, frozenset(m.capabilities))
+                     m.attention_backend, frozenset(m.capabilities), m.embedding_model, m.embedding_dimension,
+                     m.embedding_max_length, m.embedding_normalize, m.embedding_query_prefix,
+                     m.embedding_document_prefix, m.rerank_method, m.rerank_model)
 
 
 def _load(m: pb.LoadStats) -> LoadStats:
@@ -423,12 +445,14 @@ class EngineClient(_ClientBase):
             raise EngineRpcError.from_rpc_error(err) from None
 
     def generate(self, prompt: Prompt, options: SamplingOptions | None = None, *, request_id: str | None = None,
-                 timeout: float | None = None, add_special_tokens: bool | None = None,
+                 timeout: float | None = None, add_special_tokens: bool | None = None, suffix: str | None = None,
                  **sampling: Any) -> GenerationStream:
         """Stream a completion of a text or token-id prompt. Keyword sampling options
-        (``max_tokens=``, ``seed=``, ...) override those in ``options``."""
+        (``max_tokens=``, ``seed=``, ...) override those in ``options``. With ``suffix``, fill in
+        the middle between ``prompt`` and ``suffix`` (models with the "infilling" capability)."""
         rid = request_id or _new_request_id()
-        req = generate_request(prompt, _options(options, sampling), rid, add_special_tokens=add_special_tokens)
+        req = generate_request(prompt, _options(options, sampling), rid, add_special_tokens=add_special_tokens,
+                               suffix=suffix)
         return GenerationStream(self._stub.Generate(req, **self._kw(timeout)), rid)
 
     def chat(self, messages: Sequence[Message], options: SamplingOptions | None = None, *,
@@ -454,6 +478,23 @@ class EngineClient(_ClientBase):
         """Abort requests by id; returns those that were in flight."""
         r = self._unary(self._stub.Abort, pb.AbortRequest(request_ids=list(request_ids)), timeout)
         return list(r.aborted)
+
+    def embed(self, inputs: str | Sequence[str] | Sequence[Sequence[int]], *, normalize: bool | None = None,
+              dimensions: int | None = None, input_type: str | None = None, prefix: str | None = None,
+              truncate: bool | None = None, timeout: float | None = None) -> Embeddings:
+        """Embed texts (or token-id lists of the embedding model). ``input_type`` "query" /
+        "document" adds the model's prefix; ``dimensions`` keeps the first N values."""
+        req = embed_request(inputs, normalize=normalize, dimensions=dimensions, input_type=input_type,
+                            prefix=prefix, truncate=truncate)
+        return embeddings_from_proto(self._unary(self._stub.Embed, req, timeout))
+
+    def rerank(self, query: str | None = None, documents: Sequence[str] | None = None, *,
+               pairs: Sequence[tuple[str, str]] | None = None, top_n: int | None = None,
+               return_documents: bool = False, timeout: float | None = None) -> Reranked:
+        """Score documents against a query (results best first), or (query, document) pairs
+        (results in input order)."""
+        req = rerank_request(query, documents, pairs, top_n, return_documents)
+        return reranked_from_proto(self._unary(self._stub.Rerank, req, timeout))
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
         return _model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
@@ -516,10 +557,11 @@ class AsyncEngineClient(_ClientBase):
             raise EngineRpcError.from_rpc_error(err) from None
 
     def generate(self, prompt: Prompt, options: SamplingOptions | None = None, *, request_id: str | None = None,
-                 timeout: float | None = None, add_special_tokens: bool | None = None,
+                 timeout: float | None = None, add_special_tokens: bool | None = None, suffix: str | None = None,
                  **sampling: Any) -> AsyncGenerationStream:
         rid = request_id or _new_request_id()
-        req = generate_request(prompt, _options(options, sampling), rid, add_special_tokens=add_special_tokens)
+        req = generate_request(prompt, _options(options, sampling), rid, add_special_tokens=add_special_tokens,
+                               suffix=suffix)
         return AsyncGenerationStream(self._stub.Generate(req, **self._kw(timeout)), rid)
 
     def chat(self, messages: Sequence[Message], options: SamplingOptions | None = None, *,
@@ -545,6 +587,19 @@ class AsyncEngineClient(_ClientBase):
     async def abort(self, *request_ids: str, timeout: float | None = None) -> list[str]:
         r = await self._unary(self._stub.Abort, pb.AbortRequest(request_ids=list(request_ids)), timeout)
         return list(r.aborted)
+
+    async def embed(self, inputs: str | Sequence[str] | Sequence[Sequence[int]], *, normalize: bool | None = None,
+                    dimensions: int | None = None, input_type: str | None = None, prefix: str | None = None,
+                    truncate: bool | None = None, timeout: float | None = None) -> Embeddings:
+        req = embed_request(inputs, normalize=normalize, dimensions=dimensions, input_type=input_type,
+                            prefix=prefix, truncate=truncate)
+        return embeddings_from_proto(await self._unary(self._stub.Embed, req, timeout))
+
+    async def rerank(self, query: str | None = None, documents: Sequence[str] | None = None, *,
+                     pairs: Sequence[tuple[str, str]] | None = None, top_n: int | None = None,
+                     return_documents: bool = False, timeout: float | None = None) -> Reranked:
+        req = rerank_request(query, documents, pairs, top_n, return_documents)
+        return reranked_from_proto(await self._unary(self._stub.Rerank, req, timeout))
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
         return _model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))

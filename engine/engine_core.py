@@ -24,7 +24,7 @@ from engine import envs
 from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthError, QueueFullError
+from engine.errors import ContextLengthError, QueueFullError, UnsupportedError
 from engine.kv_cache import KVCacheManager, num_blocks_for_budget
 from engine.loaders import LoadedModel, load_model, resolve_dtype
 from engine.model_runner import ModelRunner
@@ -36,6 +36,8 @@ from engine.scheduler import Scheduler
 log = logging.getLogger("sluice.engine")
 
 FAULT_MARKER = "<<sluice-fault>>"
+# CodeLlama ends an infilled middle with <EOT> (SentencePiece spelling "▁<EOT>"), not with eos.
+_END_OF_INFILL = ("\u2581<EOT>", "<EOT>")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,49 @@ class _Group:
     choices: list[_Choice] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class InfillPrompt:
+    token_ids: list[int]               # the fill-in-the-middle prompt, special tokens included
+    stop_token_ids: tuple[int, ...]    # end-of-infill tokens that are not already eos
+
+
+def build_infill_prompt(tokenizer, prefix: str, suffix: str) -> InfillPrompt:
+    """Prefix-suffix-middle prompt from the tokenizer's own FIM tokens, as token ids:
+    ``[bos?] PRE enc(prefix) SUF enc'(suffix) MID``. StarCoder-style (``<fim_prefix>{prefix}
+    <fim_suffix>{suffix}<fim_middle>``, no BOS) and CodeLlama alike: CodeLlama's documented text
+    form is ``<s> <PRE> {prefix} <SUF>{suffix} <MID>`` (transformers' CodeLlamaTokenizer,
+    ``set_infilling_processor``; Meta's ``infilling_prompt_tokens``), i.e. the prefix keeps
+    SentencePiece's leading-space marker and the suffix is encoded without it (``enc'``)."""
+    fim = tokenizer.fim_tokens
+    if fim is None:
+        raise UnsupportedError("infill: the model's tokenizer has no fill-in-the-middle tokens")
+    for name, value in (("infill.prefix", prefix), ("infill.suffix", suffix)):
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: must be a string, got {type(value).__name__}")
+    if not prefix and not suffix:
+        raise ValueError("infill: prefix and suffix must not both be empty")
+    probe = tokenizer.encode("a", add_special_tokens=True)
+    bos = [probe[0]] if tokenizer.bos_token_id is not None and probe[:1] == [tokenizer.bos_token_id] else []
+    pre = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+    suf = _encode_continuation(tokenizer, suffix) if suffix else []
+    stops = (tokenizer.token_to_id(t) for t in _END_OF_INFILL)
+    extra = tuple(dict.fromkeys(t for t in stops if t is not None and t not in tokenizer.eos_token_ids))
+    return InfillPrompt([*bos, fim.prefix, *pre, fim.suffix, *suf, fim.middle], extra)
+
+
+def _encode_continuation(tokenizer, text: str) -> list[int]:
+    """``text``'s ids as the continuation of earlier text: without the space marker a
+    SentencePiece-style tokenizer prepends to the start of a text (Meta's ``encode_infilling``
+    trick: encode behind an anchor, drop the anchor's ids). Byte-level BPE adds no marker."""
+    plain = tokenizer.encode(text, add_special_tokens=False)
+    first = tokenizer.id_to_token(tokenizer.encode("a", add_special_tokens=False)[0]) or ""
+    if not first.startswith("\u2581"):
+        return plain
+    anchor = tokenizer.encode("\n", add_special_tokens=False)
+    joined = tokenizer.encode("\n" + text, add_special_tokens=False)
+    return joined[len(anchor):] if joined[:len(anchor)] == anchor else plain
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -89,6 +134,9 @@ def resolve_device(name: str) -> torch.device:
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        if config.scheduler.num_speculative_tokens:
+            # The scheduler's budget already carries draft tokens; no proposer exists yet.
+            raise ValueError("num_speculative_tokens: speculative decoding is not implemented yet")
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.device.dtype, device)
         threads = config.device.num_threads or envs.num_threads()
@@ -106,7 +154,8 @@ class EngineCore:
         self.runner = ModelRunner(
             self.loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim, num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size,
-            device=device, dtype=dtype, attn=attn, seed=config.seed,
+            device=device, dtype=dtype, attn=attn, sampler_backend=config.device.sampler_backend,
+            seed=config.seed,
         )
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
         if getattr(self.tokenizer, "fim_tokens", None):
@@ -158,6 +207,12 @@ class EngineCore:
         if not messages:
             raise ValueError("messages: must hold at least one message")
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
+    def render_infill(self, prefix: str, suffix: str) -> InfillPrompt:
+        if "infilling" not in self.model_info.capabilities:
+            raise UnsupportedError(f"infill: model {self.model_info.name} does not support infilling "
+                                   "(its tokenizer has no fill-in-the-middle tokens)")
+        return build_infill_prompt(self.tokenizer, prefix, suffix)
 
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):

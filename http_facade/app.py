@@ -2,7 +2,7 @@
 
 Middleware order (outermost first): CORS (preflight answers, headers on every response, errors
 included) → errors (``ApiError``, aiohttp's HTTP errors, gRPC errors and real faults → the
-OpenAI error shape; never a stack trace) → auth (API keys).
+OpenAI error shape, or the AFS one under ``/models/``; never a stack trace) → auth (API keys).
 """
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import logging
 import grpc
 from aiohttp import web
 
-from http_facade import routes_openai
+from http_facade import routes_afs, routes_embeddings, routes_openai
+from http_facade.afs_errors import afs_error_body, is_afs_path
 from http_facade.engine_link import EngineLink
 from http_facade.errors import ApiError, from_rpc_error, internal, unavailable
 from http_facade.openapi import ENDPOINTS, docs_page, openapi_document
@@ -54,24 +55,25 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     try:
         response = await handler(request)
     except ApiError as err:
-        response = _error_response(err)
+        response = _error_response(request, err)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        response = _error_response(_from_http_exception(request, exc, state.config.max_body_bytes))
+        response = _error_response(request, _from_http_exception(request, exc, state.config.max_body_bytes))
     except grpc.aio.AioRpcError as err:
-        response = _error_response(from_rpc_error(err))
+        response = _error_response(request, from_rpc_error(err))
     except (asyncio.CancelledError, ConnectionError):
         raise   # the client is gone: nothing to answer
     except Exception:  # noqa: BLE001 - a real fault: log it, tell the client only that it happened
         log.exception("unhandled error on %s %s", request.method, request.path)
-        response = _error_response(internal())
+        response = _error_response(request, internal())
     state.metrics.count(_route_name(request), response.status)
     return response
 
 
-def _error_response(err: ApiError) -> web.Response:
-    return web.json_response(err.body(), status=err.status, headers=err.headers)
+def _error_response(request: web.Request, err: ApiError) -> web.Response:
+    body = afs_error_body(err) if is_afs_path(request.path) else err.body()   # each dialect its own shape
+    return web.json_response(body, status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -141,7 +143,12 @@ _HANDLERS = {
     ("GET", "/v1/models/{model}"): routes_openai.get_model,
     ("POST", "/v1/chat/completions"): routes_openai.chat_completions,
     ("POST", "/v1/completions"): routes_openai.completions,
-    ("POST", "/v1/embeddings"): routes_openai.embeddings,
+    ("POST", "/v1/embeddings"): routes_embeddings.embeddings,
+    ("POST", "/models/conversation"): routes_afs.conversation,
+    ("POST", "/models/generate"): routes_afs.generate,
+    ("POST", "/models/text_infilling"): routes_afs.text_infilling,
+    ("POST", "/models/embeddings"): routes_afs.embeddings,
+    ("POST", "/models/rerank"): routes_afs.rerank,
     ("GET", "/health"): health,
     ("GET", "/ready"): ready,
     ("GET", "/metrics"): metrics,
@@ -151,11 +158,14 @@ _HANDLERS = {
 }
 
 
-def build_app(config: FacadeConfig, link: EngineLink | None = None) -> web.Application:
-    """The facade app. ``link`` defaults to a channel to ``config.engine_addr`` (closed on cleanup)."""
+def build_app(config: FacadeConfig, link: EngineLink | None = None,
+              afs: routes_afs.AfsConfig | None = None) -> web.Application:
+    """The facade app. ``link`` defaults to a channel to ``config.engine_addr`` (closed on cleanup);
+    ``afs``: the AFS dialect's options (ping interval, query prefix)."""
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[cors_middleware, error_middleware, auth_middleware])
     app[STATE_KEY] = FacadeState(config, link or EngineLink(config.engine_addr))
+    app[routes_afs.AFS_CONFIG] = afs or routes_afs.AfsConfig()
     for ep in ENDPOINTS:
         app.router.add_route(ep.method, ep.path, _HANDLERS[(ep.method, ep.path)])
 

@@ -1,8 +1,8 @@
 """Optional API keys, compared in constant time.
 
 A request's key is taken by the first ``KeyExtractor`` that finds one; the default reads
-``Authorization: Bearer <key>``. A dialect that uses another header (AFS's ``X-API-KEY``) adds
-its extractor to ``AuthPolicy.extractors`` rather than editing the middleware.
+``Authorization: Bearer <key>``, then AFS's ``X-API-KEY: <key>``; both are checked against the
+same keys in constant time, on every route. Another dialect's header is another extractor.
 """
 from __future__ import annotations
 
@@ -30,14 +30,16 @@ def bearer_key(request: web.Request) -> str | None:
 
 
 def x_api_key(request: web.Request) -> str | None:
-    """The AFS dialect's header; add it to ``AuthPolicy.extractors`` to accept it."""
-    return request.headers.get("X-API-KEY") or None
+    """The AFS dialect's header (header names are case-insensitive: ``X-API-Key`` too). Its
+    companion ``X-API-HOST`` routes requests inside AFS's own gateway; here it is ignored."""
+    key = request.headers.get("X-API-KEY", "").strip()
+    return key or None
 
 
 @dataclass(frozen=True)
 class AuthPolicy:
     keys: tuple[str, ...] = ()
-    extractors: tuple[KeyExtractor, ...] = (bearer_key,)
+    extractors: tuple[KeyExtractor, ...] = (bearer_key, x_api_key)
     public_paths: frozenset[str] = field(default=PUBLIC_PATHS)
 
     @property
@@ -57,7 +59,8 @@ class AuthPolicy:
             return
         presented = next((k for k in (ex(request) for ex in self.extractors) if k), None)
         if presented is None:
-            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", "invalid_request_error",
+            raise ApiError(401, "missing API key: send 'Authorization: Bearer <key>' or 'X-API-KEY: <key>'",
+                           "invalid_request_error",
                            None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
         if not self.accepts(presented):
             raise ApiError(401, "incorrect API key provided", "invalid_request_error", None, "invalid_api_key",

@@ -19,6 +19,7 @@ from aiohttp import web
 from http_facade.app import build_app
 from http_facade.auth import AuthPolicy, load_keys
 from http_facade.cors import CorsPolicy, parse_json_list
+from http_facade.routes_afs import AfsConfig
 from http_facade.state import DEFAULT_MAX_BODY_BYTES, FacadeConfig
 
 log = logging.getLogger("sluice.facade")
@@ -43,6 +44,10 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat max_tokens when a request sets none (default: until the context window)")
     p.add_argument("--enable-tracing", action="store_true",
                    help="log per-request events with timings; served at POST /debug/dump_event_trace")
+    p.add_argument("--afs-ping-interval", type=float, default=15.0, metavar="S",
+                   help="AFS streams: seconds without a record before an 'event: ping' (default: 15)")
+    p.add_argument("--afs-query-prefix", default=None, metavar="TEXT",
+                   help="AFS embeddings: prefix for input_type 'query' (default: the embedding model's own)")
 
 
 def add_facade_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +68,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests may run on after SIGTERM (default: 30)")
     parser.add_argument("--ready-timeout", type=float, default=600.0,
                         help="seconds to wait for the engine to load (default: 600)")
+    parser.add_argument("--embedding-model", default=None, metavar="PATH_OR_NAME",
+                        help="the engine's embedding model, or 'none' (default: the engine's: the packaged "
+                             "all-MiniLM-L6-v2 when installed)")
+    parser.add_argument("--rerank-model", default=None, metavar="PATH",
+                        help="a cross-encoder folder for rerank (default: the embedding model's cosine similarity)")
     _add_http_arguments(parser)
+
+
+def afs_config(args: argparse.Namespace) -> AfsConfig:
+    """Raises ValueError naming the flag for a bad value."""
+    try:
+        return AfsConfig(ping_interval_s=args.afs_ping_interval, query_prefix=args.afs_query_prefix)
+    except ValueError as exc:
+        raise ValueError(f"--afs-ping-interval: {exc}") from None
 
 
 def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
@@ -81,9 +99,10 @@ def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
 
 
 # ---------------------------------------------------------------------------------- running
-async def serve_facade(config: FacadeConfig, host: str, port: int, stop: asyncio.Event) -> None:
+async def serve_facade(config: FacadeConfig, host: str, port: int, stop: asyncio.Event,
+                       afs: AfsConfig | None = None) -> None:
     """Serve until ``stop`` is set. Disconnected clients cancel their handlers (and engine requests)."""
-    runner = web.AppRunner(build_app(config), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(config, afs=afs), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)
@@ -104,23 +123,24 @@ def run_facade(engine_addr: str, host: str = "127.0.0.1", port: int = 8000, api_
     return asyncio.run(_run_until_signal(config, host, port))
 
 
-async def _run_until_signal(config: FacadeConfig, host: str, port: int) -> int:
+async def _run_until_signal(config: FacadeConfig, host: str, port: int, afs: AfsConfig | None = None) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await serve_facade(config, host, port, stop)
+    await serve_facade(config, host, port, stop, afs)
     return 0
 
 
 def main_facade(args: argparse.Namespace) -> int:
     try:
         config = facade_config(args, args.engine)
+        afs = afs_config(args)
     except ValueError as exc:
         print(f"sluice facade: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_run_until_signal(config, args.host, args.port))
+        return asyncio.run(_run_until_signal(config, args.host, args.port, afs))
     except OSError as exc:   # e.g. the port is taken
         print(f"sluice facade: error: {exc}", file=sys.stderr)
         return 1

@@ -24,6 +24,8 @@ log = logging.getLogger("sluice.facade.engine")
 _MAX_MESSAGE_BYTES = 64 << 20
 _UNARY_TIMEOUT_S = 10.0
 _MODELS_TTL_S = 5.0
+# Embed / Rerank run a whole batch through the encoder in one call: give them longer.
+_ENCODER_TIMEOUT_FACTOR = 6
 
 
 class EngineLink:
@@ -98,6 +100,8 @@ class EngineLink:
                                            timeout=self.unary_timeout_s)
         return resp.text
 
-    async def embed(self, texts: list[str], normalize: bool = True) -> pb.EmbedResponse:
-        return await self._stub.Embed(pb.EmbedRequest(texts=texts, normalize=normalize),
-                                      timeout=self.unary_timeout_s * 6)
+    async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
+        return await self._stub.Embed(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR)
+
+    async def rerank(self, request: pb.RerankRequest) -> pb.RerankResponse:
+        return await self._stub.Rerank(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR)

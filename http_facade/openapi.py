@@ -38,10 +38,48 @@ _COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": 
                          {"type": "array", "items": {"type": "integer"}},
                          {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]},
     "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}, "echo": {"type": "boolean"}, **_SAMPLING}}
+_EMBED_INPUT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
+                          {"type": "array", "items": {"type": "integer"}},
+                          {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
 _EMBED = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string"}, "input": _EMBED_INPUT,
+    "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer", "minimum": 1}}}
+
+# ---- AFS (/models/...): see http_facade/routes_afs.py and afs_errors.py
+_AFS_ERROR = {"type": "object", "properties": {
+    "status_code": {"type": "integer"}, "error": {"type": "string"}, "detail": {"type": "string"},
+    "param": {"type": ["string", "null"]}}}
+_AFS_PARAMS = {"type": "object", "properties": {
+    "max_new_tokens": {"type": "integer", "minimum": 1, "default": 350},
+    "temperature": {"type": "number", "exclusiveMinimum": 0, "default": 1.0},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
+    "top_k": {"type": "integer", "minimum": 1, "maximum": 100, "default": 50},
+    "frequence_penalty": {"type": "number", "exclusiveMinimum": 0, "default": 1.0},
+    "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    "show_probabilities": {"type": "boolean", "default": False},
+    "seed": {"type": ["integer", "null"], "minimum": 0, "default": 42}}}
+_AFS_CONVERSATION = {"type": "object", "required": ["model", "messages"], "properties": {
     "model": {"type": "string"},
-    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "encoding_format": {"enum": ["float", "base64"]}}}
+    "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
+        "role": {"enum": ["system", "human", "user", "assistant", "function"]},
+        "content": {"type": ["string", "null"]}, "name": {"type": "string"},
+        "function_call": {"type": "object"}}}},
+    "functions": {"type": "array", "items": {"type": "object", "required": ["name"]}},
+    "parameters": _AFS_PARAMS, "stream": {"type": "boolean"}}}
+_AFS_GENERATE = {"type": "object", "required": ["model", "inputs"], "properties": {
+    "model": {"type": "string"}, "inputs": {"type": "string"}, "parameters": _AFS_PARAMS,
+    "stream": {"type": "boolean"}}}
+_AFS_EMBED = {"type": "object", "required": ["model"], "properties": {
+    "model": {"type": "string"}, "inputs": {"type": "array", "items": {"type": "string"}}, "input": _EMBED_INPUT,
+    "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer", "minimum": 0},
+    "parameters": {"type": "object", "properties": {"input_type": {"enum": ["query", "document"]},
+                                                    "normalize": {"type": "boolean", "default": True}}}}}
+_AFS_RERANK = {"type": "object", "required": ["model"], "properties": {
+    "model": {"type": "string"},
+    "inputs": {"type": "array", "items": {"type": "array", "items": {"type": "string"}, "minItems": 2,
+                                          "maxItems": 2}},
+    "query": {"type": "string"}, "documents": {"type": "array", "items": {"type": "string"}},
+    "parameters": {"type": "object", "properties": {"top_n": {"type": "integer", "minimum": 1, "default": 3}}}}}
 
 
 @dataclass(frozen=True)
@@ -51,6 +89,7 @@ class Endpoint:
     summary: str
     public: bool = False              # no API key needed
     schema: dict | None = None        # the JSON request body, for POST
+    dialect: str = "openai"           # "afs": X-API-KEY security and the AFS error body
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -59,6 +98,16 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/v1/chat/completions", "Chat completion, streaming (SSE) or not", schema=_CHAT),
     Endpoint("POST", "/v1/completions", "Text completion, streaming (SSE) or not", schema=_COMPLETION),
     Endpoint("POST", "/v1/embeddings", "Embeddings (models with the embeddings capability)", schema=_EMBED),
+    Endpoint("POST", "/models/conversation", "AFS: chat (human/assistant/system/function), streaming or not",
+             schema=_AFS_CONVERSATION, dialect="afs"),
+    Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=_AFS_GENERATE,
+             dialect="afs"),
+    Endpoint("POST", "/models/text_infilling", "AFS: fill the one <FILL_ME> (models with FIM tokens)",
+             schema=_AFS_GENERATE, dialect="afs"),
+    Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)", schema=_AFS_EMBED,
+             dialect="afs"),
+    Endpoint("POST", "/models/rerank", "AFS: rerank [query, document] pairs or query + documents",
+             schema=_AFS_RERANK, dialect="afs"),
     Endpoint("GET", "/health", "Liveness: the facade process is up", public=True),
     Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True),
     Endpoint("GET", "/metrics", "Prometheus metrics"),
@@ -71,20 +120,23 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 def openapi_document(title: str = "sluice", version: str = "0.1.0") -> dict:
     paths: dict[str, dict] = {}
     for ep in ENDPOINTS:
+        error = _AFS_ERROR if ep.dialect == "afs" else _ERROR
         op: dict = {"summary": ep.summary, "responses": {
             "200": {"description": "OK"},
-            "default": {"description": "Error", "content": {"application/json": {"schema": _ERROR}}}}}
+            "default": {"description": "Error", "content": {"application/json": {"schema": error}}}}}
         if not ep.public:
-            op["security"] = [{"bearer": []}]
+            op["security"] = [{"bearer": []}, {"x_api_key": []}]
         if ep.schema is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ep.schema}}}
         if "{model}" in ep.path:
             op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
         paths.setdefault(ep.path, {})[ep.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": version,
-                                         "description": "OpenAI- and MLC-compatible REST API of sluice"},
+                                         "description": "OpenAI-, MLC- and AFS-compatible REST API of sluice"},
             "paths": paths,
-            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}}}
+            "components": {"securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "x_api_key": {"type": "apiKey", "in": "header", "name": "X-API-KEY"}}}}
 
 
 def docs_page() -> str:
@@ -96,8 +148,10 @@ def docs_page() -> str:
 <html><head><meta charset="utf-8"><title>sluice API</title>
 <style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 12px;text-align:left}}</style></head>
 <body><h1>sluice REST API</h1>
-<p>OpenAI-compatible endpoints under <code>/v1</code>. Machine-readable:
-<a href="/openapi.json">/openapi.json</a>. Keys go in <code>Authorization: Bearer &lt;key&gt;</code>.</p>
+<p>OpenAI-compatible endpoints under <code>/v1</code>; the AFS (Formosa Foundation Model) API under
+<code>/models</code>. Machine-readable: <a href="/openapi.json">/openapi.json</a>. Keys go in
+<code>Authorization: Bearer &lt;key&gt;</code> or <code>X-API-KEY: &lt;key&gt;</code> (<code>X-API-HOST</code>
+is ignored). AFS errors are <code>{"status_code", "error", "detail", "param"}</code>.</p>
 <table><tr><th>method</th><th>path</th><th>what</th><th>API key</th></tr>
 {rows}
 </table></body></html>

@@ -1,4 +1,4 @@
-"""OpenAI routes: /v1/models, /v1/chat/completions, /v1/completions, /v1/embeddings.
+"""OpenAI routes: /v1/models, /v1/chat/completions, /v1/completions (/v1/embeddings: routes_embeddings).
 
 A generation request is validated (``protocol``), its model resolved, then run as one engine
 stream per prompt (``generation.run_plan``). Streaming responses prepare the SSE response only
@@ -11,19 +11,16 @@ which cancels and aborts the engine requests.
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
-import struct
 import time
 import uuid
 
-import grpc
 from aiohttp import web
 
 from engine.rpc import engine_pb2 as pb
 from http_facade import protocol, shapes
-from http_facade.errors import ApiError, bad_request, from_rpc_error
+from http_facade.errors import ApiError
 from http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
 from http_facade.sse import SSEWriter
 from http_facade.state import FacadeState, state_of
@@ -194,44 +191,3 @@ def _chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta) -> lis
     if delta.HasField("final"):
         out.append(shapes.completion_chunk(env, choice.index, "", shapes.finish_reason(delta.final), None, with_usage))
     return out
-
-
-# ------------------------------------------------------------------------------ embeddings
-async def embeddings(request: web.Request) -> web.Response:
-    state = state_of(request)
-    body = protocol.parse_json(await request.read())
-    model = await state.resolve_model(protocol.get_model(body))
-    texts = _embedding_inputs(body.get("input"))
-    fmt = body.get("encoding_format") or "float"
-    if fmt not in ("float", "base64"):
-        raise bad_request("encoding_format: must be 'float' or 'base64'", "encoding_format")
-    if body.get("dimensions") is not None:
-        raise bad_request("dimensions: not supported (the model's own dimension is returned)", "dimensions")
-    unsupported = bad_request(f"model {model.name} does not support embeddings (it is a "
-                              f"{'/'.join(model.capabilities) or 'generation'} model)", "model", "model_not_supported")
-    if "embeddings" not in model.capabilities:
-        raise unsupported
-    try:
-        resp = await state.link.embed(texts)
-    except grpc.aio.AioRpcError as err:
-        raise (unsupported if err.code() == grpc.StatusCode.UNIMPLEMENTED else from_rpc_error(err)) from None
-    data = [{"object": "embedding", "index": i, "embedding": _encode(list(e.values), fmt)}
-            for i, e in enumerate(resp.embeddings)]
-    tokens = resp.usage.prompt_tokens
-    return web.json_response({"object": "list", "data": data, "model": model.name,
-                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
-
-
-def _embedding_inputs(value) -> list[str]:
-    if isinstance(value, str) and value:
-        return [value]
-    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
-        return value
-    raise bad_request("input: must be a non-empty string or a list of non-empty strings "
-                      "(token-id input is not supported)", "input")
-
-
-def _encode(values: list[float], fmt: str) -> list[float] | str:
-    if fmt == "float":
-        return values
-    return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode("ascii")

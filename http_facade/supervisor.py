@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from http_facade.auth import ENV_KEYS
-from http_facade.cli import facade_config
+from http_facade.cli import afs_config, facade_config
 
 log = logging.getLogger("sluice.serve")
 
@@ -165,17 +165,24 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     engine_port = args.engine_port or free_port()
     engine_addr = f"127.0.0.1:{engine_port}"
     config = facade_config(args, engine_addr)   # validates CORS lists, key file, body limit
+    afs = afs_config(args)
     if any("," in k for k in config.auth.keys):
         raise ValueError("--api-key: keys must not contain commas")
     engine_cmd = (sys.executable, "-m", "engine.cli", "engine", args.model, "--host", "127.0.0.1",
                   "--port", str(engine_port), "--device", args.device, "--mode", args.mode,
                   "--overrides", args.overrides, "--grace", str(args.grace))
+    for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model)):
+        if value is not None:   # unset: the engine's own default
+            engine_cmd += (flag, value)
     facade_cmd = [sys.executable, "-m", "http_facade.cli", "facade", "--engine", engine_addr,
                   "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
                   "--allowed-origins", args.allowed_origins, "--allowed-methods", args.allowed_methods,
                   "--allowed-headers", args.allowed_headers]
     if args.default_max_tokens is not None:
         facade_cmd += ["--default-max-tokens", str(args.default_max_tokens)]
+    facade_cmd += ["--afs-ping-interval", str(afs.ping_interval_s)]
+    if afs.query_prefix is not None:
+        facade_cmd += ["--afs-query-prefix", afs.query_prefix]
     facade_cmd += ["--allow-credentials"] * args.allow_credentials + ["--enable-tracing"] * args.enable_tracing
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return ServePlan(engine_cmd, tuple(facade_cmd), engine_addr, f"http://{host}:{args.port}",

@@ -10,9 +10,11 @@ from typing import TYPE_CHECKING, Callable
 
 from engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from engine.rpc import engine_pb2 as pb
+from engine.rpc.convert_embed import embedding_info
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from engine.embedding import EmbeddingEngine
     from engine.engine_core import LoadStats, ModelInfo
 
 # proto3 `optional` scalars copied as-is when present; unset means the engine's default.
@@ -126,11 +128,12 @@ def _logprob_to_proto(lp: TokenLogprob, msg: pb.TokenLogprob, token_text: Callab
         msg.top.add(token_id=tok, logprob=logprob, token=token_text(tok))
 
 
-def model_info_to_proto(info: ModelInfo) -> pb.ModelInfo:
+def model_info_to_proto(info: ModelInfo, embedding: EmbeddingEngine | None = None) -> pb.ModelInfo:
+    caps, extra = embedding_info(embedding)
     return pb.ModelInfo(
         name=info.name, path=info.path, architecture=info.architecture, max_model_len=info.max_model_len,
         vocab_size=info.vocab_size, dtype=info.dtype, device=info.device,
-        attention_backend=info.attention_backend, capabilities=sorted(info.capabilities),
+        attention_backend=info.attention_backend, capabilities=sorted(info.capabilities | caps), **extra,
     )
 
 

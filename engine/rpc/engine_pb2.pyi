@@ -22,6 +22,12 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
     FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class EmbedInputType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EMBED_INPUT_TYPE_UNSPECIFIED: _ClassVar[EmbedInputType]
+    EMBED_INPUT_TYPE_DOCUMENT: _ClassVar[EmbedInputType]
+    EMBED_INPUT_TYPE_QUERY: _ClassVar[EmbedInputType]
 ROLE_UNSPECIFIED: Role
 ROLE_SYSTEM: Role
 ROLE_USER: Role
@@ -32,6 +38,9 @@ FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 FINISH_REASON_ERROR: FinishReason
+EMBED_INPUT_TYPE_UNSPECIFIED: EmbedInputType
+EMBED_INPUT_TYPE_DOCUMENT: EmbedInputType
+EMBED_INPUT_TYPE_QUERY: EmbedInputType
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls_json")
@@ -114,21 +123,31 @@ class SamplingParams(_message.Message):
     skip_special_tokens: bool
     def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_unlimited: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
 
+class InfillInput(_message.Message):
+    __slots__ = ("prefix", "suffix")
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    SUFFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: str
+    suffix: str
+    def __init__(self, prefix: _Optional[str] = ..., suffix: _Optional[str] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "sampling", "add_special_tokens")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "infill", "sampling", "add_special_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
+    INFILL_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
     chat: ChatInput
+    infill: InfillInput
     sampling: SamplingParams
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., infill: _Optional[_Union[InfillInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -263,7 +282,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "architecture", "max_model_len", "vocab_size", "dtype", "device", "attention_backend", "capabilities")
+    __slots__ = ("name", "path", "architecture", "max_model_len", "vocab_size", "dtype", "device", "attention_backend", "capabilities", "embedding_model", "embedding_dimension", "embedding_max_length", "embedding_normalize", "embedding_query_prefix", "embedding_document_prefix", "rerank_method", "rerank_model")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +292,14 @@ class ModelInfo(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_MODEL_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIMENSION_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_QUERY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DOCUMENT_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    RERANK_METHOD_FIELD_NUMBER: _ClassVar[int]
+    RERANK_MODEL_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     architecture: str
@@ -282,7 +309,15 @@ class ModelInfo(_message.Message):
     device: str
     attention_backend: str
     capabilities: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ...) -> None: ...
+    embedding_model: str
+    embedding_dimension: int
+    embedding_max_length: int
+    embedding_normalize: bool
+    embedding_query_prefix: str
+    embedding_document_prefix: str
+    rerank_method: str
+    rerank_model: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., embedding_model: _Optional[str] = ..., embedding_dimension: _Optional[int] = ..., embedding_max_length: _Optional[int] = ..., embedding_normalize: _Optional[bool] = ..., embedding_query_prefix: _Optional[str] = ..., embedding_document_prefix: _Optional[str] = ..., rerank_method: _Optional[str] = ..., rerank_model: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -315,39 +350,87 @@ class LoadStats(_message.Message):
     def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_in_flight: _Optional[int] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
-    __slots__ = ("texts", "normalize")
+    __slots__ = ("texts", "normalize", "token_ids", "dimensions", "input_type", "prefix", "truncate")
     TEXTS_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    INPUT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_FIELD_NUMBER: _ClassVar[int]
     texts: _containers.RepeatedScalarFieldContainer[str]
     normalize: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ...) -> None: ...
+    token_ids: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    dimensions: int
+    input_type: EmbedInputType
+    prefix: str
+    truncate: bool
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., input_type: _Optional[_Union[EmbedInputType, str]] = ..., prefix: _Optional[str] = ..., truncate: _Optional[bool] = ...) -> None: ...
 
 class Embedding(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "index", "num_tokens", "truncated")
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     values: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, values: _Optional[_Iterable[float]] = ...) -> None: ...
+    index: int
+    num_tokens: int
+    truncated: bool
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
-    __slots__ = ("embeddings", "usage")
+    __slots__ = ("embeddings", "usage", "model")
     EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     embeddings: _containers.RepeatedCompositeFieldContainer[Embedding]
     usage: Usage
-    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    model: str
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[Embedding, _Mapping]]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+
+class RerankPair(_message.Message):
+    __slots__ = ("query", "document")
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    query: str
+    document: str
+    def __init__(self, query: _Optional[str] = ..., document: _Optional[str] = ...) -> None: ...
 
 class RerankRequest(_message.Message):
-    __slots__ = ("query", "documents")
+    __slots__ = ("query", "documents", "pairs", "top_n", "return_documents")
     QUERY_FIELD_NUMBER: _ClassVar[int]
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    TOP_N_FIELD_NUMBER: _ClassVar[int]
+    RETURN_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     query: str
     documents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ...) -> None: ...
+    pairs: _containers.RepeatedCompositeFieldContainer[RerankPair]
+    top_n: int
+    return_documents: bool
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[RerankPair, _Mapping]]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ...) -> None: ...
+
+class RerankResult(_message.Message):
+    __slots__ = ("index", "score", "document")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENT_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    score: float
+    document: str
+    def __init__(self, index: _Optional[int] = ..., score: _Optional[float] = ..., document: _Optional[str] = ...) -> None: ...
 
 class RerankResponse(_message.Message):
-    __slots__ = ("scores", "usage")
+    __slots__ = ("scores", "usage", "results", "method", "model")
     SCORES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
     scores: _containers.RepeatedScalarFieldContainer[float]
     usage: Usage
-    def __init__(self, scores: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    results: _containers.RepeatedCompositeFieldContainer[RerankResult]
+    method: str
+    model: str
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., results: _Optional[_Iterable[_Union[RerankResult, _Mapping]]] = ..., method: _Optional[str] = ..., model: _Optional[str] = ...) -> None: ...

@@ -131,9 +131,10 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Embed(self, request, context):
-        """Embeddings and reranking. Declared so that clients can be written against them; until the
-        embedding-model issue lands they answer UNIMPLEMENTED (always for a model without the
-        "embeddings" / "rerank" capability).
+        """Embeddings and reranking with the engine's BERT-family encoder (`--embedding-model`,
+        `--rerank-model`). An engine started without one answers UNIMPLEMENTED ("this engine serves
+        no embedding model; start it with --embedding-model"); GetModelInfo's capabilities list
+        "embeddings" / "rerank" when they are served. Bad input: INVALID_ARGUMENT naming the field.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -88,7 +88,10 @@ class EngineServer:
                 code = 1
             else:
                 await self._set_health(_SERVING)
-                log.info("engine ready: %s", self.engine.model_info.name)
+                emb = self.engine.embedding
+                log.info("engine ready: %s%s", self.engine.model_info.name,
+                         f" (embeddings: {emb.model.name if emb.model else 'none'}, rerank: {emb.rerank_method})"
+                         if emb is not None else "")
                 await stopping
         else:
             loaded.cancel()
@@ -107,9 +110,11 @@ class EngineServer:
 
 
 async def serve(core_factory: Callable, config: ServerConfig,
-                on_started: Callable[[int], None] | None = None) -> int:
-    """Run a server until SIGTERM or SIGINT; returns the process exit code."""
-    server = EngineServer(AsyncEngine(core_factory), config)
+                on_started: Callable[[int], None] | None = None,
+                embedding_factory: Callable | None = None) -> int:
+    """Run a server until SIGTERM or SIGINT; returns the process exit code. ``embedding_factory``
+    loads the optional embedding / rerank engine (after the chat model, on the engine thread)."""
+    server = EngineServer(AsyncEngine(core_factory, embedding_factory), config)
     port = await server.start()
     if on_started is not None:
         on_started(port)

@@ -1,9 +1,11 @@
 """The ``sluice.v1.Engine`` servicer: thin. Messages are converted at entry and exit
-(``engine.rpc.convert``); exceptions become status codes in ``engine.rpc.status``."""
+(``engine.rpc.convert``, ``engine.rpc.convert_embed``); exceptions become status codes in
+``engine.rpc.status``. Embed / Rerank run on the engine's embedding worker thread."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import uuid
 from typing import AsyncIterator
@@ -12,9 +14,10 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.errors import UnsupportedError
-from engine.rpc import convert
+from engine.rpc import convert, convert_embed
 from engine.rpc import engine_pb2 as pb
 from engine.rpc import engine_pb2_grpc as pb_grpc
+from engine.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name   # "sluice.v1.Engine"
 
@@ -27,7 +30,10 @@ class EngineServicer(pb_grpc.EngineServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
         params = convert.sampling_from_proto(request.sampling)
-        prompt, add_special = await self._prompt(request)
+        if request.WhichOneof("input") == "infill":
+            prompt, add_special, params = await self._infill(request.infill, params)
+        else:
+            prompt, add_special = await self._prompt(request)
         request_id = request.request_id or f"req-{uuid.uuid4().hex}"
         core = self.engine.core
         token_text = functools.lru_cache(maxsize=4096)(lambda t: core.tokenizer.decode([t], skip_special_tokens=False))
@@ -57,7 +63,14 @@ class EngineServicer(pb_grpc.EngineServicer):
         if kind == "chat":
             text = await self._render(request.chat)
             return text, False if explicit is None else explicit
-        raise ValueError("input: one of text, token_ids or chat is required")
+        raise ValueError("input: one of text, token_ids, chat or infill is required")
+
+    async def _infill(self, infill: pb.InfillInput, params: SamplingParams
+                      ) -> tuple[list[int], bool, SamplingParams]:
+        """The FIM prompt's ids, and the params with the model's end-of-infill token as a stop."""
+        built = await asyncio.to_thread(self.engine.core.render_infill, infill.prefix, infill.suffix)
+        extra = [t for t in built.stop_token_ids if t not in params.stop_token_ids]
+        return built.token_ids, False, dataclasses.replace(params, stop_token_ids=[*params.stop_token_ids, *extra])
 
     async def _render(self, chat: pb.ChatInput) -> str:
         messages, tools, add_gen = convert.chat_from_proto(chat)
@@ -98,26 +111,32 @@ class EngineServicer(pb_grpc.EngineServicer):
         return pb.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        return convert.model_info_to_proto(self.engine.model_info)
+        return convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[convert.model_info_to_proto(self.engine.model_info)])
+        info = convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
+        return pb.ListModelsResponse(models=[info])
 
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadStats:
         load = await self.engine.get_load()
         return convert.load_to_proto(load, self.engine.num_in_flight)
 
+    # ---- embeddings and rerank -------------------------------------------------------------------
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        self._unsupported("embeddings", "Embed")
+        emb = self.engine.embedding
+        if emb is None or emb.model is None:
+            raise UnsupportedError("Embed: this engine serves no embedding model; start it with --embedding-model")
+        model = emb.model
+        args = convert_embed.embed_from_proto(request, model)
+        result = await self.engine.embed(
+            lambda e: e.embed(args.inputs, normalize=args.normalize, dimensions=args.dimensions, prefix=args.prefix))
+        convert_embed.check_truncation(args, result, model.max_length)
+        return convert_embed.embed_to_proto(result, model.name)
 
     async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
-        self._unsupported("rerank", "Rerank")
-
-    def _unsupported(self, capability: str, rpc: str) -> None:
-        info = self.engine.model_info
-        if capability not in info.capabilities:
-            raise UnsupportedError(
-                f"{rpc}: model {info.name} does not support {capability} "
-                f"(capabilities: {', '.join(sorted(info.capabilities))})")
-        raise UnsupportedError(f"{rpc}: not implemented by this engine version")
+        if self.engine.embedding is None:
+            raise UnsupportedError("Rerank: this engine serves no embedding or rerank model; start it with "
+                                   "--embedding-model (cosine) or --rerank-model (cross-encoder)")
+        args = convert_embed.rerank_from_proto(request)
+        return await self.engine.embed(lambda e: convert_embed.run_rerank(e, args))

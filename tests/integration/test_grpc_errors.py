@@ -72,14 +72,15 @@ def test_out_of_range_when_the_prompt_exceeds_the_context_window(client: EngineC
 
 
 def test_unimplemented_for_a_capability_the_model_lacks(client: EngineClient) -> None:
+    # SmolLM2's tokenizer has no fill-in-the-middle tokens: infilling is a capability it lacks.
     with grpc.insecure_channel(client.target) as channel:
         stub = pb_grpc.EngineStub(channel)
-        for call, req, word in ((stub.Embed, pb.EmbedRequest(texts=["a"]), "embeddings"),
-                                (stub.Rerank, pb.RerankRequest(query="q", documents=["d"]), "rerank")):
-            with pytest.raises(grpc.RpcError) as info:
-                call(req, timeout=30)
-            assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-            assert f"does not support {word}" in info.value.details()
+        req = pb.GenerateRequest(infill=pb.InfillInput(prefix="def f(", suffix="):\n    pass"),
+                                 sampling=pb.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(req, timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "does not support infilling" in info.value.details()
 
 
 def test_internal_fault_in_one_request_leaves_the_others_running(client: EngineClient) -> None:

@@ -135,6 +135,7 @@ def test_abort_by_request_id_ends_the_stream(client: EngineClient) -> None:
 def test_model_info_and_list_models(client: EngineClient) -> None:
     info = client.model_info()
     assert info.max_model_len == 8192 and info.vocab_size == 49152
-    assert {"generate", "chat"} <= info.capabilities and "embeddings" not in info.capabilities
+    assert {"generate", "chat", "embeddings", "rerank"} <= info.capabilities
+    assert "infilling" not in info.capabilities
     assert info.device == "cpu" and info.dtype == "float32"
     assert client.list_models() == [info]

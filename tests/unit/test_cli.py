@@ -72,7 +72,7 @@ def test_engine_command_wires_mode_overrides_and_server_options(monkeypatch) -> 
     monkeypatch.setattr(overrides, "model_context_window", lambda model: 4096)
     monkeypatch.setattr(engine.engine_core, "EngineCore", lambda config, progress: built.append((config, progress)))
 
-    async def fake_serve(factory, server_config, on_started):
+    async def fake_serve(factory, server_config, on_started, embedding_factory=None):
         seen["server"] = server_config
         factory()                       # what the engine thread would call
         return 0
@@ -89,10 +89,13 @@ def test_engine_command_wires_mode_overrides_and_server_options(monkeypatch) -> 
     assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_waiting) == (128, 512, 7)
 
 
-def test_there_is_no_fake_serve_command(capsys) -> None:
-    """``sluice serve`` arrives with the HTTP facade; until then it must not pretend to exist."""
-    code, err = _exit(["serve", "smollm2"], capsys)
-    assert code == 2 and "invalid choice: 'serve'" in err
+def test_serve_and_facade_are_registered(capsys) -> None:
+    """``sluice serve`` / ``sluice facade`` come from the HTTP facade; a bad flag fails before
+    anything starts."""
+    code, err = _exit(["serve", "smollm2", "--overrides", "bogus=1"], capsys)
+    assert code == 2 and "overrides: unknown key 'bogus'" in err
+    code, err = _exit(["facade"], capsys)
+    assert code == 2 and "--engine" in err
 
 
 # ---- the offline commands, on the real default model (loaded once) -------------------------

@@ -245,7 +245,11 @@ async def test_auth_on_every_route(fake_engine):  # noqa: F811
                 resp = await client.request(ep.method, path, headers=headers, json={})
                 assert (resp.status != 401) == ok, (ep.method, path, headers, resp.status)
                 if resp.status == 401:
-                    assert (await resp.json())["error"]["code"] == "invalid_api_key"
+                    body = await resp.json()
+                    if path.startswith("/models/"):   # the AFS dialect has its own error body
+                        assert body["status_code"] == 401
+                    else:
+                        assert body["error"]["code"] == "invalid_api_key"
         ok = await client.post("/v1/chat/completions", json=_chat(), headers={"Authorization": f"Bearer {KEY}"})
         assert ok.status == 200
     finally:

@@ -1,0 +1,203 @@
+"""AFS / Formosa Foundation Model API routes (``/models/...``), as in ``shared/seeds/afs-api.md``.
+
+* ``POST /models/conversation``: ``messages`` (system / human (= user) / assistant / function)
+  and optional ``functions`` (see ``afs_functions``), ``parameters`` (see ``afs_protocol``),
+  ``stream``. Answer and stream records: see ``afs_generation``.
+* ``POST /models/generate``: ``inputs`` text, the same parameters, answer and stream.
+* ``POST /models/text_infilling``: ``inputs`` with exactly one ``<FILL_ME>``; the engine builds
+  the fill-in-the-middle prompt from the model's own FIM tokens. A model without them → 400.
+* ``POST /models/embeddings``: V1 ``inputs`` (list of strings) or V2 / OpenAI-style ``input``;
+  ``parameters.input_type`` query | document (default document; query adds the query prefix:
+  ``--afs-query-prefix``, else the embedding model's own), ``parameters.normalize`` (default
+  true), ``encoding_format`` float | base64, ``dimensions`` (0 = full).
+  Answer: ``{data: [{embedding, index, object}], total_time_taken, usage}``.
+* ``POST /models/rerank``: ``inputs`` as [query, document] pairs → ``{scores}`` in input order;
+  or ``query`` + ``documents`` + ``parameters.top_n`` (default 3) → ``{results: [{score,
+  index}]}`` best first. Both with ``usage`` and ``total_time_taken``.
+
+Keys: ``X-API-KEY`` (or ``Authorization: Bearer``), the same keys; ``X-API-HOST`` is ignored.
+Errors: ``afs_errors``. The model a request names must be served (404 otherwise); for
+embeddings and rerank the embedding model's own name is accepted too.
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engine.rpc import engine_pb2 as pb
+from http_facade import afs_protocol as ap
+from http_facade.afs_errors import invalid, unsupported
+from http_facade.afs_generation import run_afs
+from http_facade.errors import ApiError
+from http_facade.protocol import parse_json
+from http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
+                                           encoding_format, resolve_encoder)
+from http_facade.state import state_of
+
+DEFAULT_TOP_N = 3
+
+
+@dataclass(frozen=True)
+class AfsConfig:
+    ping_interval_s: float = 15.0       # SSE ping while no record is due
+    query_prefix: str | None = None     # input_type "query": None = the embedding model's own prefix
+
+    def __post_init__(self) -> None:
+        if not self.ping_interval_s > 0:
+            raise ValueError(f"ping_interval_s: must be > 0, got {self.ping_interval_s!r}")
+
+
+AFS_CONFIG: web.AppKey[AfsConfig] = web.AppKey("sluice_afs_config", AfsConfig)
+
+
+def _config(request: web.Request) -> AfsConfig:
+    return request.app.get(AFS_CONFIG) or AfsConfig()
+
+
+async def _body(request: web.Request) -> dict:
+    return parse_json(await request.read())
+
+
+def _elapsed(start: float) -> str:
+    return f"{time.monotonic() - start:.2f} sec"
+
+
+# ------------------------------------------------------------------------------ generation
+async def _generate(request: web.Request, gen: ap.AfsGeneration, capability: str | None = None
+                    ) -> web.StreamResponse:
+    state = state_of(request)
+    model = await state.resolve_model(gen.model)
+    if capability is not None and capability not in model.capabilities:
+        raise unsupported(f"model {model.name} does not support {capability} (its tokenizer has no "
+                          "fill-in-the-middle tokens)")
+    return await run_afs(request, state, gen, model, f"afs-{uuid.uuid4().hex}", _config(request).ping_interval_s)
+
+
+async def conversation(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, ap.parse_conversation(await _body(request)))
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, ap.parse_generate(await _body(request)))
+
+
+async def text_infilling(request: web.Request) -> web.StreamResponse:
+    body = await _body(request)
+    model = ap.parse_model(body)
+    text = body.get("inputs")
+    if not isinstance(text, str) or not text:
+        raise invalid("inputs: must be a non-empty string", "inputs")
+    prefix, suffix = ap.split_fill_me(text)
+    params = ap.parse_params(body)
+    req = pb.GenerateRequest(infill=pb.InfillInput(prefix=prefix, suffix=suffix), sampling=params.sampling())
+    return await _generate(request, ap.AfsGeneration(model, req, params, ap.parse_stream(body)), "infilling")
+
+
+# ------------------------------------------------------------------------------ embeddings
+def _sub_params(body: dict) -> dict:
+    params = body.get("parameters")
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise invalid("parameters: must be an object", "parameters")
+    return params
+
+
+def _embed_options(body: dict, config: AfsConfig) -> dict[str, Any]:
+    params = _sub_params(body)
+    kind = params.get("input_type", "document")
+    if kind not in ("query", "document"):
+        raise invalid(f"input_type: must be 'query' or 'document', got {kind!r}", "input_type")
+    normalize = params.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise invalid(f"normalize: must be true or false, got {normalize!r}", "normalize")
+    options: dict[str, Any] = {"normalize": normalize, "dimensions": dimensions(body, allow_zero=True)}
+    if kind == "query" and config.query_prefix is not None:
+        options["prefix"] = config.query_prefix
+    else:
+        options["input_type"] = pb.EMBED_INPUT_TYPE_QUERY if kind == "query" else pb.EMBED_INPUT_TYPE_DOCUMENT
+    return options
+
+
+def _embedding_inputs(body: dict):
+    has_v1, has_v2 = body.get("inputs") is not None, body.get("input") is not None
+    if has_v1 == has_v2:
+        raise invalid("inputs: give either inputs (V1) or input (V2), exactly one", "inputs")
+    return encoder_inputs(body["inputs"], "inputs") if has_v1 else encoder_inputs(body["input"], "input")
+
+
+async def embeddings(request: web.Request) -> web.Response:
+    start = time.monotonic()
+    state = state_of(request)
+    body = await _body(request)
+    model = await resolve_encoder(state, ap.parse_model(body), "embeddings")
+    inputs = _validated(_embedding_inputs, body)
+    fmt = _validated(encoding_format, body)
+    req = embed_request(inputs, **_validated(_embed_options, body, _config(request)))
+    resp = await call_encoder(state.link.embed, req, model, "embeddings")
+    data = [{"embedding": encode(list(e.values), fmt), "index": i, "object": "embedding"}
+            for i, e in enumerate(resp.embeddings)]
+    tokens = resp.usage.prompt_tokens
+    return web.json_response({"data": data, "total_time_taken": _elapsed(start),
+                              "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+def _validated(fn, *args):
+    """``fn(*args)``, its 400s as AFS's 422 (they are request-validation failures)."""
+    try:
+        return fn(*args)
+    except ApiError as err:
+        if err.status != 400:
+            raise
+        raise invalid(err.message, err.param) from None
+
+
+# ---------------------------------------------------------------------------------- rerank
+def _pairs(value: Any) -> list[pb.RerankPair]:
+    if not isinstance(value, list) or not value:
+        raise invalid("inputs: must be a non-empty list of [query, document] pairs", "inputs")
+    pairs = []
+    for i, p in enumerate(value):
+        if not (isinstance(p, list) and len(p) == 2 and all(isinstance(s, str) and s for s in p)):
+            raise invalid(f"inputs[{i}]: must be a [query, document] pair of non-empty strings", f"inputs[{i}]")
+        pairs.append(pb.RerankPair(query=p[0], document=p[1]))
+    return pairs
+
+
+def _rerank_request(body: dict) -> pb.RerankRequest:
+    if body.get("inputs") is not None:
+        if body.get("query") is not None or body.get("documents") is not None:
+            raise invalid("inputs: give inputs pairs, or query and documents, not both", "inputs")
+        return pb.RerankRequest(pairs=_pairs(body["inputs"]))
+    query, docs = body.get("query"), body.get("documents")
+    if not isinstance(query, str) or not query:
+        raise invalid("query: must be a non-empty string (or send inputs pairs)", "query")
+    if not isinstance(docs, list) or not docs:
+        raise invalid("documents: must be a non-empty list of strings", "documents")
+    bad = next((i for i, d in enumerate(docs) if not isinstance(d, str) or not d), None)
+    if bad is not None:
+        raise invalid(f"documents[{bad}]: must be a non-empty string", f"documents[{bad}]")
+    top_n = _sub_params(body).get("top_n", DEFAULT_TOP_N)
+    if top_n is None:
+        top_n = DEFAULT_TOP_N
+    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
+        raise invalid(f"top_n: must be an integer >= 1, got {top_n!r}", "top_n")
+    return pb.RerankRequest(query=query, documents=docs, top_n=min(top_n, len(docs)))
+
+
+async def rerank(request: web.Request) -> web.Response:
+    start = time.monotonic()
+    state = state_of(request)
+    body = await _body(request)
+    model = await resolve_encoder(state, ap.parse_model(body), "rerank")
+    req = _rerank_request(body)
+    resp = await call_encoder(state.link.rerank, req, model, "rerank")
+    tokens = resp.usage.prompt_tokens
+    out: dict[str, Any] = ({"scores": list(resp.scores)} if req.pairs else
+                           {"results": [{"score": r.score, "index": r.index} for r in resp.results]})
+    out.update(total_time_taken=_elapsed(start), usage={"prompt_tokens": tokens, "total_tokens": tokens})
+    return web.json_response(out)
