@@ -1,6 +1,6 @@
 """The .proto is a sufficient contract: a client whose stubs are regenerated from
 proto/sluice/v1/engine.proto into a temporary folder with grpcio-tools (in a fresh interpreter
-that cannot import this repository) streams a generation that equals the SDK's. Server reflection
+that refuses to import this repository) streams a generation that equals the SDK's. Server reflection
 lists the service and describes its methods; health says SERVING after load."""
 from __future__ import annotations
 
@@ -20,6 +20,19 @@ pytestmark = pytest.mark.slow
 
 _CLIENT = r'''
 import json, sys
+
+
+class _BlockRepo:
+    """The repository may be installed (editable) in this interpreter: refuse its packages so
+    that only the stubs regenerated from the .proto can serve this client."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("engine", "kernels", "http_facade"):
+            raise ImportError(f"{name}: blocked, this client may use only the regenerated stubs")
+        return None
+
+
+sys.meta_path.insert(0, _BlockRepo())
 sys.path.insert(0, sys.argv[1])
 import grpc
 from sluice.v1 import engine_pb2 as pb, engine_pb2_grpc as pb_grpc
