@@ -302,6 +302,15 @@ def _launch_commands(args: argparse.Namespace, model_path: Path) -> list[tuple[s
                "--n_threads", threads, "--n_threads_batch", threads, "--n_ctx", str(args.peer_ctx),
                "--interrupt_requests", "False", "--logits_all", "False"]
         out.append(("llamacpp", "openai", True, cmd, f"http://127.0.0.1:{port}"))
+    if args.peer == "llama-server":
+        port = _free_port()
+        # The C++ server with continuous batching over --parallel slots; the context (-c) is split
+        # evenly among the slots.
+        threads = str(args.threads)
+        cmd = [args.llama_server, "-m", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+               "-t", threads, "-tb", threads, "-c", str(args.peer_ctx), "--parallel", str(args.peer_slots),
+               "--no-webui"]
+        out.append(("llama-server", "openai", True, cmd, f"http://127.0.0.1:{port}"))
     return out
 
 
@@ -318,6 +327,10 @@ def open_targets(args: argparse.Namespace):
         targets.append(Target("sluice-grpc", "grpc", args.grpc))
     if args.peer_url:
         targets.append(Target("peer", "openai", args.peer_url.rstrip("/"), is_peer=True))
+    if args.peer == "llama-server" and not (args.llama_server and Path(args.llama_server).is_file()):
+        print("llama.cpp peer: no llama-server binary (build it as bench/README.md shows and pass "
+              "--llama-server PATH); skipping the llama-server row", flush=True)
+        args.peer = None
     if args.peer == "llamacpp" and not llamacpp_available():
         print("llama.cpp peer: llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'); "
               "skipping the llamacpp row", flush=True)
@@ -495,7 +508,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start sluice itself: http = `sluice serve` (facade+engine), grpc = `sluice engine`")
     g.add_argument("--sluice-overrides", default="max_num_sequence=32;max_total_seq_length=16384",
                    help="--overrides for a launched sluice (default: %(default)s)")
-    g.add_argument("--peer", choices=("llamacpp",), help="start llama.cpp's server (llama-cpp-python) on the GGUF")
+    g.add_argument("--peer", choices=("llamacpp", "llama-server"),
+                   help="start a llama.cpp peer on the GGUF: llama-cpp-python's server (one request at a time) "
+                        "or the C++ llama-server with --peer-slots parallel slots")
+    g.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER"),
+                   help="path of the llama-server binary (default: $LLAMA_SERVER)")
+    g.add_argument("--peer-slots", type=int, default=32, help="llama-server --parallel (default: %(default)s)")
     g.add_argument("--peer-url", help="a running peer OpenAI-compatible server")
     g.add_argument("--peer-ctx", type=int, default=4096, help="llama.cpp context tokens (default: %(default)s)")
     ap.add_argument("--model", default="smollm2", help="model short name or GGUF path (tokenizer, launches)")

@@ -309,6 +309,11 @@ class AsyncEngine:
         if isinstance(cmd, _Abort):
             core.abort_request(cmd.request_ids)
             return
+        if not cmd.future.set_running_or_notify_cancel():
+            # The caller gave up (cancelled, deadline) before the engine got here. Setting a
+            # result now would raise InvalidStateError and kill this thread; an _Add's caller
+            # has queued an _Abort behind it, which finds nothing to abort.
+            return
         try:
             if isinstance(cmd, _Add):
                 result = core.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.add_special_tokens)

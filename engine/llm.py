@@ -52,7 +52,8 @@ class LLM:
             prompts = [prompts]
         return self._run(list(prompts), params, add_special_tokens=True)
 
-    def chat(self, messages: Messages | Sequence[Messages], params: SamplingParams | None = None,
+    def chat(self, messages: Messages | Sequence[Messages],
+             params: SamplingParams | Sequence[SamplingParams] | None = None,
              tools: list[dict] | None = None, add_generation_prompt: bool = True) -> list[GenerationResult]:
         """Render each conversation with the model's chat template, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)

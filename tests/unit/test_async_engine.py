@@ -236,3 +236,22 @@ async def test_drain_timeout_aborts_the_rest():
             assert outs[-1].finished and outs[-1].deltas[-1].finish_reason == "abort"
             assert _tokens(outs) == list(range(len(outs) - 1))
         assert engine.num_in_flight == 0 and not core.has_unfinished_requests()
+
+
+async def test_a_call_cancelled_before_the_engine_runs_it_leaves_the_thread_alive():
+    """Regression: a GetLoad or a Generate whose deadline passed while its command waited in the
+    queue used to set a result on a cancelled future, killing the engine thread for good."""
+    core = FakeCore(step_delay_s=0.05)   # slow steps: commands wait in the queue
+    async with running(core) as engine:
+        busy = asyncio.ensure_future(_collect(engine, "long", 20))
+        await _until(lambda: ("add", "long", "prompt long") in core.calls, "the long request")
+        for _ in range(5):
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.get_load(), 0.001)
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(_collect(engine, "gone", 3), 0.001)
+        assert _tokens(await asyncio.wait_for(busy, WAIT_S)) == list(range(20))
+        # The thread still serves: a new request runs to the end and a call answers.
+        assert _tokens(await asyncio.wait_for(_collect(engine, "after", 2), WAIT_S)) == [0, 1]
+        assert await asyncio.wait_for(engine.get_load(), WAIT_S) == ("load", 0)
+        await _until(lambda: engine.num_in_flight == 0, "no stream left open")
