@@ -20,3 +20,9 @@ def fault_injection() -> bool:
     ``<<sluice-fault>>`` raise inside the engine step, so tests can prove that a fault in one
     request leaves the others running. Off by default; never enable it in production."""
     return os.environ.get("SLUICE_DEBUG_FAULT_INJECTION", "0") == "1"
+
+
+def cpu_packed_weights() -> bool:
+    """SLUICE_CPU_PACKED_WEIGHTS=0 keeps float32 CPU weights in torch's dense layout instead of
+    oneDNN's packed one (for comparison; packed is faster)."""
+    return os.environ.get("SLUICE_CPU_PACKED_WEIGHTS", "1") != "0"

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from engine import envs
 from engine.errors import ModelLoadError
 from engine.models.config import ModelArchConfig
 from engine.models.llama import LlamaForCausalLM
@@ -75,7 +76,10 @@ def build_model(
     """Allocate uninitialised parameters (no random init), copy the HF-named weights in, eval mode."""
     model = LlamaForCausalLM(arch, max_seq_len, dtype=dtype, device=device)
     model.load_hf_weights(weights)
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if envs.cpu_packed_weights():
+        model.pack_for_cpu()
+    return model
 
 
 def load_model(

@@ -21,11 +21,50 @@ from engine.models.config import ModelArchConfig
 from engine.models.rope import RotaryEmbedding, apply_rotary
 
 
+# The row count oneDNN lays packed weights out for. Measured on 2 EPYC cores (float32, 30
+# matrices of 3456x576 streamed from memory): packed with this hint the product ran 2.2x faster
+# than F.linear at 1 row, 2.9x at 8, 2.2x at 32 and 1.4x at 512 rows.
+_CPU_PACK_ROWS_HINT = 32
+
+
+def cpu_packing_available() -> bool:
+    return hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.backends.mkldnn.is_available()
+
+
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A [out, in] float32 weight reordered into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _CPU_PACK_ROWS_HINT)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class _Linear(torch.nn.Linear):
-    """A Linear left uninitialised: every weight comes from a checkpoint, so random init is wasted time."""
+    """A Linear left uninitialised: every weight comes from a checkpoint, so random init is wasted time.
+
+    On CPU in float32, ``pack_for_cpu`` swaps the weight for oneDNN's packed layout: MKL's sgemv/
+    small-M sgemm behind ``F.linear`` streams a row-major weight at about a third of the memory
+    bandwidth, oneDNN's packed inner product at about two thirds. The dense weight is then
+    released (no second copy); ``dense_weight()`` rebuilds it for inspection.
+    """
+
+    packed: torch.Tensor | None = None
 
     def reset_parameters(self) -> None:
         pass
+
+    def pack_for_cpu(self) -> None:
+        self.packed = pack_cpu_weight(self.weight)
+        self.weight = None
+
+    def dense_weight(self) -> torch.Tensor:
+        return self.weight if self.packed is None else self.packed.to_dense()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class _Embedding(torch.nn.Embedding):
@@ -112,6 +151,7 @@ class LlamaForCausalLM(torch.nn.Module):
         # Tied: the output projection is the embedding matrix itself (no copy).
         self.lm_head = None if arch.tie_word_embeddings else _Linear(
             arch.hidden_size, arch.vocab_size, bias=False, **factory)
+        self._packed_lm_head: torch.Tensor | None = None
 
     def forward(
         self,
@@ -129,8 +169,26 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] float32."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self._packed_lm_head is not None:
+            return packed_linear(hidden, self._packed_lm_head, None).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed_tokens.weight).float()
+
+    def pack_for_cpu(self) -> bool:
+        """Pack every projection (and the LM head) for oneDNN when on CPU in float32; a no-op
+        returning False elsewhere. Call after the weights are loaded."""
+        weight = self.embed_tokens.weight
+        if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_packing_available():
+            return False
+        for module in self.modules():
+            if isinstance(module, _Linear) and module.packed is None:
+                module.pack_for_cpu()
+        if self.lm_head is None:
+            # Tied: the embedding keeps its rows for lookups; the LM head gets its own packed
+            # copy (vocab x hidden floats) because it is read in full for every sampled token.
+            self._packed_lm_head = pack_cpu_weight(weight)
+        return True
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; ModelLoadError names a missing/misshapen one."""

@@ -115,11 +115,11 @@ def test_tiny_gguf_round_trips_in_hf_layout(tmp_path, weights):
     lm = load_model(write_tiny_gguf(tmp_path / "tiny.gguf", weights), dtype="float32")
     assert lm.arch.num_key_value_heads == KV_HEADS and lm.arch.head_dim == D and lm.arch.tie_word_embeddings
     attn = lm.model.layers[1].self_attn
-    q, k, v = attn.qkv_proj.weight.split((HEADS * D, KV_HEADS * D, KV_HEADS * D))
+    q, k, v = attn.qkv_proj.dense_weight().split((HEADS * D, KV_HEADS * D, KV_HEADS * D))
     np.testing.assert_array_equal(q.numpy(), weights["model.layers.1.self_attn.q_proj.weight"])
     np.testing.assert_array_equal(k.numpy(), weights["model.layers.1.self_attn.k_proj.weight"])
     np.testing.assert_array_equal(v.numpy(), weights["model.layers.1.self_attn.v_proj.weight"])
-    gate, up = lm.model.layers[0].mlp.gate_up_proj.weight.split(INTER)
+    gate, up = lm.model.layers[0].mlp.gate_up_proj.dense_weight().split(INTER)
     np.testing.assert_array_equal(up.numpy(), weights["model.layers.0.mlp.up_proj.weight"])
     assert lm.tokenizer.encode("abcd") == [TOKENS.index("ab"), TOKENS.index("cd")]
 
@@ -130,7 +130,7 @@ def test_qwen2_gguf_is_not_unpermuted_and_biases_load(tmp_path, weights):
     lm = load_model(write_tiny_gguf(tmp_path / "q.gguf", weights | biases, arch="qwen2"), dtype="float32")
     assert lm.arch.architecture == "qwen2" and lm.arch.attention_bias
     qkv = lm.model.layers[1].self_attn.qkv_proj
-    np.testing.assert_array_equal(qkv.weight[:HEADS * D].numpy(), weights["model.layers.1.self_attn.q_proj.weight"])
+    np.testing.assert_array_equal(qkv.dense_weight()[:HEADS * D].numpy(), weights["model.layers.1.self_attn.q_proj.weight"])
     np.testing.assert_array_equal(qkv.bias[HEADS * D:(HEADS + KV_HEADS) * D].numpy(),
                                   biases["model.layers.1.self_attn.k_proj.bias"])
 
@@ -178,8 +178,8 @@ def test_tiny_hf_folder_round_trips(tmp_path, shard):
     assert (folder / "model.safetensors.index.json").is_file() == shard
     lm = load_model(folder, dtype="float32")
     assert (lm.arch.hidden_size, lm.arch.num_hidden_layers, lm.arch.tie_word_embeddings) == (H, LAYERS, False)
-    torch.testing.assert_close(lm.model.lm_head.weight, ref.lm_head.weight, rtol=0, atol=0)
-    torch.testing.assert_close(lm.model.layers[1].self_attn.o_proj.weight, ref.model.layers[1].self_attn.o_proj.weight,
+    torch.testing.assert_close(lm.model.lm_head.dense_weight(), ref.lm_head.weight, rtol=0, atol=0)
+    torch.testing.assert_close(lm.model.layers[1].self_attn.o_proj.dense_weight(), ref.model.layers[1].self_attn.o_proj.weight,
                                rtol=0, atol=0)
 
 
