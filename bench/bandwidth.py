@@ -46,15 +46,21 @@ def measure_bandwidth(size_mib: int = 512, repeats: int = 5) -> dict[str, float]
             "tensor_mib": size_mib, "threads": torch.get_num_threads()}
 
 
-def weight_bytes(module: torch.nn.Module) -> int:
-    """Bytes of distinct parameter/buffer storage: a tied embedding / LM head counts once (the LM
-    head reads all of it every token; the embedding lookup reads one row)."""
-    seen: dict[int, int] = {}
-    for t in list(module.parameters()) + list(module.buffers()):
-        if t.is_floating_point():
-            ptr = t.untyped_storage().data_ptr()
-            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-    return sum(seen.values())
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one decode step streams: every projection and the LM head in full, plus the norms.
+    Counted from shapes, so oneDNN-packed weights (opaque tensors) count like dense ones; the
+    embedding table only counts as the LM head (a lookup reads one row per token)."""
+    elem = model.embed_tokens.weight.element_size()
+    total = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            total += module.in_features * module.out_features * elem
+            if module.bias is not None:
+                total += module.bias.numel() * elem
+    if getattr(model, "lm_head", None) is None:       # tied: the embedding matrix is the LM head
+        total += model.embed_tokens.weight.numel() * elem
+    total += sum(p.numel() * elem for n, p in model.named_parameters() if "norm" in n)
+    return total
 
 
 def decode_ceiling(weights: int, bandwidth_gb_s: float) -> float:
