@@ -564,7 +564,9 @@ async def _measure(targets: list[Target], items: list[Item], args, stop_ids: lis
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "e2e_ms": args.slo_e2e_ms}
     kind, values = ("concurrency", args.concurrency) if args.request_rate is None else ("request_rate", args.request_rate)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A fresh connection per request: llama-server drops idle keep-alive connections, and a
+    # request written into one that is closing fails ("Can not write request body").
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     results, clients = [], []
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         sends = {t.name: t.sender(session, args.prompt_format, stop_ids, clients) for t in targets}
