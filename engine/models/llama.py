@@ -79,6 +79,9 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused op instead of five: the norm runs 61 times per token.
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Statistics in float32 whatever the dtype; the weight multiplies in the model dtype (as HF).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -98,9 +101,10 @@ class LlamaAttention(torch.nn.Module):
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, attn: AttentionBackend):
         # x [T, hidden]
         qkv = self.qkv_proj(x)                                                 # [T, q + 2 kv]
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)     # [T, Hq, D]
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        # Q and K heads rotate in one call: they sit side by side in the fused projection.
+        qk = apply_rotary(qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)              # [T, Hq, D], [T, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
         out = attn.forward(q, k, v, kv_cache, meta, self.scale)                  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))                         # [T, hidden]
