@@ -138,7 +138,7 @@ def _embedding_factory(name: str, rerank: str | None, device: str):
 
     def load():
         from engine.embedding import EmbeddingEngine
-        from engine.engine_core import resolve_device
+        from engine.devices import resolve_device
         from engine.loaders.bert_loader import load_embedding_model
 
         dev = resolve_device(device)

@@ -23,6 +23,7 @@ import torch
 from engine import envs
 from engine.attention.selector import get_attention_backend
 from engine.config import EngineConfig
+from engine.devices import resolve_device
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import ContextLengthError, QueueFullError, UnsupportedError
 from engine.kv_cache import KVCacheManager, num_blocks_for_budget
@@ -121,14 +122,6 @@ def _encode_continuation(tokenizer, text: str) -> list[int]:
     anchor = tokenizer.encode("\n", add_special_tokens=False)
     joined = tokenizer.encode("\n" + text, add_special_tokens=False)
     return joined[len(anchor):] if joined[:len(anchor)] == anchor else plain
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device: {name} was asked for but CUDA is not available")
-    return torch.device(name)
 
 
 class EngineCore:

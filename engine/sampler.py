@@ -29,12 +29,12 @@ the shared generator.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from engine import envs
+from engine.devices import triton_unavailable_reason
 from engine.outputs import TokenLogprob
 from engine.request import Request
 
@@ -450,20 +450,12 @@ def resolve_sampler_backend(name: str, device: torch.device | str | None) -> str
     if name not in SAMPLER_BACKENDS:
         raise ValueError(f"sampler_backend: must be one of {SAMPLER_BACKENDS}, got {name!r}")
     device = torch.device("cpu" if device is None else device)
-    reason = _triton_unavailable_reason(device)
+    reason = triton_unavailable_reason("sampler_backend=triton", device)
     if name == "auto":
         return "triton" if device.type == "cuda" and reason is None else "torch"
     if name == "triton" and reason is not None:
         raise ValueError(reason)
     return name
-
-
-def _triton_unavailable_reason(device: torch.device) -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "sampler_backend=triton needs the triton package"
-    if device.type == "cuda" or envs.triton_interpret():
-        return None
-    return f"sampler_backend=triton needs a CUDA device or TRITON_INTERPRET=1, got device {device}"
 
 
 def _penalize_triton(penalties, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -5,11 +5,9 @@ rather than at the first forward.
 """
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from engine import envs
+from engine.devices import triton_unavailable_reason
 from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
 
@@ -17,11 +15,7 @@ BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
 
 def _triton_unavailable_reason(device: torch.device) -> str | None:
-    if importlib.util.find_spec("triton") is None:
-        return "attention_backend=triton needs the triton package (pip install 'sluice[triton]')"
-    if device.type == "cuda" or envs.triton_interpret():
-        return None
-    return f"attention_backend=triton needs a CUDA device or TRITON_INTERPRET=1, got device {device}"
+    return triton_unavailable_reason("attention_backend=triton", device)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
