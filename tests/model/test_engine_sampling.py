@@ -66,7 +66,7 @@ def test_logprobs_stop_strings_and_min_tokens(llm):
     assert cut.text == text[:text.index(stop)]
     chat = [{"role": "user", "content": "Say hi."}]
     short = llm.chat(chat, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
-    if short.finish_reason == "stop":       # the model ends its turn: min_tokens must hold it open
-        n = len(short.token_ids) + 3
-        longer = llm.chat(chat, SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n))[0].outputs[0]
-        assert len(longer.token_ids) >= n
+    assert short.finish_reason == "stop"    # greedy: the model ends its turn (24 tokens)...
+    n = len(short.token_ids) + 3            # ...so min_tokens past that must hold the turn open
+    longer = llm.chat(chat, SamplingParams(temperature=0, max_tokens=n + 5, min_tokens=n))[0].outputs[0]
+    assert len(longer.token_ids) >= n
