@@ -27,6 +27,17 @@ def test_forced_backends_that_cannot_run_say_why(monkeypatch):
         get_attention_backend("xformers", torch.device("cpu"))
 
 
+def test_a_triton_older_than_the_verified_floor_is_refused_and_auto_falls_back(monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "3.2.0" if name == "triton" else real(name))
+    with pytest.raises(ValueError, match=r"attention_backend=triton needs triton>=3\.4, found triton 3\.2\.0"):
+        get_attention_backend("triton", torch.device("cpu"))
+    # On CUDA, "auto" would pick triton; with a Triton too old it serves with torch instead.
+    assert isinstance(get_attention_backend("auto", torch.device("cuda")), TorchAttentionBackend)
+
+
 def _meta(seq_lens, query_lens, block_size, tables, device):
     starts = [0]
     for n in query_lens:
@@ -59,3 +70,15 @@ def test_triton_backend_equals_torch_backend(device, seq_lens, query_lens):
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(kv_triton[0], kv_torch[0], rtol=0, atol=0)
     torch.testing.assert_close(kv_triton[1], kv_torch[1], rtol=0, atol=0)
+
+
+def test_the_triton_floor_matches_pyproject():
+    import tomllib
+    from pathlib import Path
+
+    from engine.devices import MIN_TRITON
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    floor = "triton>=" + ".".join(map(str, MIN_TRITON))
+    extras = project["optional-dependencies"]
+    assert [d for d in extras["triton"] + extras["gpu"] + extras["dev"] if d.startswith("triton")] == [floor] * 3

@@ -46,7 +46,6 @@ def test_kv_store_int32_slots_and_strided_key(device):
     torch.testing.assert_close(kc, kc_ref, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_kv_store_half_precision(device, dtype):
     key, value, kc, vc, slots = _inputs(16, 2, 80, 7, dtype, device)

@@ -12,6 +12,7 @@ import torch
 
 from kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
 from kernels.paged_prefill import paged_prefill, paged_prefill_ref
+from tests.kernels.conftest import BF16_DOT
 from tests.kernels.paged_cases import dense_attention, make_case
 
 SHAPES = [(64, 1, 16), (80, 3, 16), (64, 8, 1), (80, 1, 32), (80, 8, 32), (64, 3, 1)]  # head_dim, group, block
@@ -70,14 +71,14 @@ def test_paged_prefill_chunk_longer_than_one_tile(device):
     _close(out, dense_attention(case))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_paged_kernels_half_precision(device, dtype):
-    case = make_case([300, 17], [1, 1], 16, 2, 4, 128, dtype=dtype, device=device)
+@pytest.mark.parametrize("dtype", [torch.float16, BF16_DOT])
+@pytest.mark.parametrize("head_dim,group,block_size", [(128, 4, 16), (80, 3, 1)])
+def test_paged_kernels_half_precision(device, dtype, head_dim, group, block_size):
+    case = make_case([300, 17], [1, 1], block_size, 2, group, head_dim, dtype=dtype, device=device)
     out = paged_decode(case.query, case.key_cache, case.value_cache, case.block_tables, case.seq_lens,
                        case.scale, num_splits=4)
     _close(out, dense_attention(case), dtype)
-    case = make_case([300, 17], [200, 17], 16, 2, 4, 128, dtype=dtype, device=device)
+    case = make_case([300, 17], [200, 17], block_size, 2, group, head_dim, dtype=dtype, device=device)
     out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
                         case.query_start_loc, case.seq_lens, case.scale)
     _close(out, dense_attention(case), dtype)

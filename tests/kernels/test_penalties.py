@@ -57,10 +57,10 @@ def test_expanded_tables_and_zero_value_padding(device):
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
-@pytest.mark.gpu
-def test_penalties_bf16(device):
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_penalties_half_precision(device, dtype):
     args = _args(2, 300, device)
-    logits = torch.randn(2, 300, device=device).to(torch.bfloat16)
+    logits = torch.randn(2, 300, device=device).to(dtype)
     got = apply_penalties(logits.clone(), *args)
     torch.testing.assert_close(got, apply_penalties_ref(logits.clone(), *args))
 

@@ -49,12 +49,14 @@ def test_equal_distributions_accept_all_and_add_bonus(device):
     assert torch.equal(out[:, :3], drafts) and out[:, 3].tolist() == [4] * 5
 
 
-def test_zero_target_probability_rejects_and_resamples_from_residual(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_zero_target_probability_rejects_and_resamples_from_residual(device, dtype):
     drafts, q, p = _fixed_draft_case(4, 5, 2, device)
     rows = torch.arange(4, device=device)
     p[rows, 1] = 0.0
     p[rows, 1, (drafts[:, 1] + 1) % 5] = 1.0   # residual max(0, p - q) is one-hot here
     p[rows, 0] = q[rows, 0]
+    q, p = q.to(dtype), p.to(dtype)
     out, emitted = rejection_sample(drafts, q, p, rows.long(), torch.zeros(4, dtype=torch.int64, device=device))
     assert emitted.tolist() == [2] * 4
     assert torch.equal(out[:, 0], drafts[:, 0])

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The one prepared run for a session that is lent a GPU machine: the kernel tests on CUDA (the
+# interpreter cases compiled for real, plus the `gpu`-marked ones), then bench/kernels.py, whose
+# table and goals go to $OUT/kernels.md for the README. It installs nothing: it needs torch,
+# triton (>= 3.4), pytest, numpy, jinja2 and tokenizers, which the lent machine's python3 has.
+#
+#   from the device tool:  run(command="bash bench/gpu_check.sh", timeout_s=560)
+#   anywhere else:         OUT=bench/results bash bench/gpu_check.sh
+#
+# Time: about a minute of kernel compiles for the tests and 3-5 minutes of benchmark sweeps
+# (each stage is capped below so that the logs come back even when one hangs).
+set -uo pipefail
+out=${OUT:-bench/results}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
+  $py -c 'import sys, torch, triton; print("python", sys.version.split()[0], "| torch", torch.__version__,
+          "| triton", triton.__version__, "|", torch.cuda.get_device_name())'
+} 2>&1 | tee "$out/env.txt"
+
+# The CPU-only checks are left out: the cubin compile (superseded by running the kernels) and
+# the benchmark smoke test (the full benchmark runs next).
+timeout 240 $py -m pytest -q -p no:cacheprovider -rs -o timeout=120 tests/kernels \
+    --deselect tests/kernels/test_cuda_lowering.py::test_all_kernels_lower_to_cubin \
+    --deselect tests/kernels/test_bench_smoke.py::test_bench_kernels_quick 2>&1 | tee "$out/tests.log"
+tests=${PIPESTATUS[0]}
+
+timeout 300 $py bench/kernels.py --out "$out/kernels.md" 2>&1 | tee "$out/bench.log"
+bench=${PIPESTATUS[0]}
+
+echo "kernel tests exit $tests, benchmark exit $bench" | tee -a "$out/env.txt"
+[ "$tests" = 0 ] && [ "$bench" = 0 ]
