@@ -56,7 +56,7 @@ class SchedulerConfig:
 class DeviceConfig:
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto: float32 on CPU, bfloat16 on CUDA
-    attention_backend: str = "auto"        # auto: triton on CUDA, torch on CPU
+    attention_backend: str = "auto"        # auto: triton (+ flash-attn prefill if installed) on CUDA, torch on CPU
     sampler_backend: str = "auto"          # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None         # torch intra-op threads on CPU
 

@@ -1,15 +1,23 @@
-"""Pick the attention backend: "auto" is triton on CUDA and torch elsewhere; any name can be forced.
+"""Pick the attention backend; any name can be forced.
 
+"auto" is torch on CPU. On CUDA it is triton, or flash_attn when the flash-attn package is
+installed and imports (fresh prefills then run on flash-attn, everything else on Triton); an
+installed flash-attn that fails to import is logged and auto serves with Triton.
 A forced backend that cannot run on the device raises ValueError saying why, at engine start
 rather than at the first forward.
 """
 from __future__ import annotations
+
+import importlib.util
+import logging
 
 import torch
 
 from engine.devices import triton_unavailable_reason
 from engine.attention.base import AttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
+
+logger = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
@@ -18,12 +26,28 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return triton_unavailable_reason("attention_backend=triton", device)
 
 
+def _auto_cuda_backend(device: torch.device) -> AttentionBackend:
+    from engine.attention.triton_backend import TritonAttentionBackend
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        from engine.attention.flash_attn_backend import FlashAttnBackend
+
+        try:
+            return FlashAttnBackend(device)
+        except ValueError as exc:
+            logger.warning("attention_backend=auto: flash-attn is installed but cannot be used (%s); "
+                           "prefill runs on the Triton kernels", exc)
+    return TritonAttentionBackend()
+
+
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     device = torch.device(device)
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend: must be one of {BACKEND_NAMES}, got {name!r}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and _triton_unavailable_reason(device) is None else "torch"
+        if device.type == "cuda" and _triton_unavailable_reason(device) is None:
+            return _auto_cuda_backend(device)
+        return TorchAttentionBackend()
     if name == "torch":
         return TorchAttentionBackend()
     if name == "flash_attn" and device.type != "cuda":

@@ -82,3 +82,73 @@ def test_the_triton_floor_matches_pyproject():
     floor = "triton>=" + ".".join(map(str, MIN_TRITON))
     extras = project["optional-dependencies"]
     assert [d for d in extras["triton"] + extras["gpu"] + extras["dev"] if d.startswith("triton")] == [floor] * 3
+
+
+def _fake_flash_attn(monkeypatch, calls: list | None):
+    """Install a stand-in ``flash_attn`` module: with ``calls`` a list, its varlen function is a
+    torch implementation of flash-attn's causal varlen attention that records each call; with
+    None, the module lacks the function, as a broken install would."""
+    import importlib.machinery
+    import sys
+    import types
+
+    import torch.nn.functional as F
+
+    def varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        calls.append(cu_seqlens_q.tolist())
+        assert torch.equal(cu_seqlens_q, cu_seqlens_k) and causal
+        group = q.shape[1] // k.shape[1]
+        out = torch.empty_like(q)
+        bounds = cu_seqlens_q.tolist()
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (t[s:e].transpose(0, 1).float() for t in (q, k, v))
+            ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=softmax_scale).transpose(0, 1)
+        return out
+
+    module = types.ModuleType("flash_attn")
+    module.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None)
+    if calls is not None:
+        module.flash_attn_varlen_func = varlen
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+
+
+def test_auto_on_cuda_prefers_an_installed_flash_attn_and_falls_back_when_it_is_broken(monkeypatch, caplog):
+    from engine.attention.flash_attn_backend import FlashAttnBackend
+
+    cuda = torch.device("cuda")   # selection only: nothing runs on it
+    monkeypatch.setitem(__import__("sys").modules, "flash_attn", None)   # not installed
+    assert type(get_attention_backend("auto", cuda)) is TritonAttentionBackend
+    _fake_flash_attn(monkeypatch, [])
+    assert type(get_attention_backend("auto", cuda)) is FlashAttnBackend
+    _fake_flash_attn(monkeypatch, None)
+    assert type(get_attention_backend("auto", cuda)) is TritonAttentionBackend
+    assert "flash-attn is installed but cannot be used" in caplog.text
+    with pytest.raises(ValueError, match="attention_backend=flash_attn needs the flash-attn package"):
+        get_attention_backend("flash_attn", cuda)
+
+
+@pytest.mark.parametrize("seq_lens,query_lens,uses_flash", [
+    ([12, 20, 5], [12, 20, 5], True),     # fresh prefills only: flash-attn's varlen kernel
+    ([12, 20, 5], [12, 3, 1], False),     # a cached prefix is read: the Triton extend kernel
+    ([12, 20, 5], [1, 1, 1], False),      # pure decode: the Triton decode kernel
+])
+def test_flash_attn_backend_routes_each_step_and_equals_torch(monkeypatch, device, seq_lens, query_lens, uses_flash):
+    from engine.attention.flash_attn_backend import FlashAttnBackend
+
+    calls: list = []
+    _fake_flash_attn(monkeypatch, calls)
+    backend = FlashAttnBackend(torch.device("cuda"))   # built for CUDA, run here on fp16 CPU tensors
+    g = torch.Generator().manual_seed(1)
+    block_size, kv_heads, heads, dim, dt = 4, 2, 6, 64, torch.float16
+    tables = [[0, 1, 2, 9, 9], [3, 4, 5, 6, 7], [8, 9, 9, 9, 9]]
+    cache = torch.randn(10, block_size, kv_heads, dim, generator=g).to(device, dt)
+    n = sum(query_lens)
+    q, k, v = (torch.randn(n, h, dim, generator=g).to(device, dt) for h in (heads, kv_heads, kv_heads))
+    meta = _meta(seq_lens, query_lens, block_size, tables, device)
+    kv_torch, kv_flash = (cache.clone(), -cache.clone()), (cache.clone(), -cache.clone())
+    want = TorchAttentionBackend().forward(q, k, v, kv_torch, meta, dim ** -0.5)
+    got = backend.forward(q, k, v, kv_flash, meta, dim ** -0.5)
+    assert calls == ([[0, 12, 32, 37]] if uses_flash else [])
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(kv_flash[0], kv_torch[0], rtol=0, atol=0)   # the cache is written either way
