@@ -1,5 +1,8 @@
 """The whole engine (LLM offline API) on a tiny random-weight Llama gives the same greedy tokens
-with attention_backend="triton" (run by the Triton interpreter on CPU) as with "torch".
+with attention_backend="triton" (run by the Triton interpreter on CPU) as with "torch"; in
+float32, and in the half precisions a GPU serves in: fp16 with the Triton attention and sampler
+kernels together, bf16 with the Triton sampler (the interpreter cannot run bf16 ``tl.dot``, see
+tests/kernels/conftest.py).
 
 Prompts are sized so that a step mixes a prefill, a chunked prefill (token budget 16) and
 decodes, and decode steps run the split-KV decode kernel over blocks of 4 tokens.
@@ -50,23 +53,37 @@ def _tiny_llama() -> LlamaForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def loaded(tmp_path_factory) -> LoadedModel:
+def tokenizer(tmp_path_factory) -> tuple[Tokenizer, Path]:
     folder = tmp_path_factory.mktemp("tiny_llama")
-    model = _tiny_llama()
-    return LoadedModel(model=model, arch=model.arch, tokenizer=_tokenizer(folder), name="tiny-llama",
-                       path=folder, dtype=torch.float32, device=torch.device("cpu"))
+    return _tokenizer(folder), folder
 
 
-def _greedy(loaded: LoadedModel, backend: str) -> list[list[int]]:
-    llm = LLM("tiny-llama", loaded=loaded, device="cpu", dtype="float32", attention_backend=backend,
+def _greedy(tokenizer, dtype: torch.dtype, attention: str, sampler: str) -> list[list[int]]:
+    tok, folder = tokenizer
+    model = _tiny_llama().to(dtype)
+    loaded = LoadedModel(model=model, arch=model.arch, tokenizer=tok, name="tiny-llama", path=folder,
+                         dtype=dtype, device=torch.device("cpu"))
+    llm = LLM("tiny-llama", loaded=loaded, device="cpu", dtype=str(dtype).removeprefix("torch."),
+              attention_backend=attention, sampler_backend=sampler,
               block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
     prompts = [[5, 17, 3, 9, 22, 41, 8], [60, 2, 33, 33, 12, 7, 1, 19, 44, 50, 3, 3, 6, 71, 15], [4]]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    assert llm.engine.model_info.attention_backend == backend
+    plain = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    # Greedy rows skip the sampling kernel; penalties and a bias send the middle row through the
+    # penalties kernel (the Triton sampler's only kernel with exact, comparable output).
+    penalised = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, repetition_penalty=1.3,
+                               presence_penalty=0.4, frequency_penalty=0.3, logit_bias={42: 1.5, 23: -3.0})
+    params = [plain, penalised, plain]
+    info = llm.engine.model_info
+    assert (info.attention_backend, info.dtype) == (attention, str(dtype).removeprefix("torch."))
     return [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
 
 
-def test_triton_backend_gives_torch_backend_greedy_tokens(loaded):
-    want = _greedy(loaded, "torch")
+@pytest.mark.parametrize("dtype,attention,sampler", [
+    (torch.float32, "triton", "torch"),
+    (torch.float16, "triton", "triton"),
+    (torch.bfloat16, "torch", "triton"),
+])
+def test_triton_backend_gives_torch_backend_greedy_tokens(tokenizer, dtype, attention, sampler):
+    want = _greedy(tokenizer, dtype, "torch", "torch")
     assert all(len(t) == 6 for t in want)
-    assert _greedy(loaded, "triton") == want
+    assert _greedy(tokenizer, dtype, attention, sampler) == want
