@@ -1,4 +1,5 @@
-"""Launcher argument checks shared by the kernels: each raises ``ValueError`` naming the argument."""
+"""Shared by the kernels' launchers: argument checks (each raises ``ValueError`` naming the
+argument) and the options every launch passes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -7,6 +8,10 @@ import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+
+# Every launch asks for FMA contraction explicitly, so that the kernels' numerics do not follow
+# Triton's default, which 3.10 turns off (3.9 warns about it at each first compile).
+FP_FUSION = {"enable_fp_fusion": True}
 
 
 def check_tensor(

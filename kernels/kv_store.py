@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_same_dtype
-from kernels._checks import check_shape, check_tensor, next_pow2
+from kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
 
 # Tuning: one program per token moves num_kv_heads * head_dim elements; 4 warps cover up to
 # 8 KiB per program, beyond that 8 warps keep enough loads in flight.
@@ -83,7 +83,7 @@ def kv_store(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_size, num_kv_heads, head_dim,
-        HEADS_PAD=heads_pad, HEAD_DIM_PAD=dim_pad, num_warps=warps,
+        HEADS_PAD=heads_pad, HEAD_DIM_PAD=dim_pad, num_warps=warps, **FP_FUSION,
     )
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import next_pow2
+from kernels._checks import FP_FUSION, next_pow2
 from kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
 
 # Tuning (H100-class GPUs): 64-token tiles; split only when fewer than ~2 waves of programs
@@ -157,11 +157,12 @@ def paged_decode(
         scale * LOG2E, block_size, head_dim, tokens_per_split, num_heads,
         GROUP=group, GROUP_PAD=max(_MIN_GROUP_ROWS, next_pow2(group)), HEAD_DIM_PAD=dim_pad,
         BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype), num_warps=_NUM_WARPS,
+        **FP_FUSION,
     )
     if num_splits > 1:
         _paged_decode_reduce_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1), num_heads, head_dim,
-            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM_PAD=dim_pad,
+            NUM_SPLITS=num_splits, SPLITS_PAD=next_pow2(num_splits), HEAD_DIM_PAD=dim_pad, **FP_FUSION,
         )
     return out
 

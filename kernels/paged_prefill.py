@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_shape, check_tensor, next_pow2
+from kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
 from kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
 
 # Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
@@ -23,6 +23,12 @@ _BLOCK_M = 64
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
+
+
+def block_n_for(dtype: torch.dtype, head_dim_pad: int) -> int:
+    """Key tile width. Rows wider than 512 bytes (fp32 at head_dim 256) get 32-token tiles: with 64,
+    the kernel needs 213 KB of shared memory, more than an A100 block may have (163 KB)."""
+    return _BLOCK_N if torch.empty((), dtype=dtype).element_size() * head_dim_pad <= 512 else _BLOCK_N // 2
 
 
 @triton.jit
@@ -106,6 +112,7 @@ def paged_prefill(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    dim_pad = max(16, next_pow2(head_dim))
     grid = (triton.cdiv(max_query_len, _BLOCK_M), num_seqs, num_heads)
     _paged_prefill_kernel[grid](
         query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
@@ -114,9 +121,9 @@ def paged_prefill(
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         scale * LOG2E, block_size, head_dim,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=max(16, next_pow2(head_dim)),
-        BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=dim_pad,
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n_for(query.dtype, dim_pad), DOT_PRECISION=dot_precision(query.dtype),
+        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **FP_FUSION,
     )
     return out
 

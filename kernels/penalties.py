@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_shape, check_tensor, next_pow2
+from kernels._checks import FLOAT_DTYPES, FP_FUSION, check_shape, check_tensor, next_pow2
 
 # Tuning: one program per (row, 2048-token vocabulary tile).
 _BLOCK_V = 2048
@@ -96,6 +96,7 @@ def apply_penalties(
         bias_ids, bias_values,
         logits.stride(0), output_counts.stride(0), prompt_mask.stride(0), bias_ids.stride(0),
         vocab, num_bias, BLOCK_V=block_v, BIAS_PAD=max(1, next_pow2(num_bias)), num_warps=_NUM_WARPS,
+        **FP_FUSION,
     )
     return logits
 

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import check_shape, check_tensor
+from kernels._checks import FP_FUSION, check_shape, check_tensor
 
 # Tuning: one program per row; the final draw streams the vocabulary in 2048-wide tiles.
 _BLOCK_V = 2048
@@ -134,6 +134,7 @@ def rejection_sample(
         draft_token_ids.stride(0), draft_probs.stride(0), draft_probs.stride(1),
         target_probs.stride(0), target_probs.stride(1), out.stride(0),
         k, vocab, BLOCK_V=min(_BLOCK_V, triton.next_power_of_2(vocab)), num_warps=_NUM_WARPS,
+        **FP_FUSION,
     )
     return out, num_emitted
 

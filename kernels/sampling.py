@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, check_shape, check_tensor
+from kernels._checks import FLOAT_DTYPES, FP_FUSION, check_shape, check_tensor
 
 # Tuning: one program per row streams the vocabulary in 4096-wide tiles (16 KiB of fp32).
 _BLOCK_V = 4096
@@ -213,7 +213,7 @@ def sample(
     block_v = min(_BLOCK_V, triton.next_power_of_2(logits.shape[1]))
     _sample_kernel[(logits.shape[0],)](
         logits, temperature, top_k, top_p, min_p, seeds, offsets, out,
-        logits.stride(0), logits.shape[1], BLOCK_V=block_v, num_warps=_NUM_WARPS,
+        logits.stride(0), logits.shape[1], BLOCK_V=block_v, num_warps=_NUM_WARPS, **FP_FUSION,
     )
     return out
 

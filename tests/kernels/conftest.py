@@ -15,7 +15,6 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
 
 def pytest_collection_modifyitems(config, items):

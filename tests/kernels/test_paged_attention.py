@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
-from kernels.paged_prefill import paged_prefill, paged_prefill_ref
+from kernels.paged_prefill import block_n_for, paged_prefill, paged_prefill_ref
 from tests.kernels.conftest import BF16_DOT
 from tests.kernels.paged_cases import dense_attention, make_case
 
@@ -68,6 +68,15 @@ def test_paged_prefill_chunk_longer_than_one_tile(device):
     case = make_case([90, 3], [70, 3], 16, 1, 3, 80, device=device)
     out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
                         case.query_start_loc, case.seq_lens, case.scale, max_query_len=70)
+    _close(out, dense_attention(case))
+
+
+def test_paged_prefill_head_dim_256_in_fp32_uses_narrower_key_tiles(device):
+    # fp32 rows of 1 KB get 32-token key tiles (shared memory on A100); 75 tokens span 3 of them.
+    assert block_n_for(torch.float32, 256) == 32 and block_n_for(torch.bfloat16, 256) == 64
+    case = make_case([75, 40], [30, 40], 16, 1, 2, 256, device=device)
+    out = paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
+                        case.query_start_loc, case.seq_lens, case.scale)
     _close(out, dense_attention(case))
 
 
