@@ -29,10 +29,29 @@ import kernels as K  # noqa: E402
 # Peak dense bf16 tensor TFLOP/s and HBM GB/s, from the vendors' datasheets (SXM parts).
 PEAKS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L4": (121.0, 300.0)}
 HEAD_DIM, KV_HEADS, GROUP, BLOCK = 128, 8, 8, 16
-VOCAB = 128 * 1024
+DEVICE = "cuda"
 # A baseline that gathers K/V densely (or loops over rows in Python) is timed only up to this
 # many cached tokens in the batch, so that it fits in memory and the sweep ends in minutes.
 MAX_BASELINE_TOKENS = 64 * 8192
+
+
+@dataclass(frozen=True)
+class Sweep:
+    decode: tuple[tuple[int, int], ...]   # (batch, context)
+    prefill: tuple[int, ...]              # chunk lengths
+    sample: tuple[int, ...]               # batch sizes
+    penalties: tuple[int, ...]
+    rejection: tuple[int, ...]
+    kv_store: tuple[int, ...]             # tokens
+    vocab: int = 128 * 1024
+    dtype: torch.dtype = torch.bfloat16   # K/V and queries (logits and probabilities are fp32)
+
+
+FULL = Sweep(decode=tuple((b, c) for b in (1, 16, 64, 256) for c in (512, 2048, 8192, 32768)),
+             prefill=(512, 1024, 2048, 4096, 8192), sample=(1, 32, 256), penalties=(32, 256),
+             rejection=(16, 64), kv_store=(256, 4096))
+QUICK = Sweep(decode=((1, 2048), (64, 2048)), prefill=(512, 4096), sample=(256,), penalties=(256,),
+              rejection=(64,), kv_store=(256,))
 
 
 @dataclass
@@ -72,10 +91,13 @@ def _paged(batch: int, ctx: int, q_len: int, dtype, device):
     return q, kc, vc, tables, seq_lens, qsl
 
 
-def bench_decode(quick: bool, peak, rows: list[Row]) -> None:
-    sweep = [(1, 2048), (64, 2048)] if quick else [(b, c) for b in (1, 16, 64, 256) for c in (512, 2048, 8192, 32768)]
-    for batch, ctx in sweep:
-        q, kc, vc, tables, seq_lens, _ = _paged(batch, ctx, 1, torch.bfloat16, "cuda")
+def _vocab(v: int) -> str:
+    return f"{v // 1024}k" if v % 1024 == 0 else str(v)
+
+
+def bench_decode(sweep: Sweep, peak, rows: list[Row]) -> None:
+    for batch, ctx in sweep.decode:
+        q, kc, vc, tables, seq_lens, _ = _paged(batch, ctx, 1, sweep.dtype, DEVICE)
         scale = HEAD_DIM ** -0.5
         us = _us(lambda: K.paged_decode(q, kc, vc, tables, seq_lens, scale, max_seq_len=ctx))
         gbs = 2 * kc.numel() * kc.element_size() / us / 1e3
@@ -92,13 +114,13 @@ def bench_decode(quick: bool, peak, rows: list[Row]) -> None:
         del q, kc, vc
 
 
-def bench_prefill(quick: bool, peak, rows: list[Row]) -> None:
+def bench_prefill(sweep: Sweep, peak, rows: list[Row]) -> None:
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
         flash_attn_varlen_func = None
-    for chunk in ((512, 4096) if quick else (512, 1024, 2048, 4096, 8192)):
-        q, kc, vc, tables, seq_lens, qsl = _paged(1, chunk, chunk, torch.bfloat16, "cuda")
+    for chunk in sweep.prefill:
+        q, kc, vc, tables, seq_lens, qsl = _paged(1, chunk, chunk, sweep.dtype, DEVICE)
         scale = HEAD_DIM ** -0.5
         us = _us(lambda: K.paged_prefill(q, kc, vc, tables, qsl, seq_lens, scale, max_query_len=chunk))
         flops = 2 * 2 * chunk * chunk * HEAD_DIM * KV_HEADS * GROUP / 2   # QK^T and PV, causal: half the square
@@ -130,30 +152,31 @@ def torch_sort_top_p(logits: torch.Tensor, temperature: float, top_p: float) -> 
     return idx.gather(-1, torch.multinomial(sorted_p, 1))
 
 
-def bench_sampling(quick: bool, peak, rows: list[Row]) -> None:
-    for batch in ((256,) if quick else (1, 32, 256)):
+def bench_sampling(sweep: Sweep, peak, rows: list[Row]) -> None:
+    for batch in sweep.sample:
         for top_k in (0, 50):
-            args = _sampling_args(batch, VOCAB, "cuda", top_k)
+            args = _sampling_args(batch, sweep.vocab, DEVICE, top_k)
             us = _us(lambda: K.sample(*args))
             gbs = args[0].numel() * 4 / us / 1e3
             base = {"torch sort top-p": _us(lambda: torch_sort_top_p(args[0], 0.8, 0.9))}
             name = "top-p 0.9" if top_k == 0 else f"top-k {top_k} + top-p 0.9"
-            rows.append(Row("sample", f"B={batch} V=128k {name}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
+            rows.append(Row("sample", f"B={batch} V={_vocab(sweep.vocab)} {name}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
 
 
-def bench_penalties(quick: bool, peak, rows: list[Row]) -> None:
-    for batch in ((256,) if quick else (32, 256)):
-        logits = torch.randn(batch, VOCAB, device="cuda")
-        counts = (torch.rand(batch, VOCAB, device="cuda") < 0.01).to(torch.int32)
-        prompt = torch.rand(batch, VOCAB, device="cuda") < 0.01
-        f = lambda v: torch.full((batch,), v, device="cuda")  # noqa: E731
-        bias_ids = torch.randint(0, VOCAB, (batch, 4), dtype=torch.int32, device="cuda")
-        args = (counts, prompt, f(0.5), f(0.1), f(1.2), bias_ids, torch.ones(batch, 4, device="cuda"))
+def bench_penalties(sweep: Sweep, peak, rows: list[Row]) -> None:
+    vocab = sweep.vocab
+    for batch in sweep.penalties:
+        logits = torch.randn(batch, vocab, device=DEVICE)
+        counts = (torch.rand(batch, vocab, device=DEVICE) < 0.01).to(torch.int32)
+        prompt = torch.rand(batch, vocab, device=DEVICE) < 0.01
+        f = lambda v: torch.full((batch,), v, device=DEVICE)  # noqa: E731
+        bias_ids = torch.randint(0, vocab, (batch, 4), dtype=torch.int32, device=DEVICE)
+        args = (counts, prompt, f(0.5), f(0.1), f(1.2), bias_ids, torch.ones(batch, 4, device=DEVICE))
         us = _us(lambda: K.apply_penalties(logits, *args))
         moved = logits.numel() * 4 * 2 + counts.numel() * 4 + prompt.numel()   # logits read+written, counts, mask
         gbs = moved / us / 1e3
         base = {"torch ref": _us(lambda: K.apply_penalties_ref(logits, *args))}
-        rows.append(Row("apply_penalties", f"B={batch} V=128k", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
+        rows.append(Row("apply_penalties", f"B={batch} V={_vocab(vocab)}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
 
 
 def torch_rejection(drafts, q, p):
@@ -172,27 +195,27 @@ def torch_rejection(drafts, q, p):
     return out, accepted + 1
 
 
-def bench_rejection(quick: bool, peak, rows: list[Row]) -> None:
-    k = 4
-    for batch in ((64,) if quick else (16, 64)):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        p = torch.softmax(torch.randn(batch, k + 1, VOCAB, device="cuda", generator=g) * 2, -1)
-        q = torch.softmax(torch.randn(batch, k, VOCAB, device="cuda", generator=g) * 2, -1)
+def bench_rejection(sweep: Sweep, peak, rows: list[Row]) -> None:
+    k, vocab = 4, sweep.vocab
+    for batch in sweep.rejection:
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        p = torch.softmax(torch.randn(batch, k + 1, vocab, device=DEVICE, generator=g) * 2, -1)
+        q = torch.softmax(torch.randn(batch, k, vocab, device=DEVICE, generator=g) * 2, -1)
         drafts = torch.multinomial(q.flatten(0, 1), 1).view(batch, k)
-        seeds, offsets = torch.arange(batch, device="cuda"), torch.zeros(batch, dtype=torch.int64, device="cuda")
+        seeds, offsets = torch.arange(batch, device=DEVICE), torch.zeros(batch, dtype=torch.int64, device=DEVICE)
         us = _us(lambda: K.rejection_sample(drafts, q, p, seeds, offsets))
         base = {"torch (vectorised)": _us(lambda: torch_rejection(drafts, q, p))}
         if batch <= 16:
             base["torch ref"] = _us(lambda: K.rejection_sample_ref(drafts, q, p))
-        rows.append(Row("rejection_sample", f"B={batch} K={k} V=128k", us, "-", "-", base))
+        rows.append(Row("rejection_sample", f"B={batch} K={k} V={_vocab(vocab)}", us, "-", "-", base))
 
 
-def bench_kv_store(quick: bool, peak, rows: list[Row]) -> None:
-    for tokens in ((256,) if quick else (256, 4096)):
-        kc = torch.zeros(tokens // BLOCK + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+def bench_kv_store(sweep: Sweep, peak, rows: list[Row]) -> None:
+    for tokens in sweep.kv_store:
+        kc = torch.zeros(tokens // BLOCK + 1, BLOCK, KV_HEADS, HEAD_DIM, dtype=sweep.dtype, device=DEVICE)
         vc = torch.zeros_like(kc)
-        key = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
-        slots = torch.randperm(kc.shape[0] * BLOCK, device="cuda")[:tokens]
+        key = torch.randn(tokens, KV_HEADS, HEAD_DIM, dtype=sweep.dtype, device=DEVICE)
+        slots = torch.randperm(kc.shape[0] * BLOCK, device=DEVICE)[:tokens]
         us = _us(lambda: K.kv_store(key, key, kc, vc, slots))
         gbs = 4 * key.numel() * key.element_size() / us / 1e3
         base = {"torch index_put": _us(lambda: K.kv_store_ref(key, key, kc, vc, slots))}
@@ -230,17 +253,21 @@ def table(rows: list[Row]) -> list[tuple[str, ...]]:
     return [("kernel", "shape", "µs", "achieved", "% peak", "baselines (µs, kernel's speed-up)"), *(r.cells() for r in rows)]
 
 
-def run_gpu(quick: bool, out_path: str | None) -> None:
-    name = torch.cuda.get_device_name()
-    peak = peak_for(name)
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    peak_text = "unknown (n/a)" if peak is None else f"{peak[0]:.0f} TFLOP/s bf16, {peak[1]:.0f} GB/s"
-    print(f"device: {name}; peak: {peak_text}; {versions}", flush=True)
+BENCHES = (bench_kv_store, bench_decode, bench_prefill, bench_sampling, bench_penalties, bench_rejection)
+
+
+def measure(sweep: Sweep, peak) -> list[Row]:
     rows: list[Row] = []
-    for fn in (bench_kv_store, bench_decode, bench_prefill, bench_sampling, bench_penalties, bench_rejection):
-        fn(quick, peak, rows)
+    for fn in BENCHES:
+        fn(sweep, peak, rows)
         print(f"{fn.__name__}: done", flush=True)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[Row], peak, header: str, out_path: str | None) -> None:
+    """Print the table and the goals; with ``out_path``, write them there as Markdown too."""
     cells = table(rows)
     widths = [max(len(r[i]) for r in cells) for i in range(len(cells[0]))]
     for r in cells:
@@ -250,11 +277,22 @@ def run_gpu(quick: bool, out_path: str | None) -> None:
         print("goal:", line)
     if out_path:
         with open(out_path, "w") as fh:
-            fh.write(f"Device: {name} (peak {peak_text}); {versions}; bf16 K/V and queries, head_dim {HEAD_DIM}, "
-                     f"{KV_HEADS} KV heads × GQA {GROUP}, block size {BLOCK}; fp32 logits.\n\n")
+            fh.write(header + "\n\n")
             fh.write("| " + " | ".join(cells[0]) + " |\n|" + "---|" * len(cells[0]) + "\n")
             fh.writelines("| " + " | ".join(r) + " |\n" for r in cells[1:])
             fh.write("\n" + "".join(f"- {line}\n" for line in judged))
+
+
+def run_gpu(sweep: Sweep, out_path: str | None) -> None:
+    name = torch.cuda.get_device_name()
+    peak = peak_for(name)
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    peak_text = "unknown (n/a)" if peak is None else f"{peak[0]:.0f} TFLOP/s bf16, {peak[1]:.0f} GB/s"
+    print(f"device: {name}; peak: {peak_text}; {versions}", flush=True)
+    rows = measure(sweep, peak)
+    header = (f"Device: {name} (peak {peak_text}); {versions}; bf16 K/V and queries, head_dim {HEAD_DIM}, "
+              f"{KV_HEADS} KV heads × GQA {GROUP}, block size {BLOCK}; fp32 logits.")
+    report(rows, peak, header, out_path)
 
 
 def check_cpu() -> None:
@@ -302,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
               "match their torch references (Triton interpreter, tiny shapes)")
         print("timing needs a GPU: no CUDA device here, so no timings were taken")
         return 0
-    run_gpu(args.quick, args.out)
+    run_gpu(QUICK if args.quick else FULL, args.out)
     return 0
 
 

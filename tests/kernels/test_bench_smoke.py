@@ -1,5 +1,6 @@
 """bench/kernels.py --quick runs to completion: on CPU it checks every kernel under the
-interpreter, says timing needs a GPU and exits 0. Its goal verdicts follow from the rows measured."""
+interpreter, says timing needs a GPU and exits 0. Its goal verdicts follow from the rows measured,
+and its GPU measurement path runs end to end on CPU at a tiny sweep."""
 from __future__ import annotations
 
 import os
@@ -50,3 +51,32 @@ def test_goals_are_judged_from_the_measured_rows():
     assert rows[2].cells()[-1] == "torch sort top-p 90 µs (1.80×)"
     missing = bench.goals(rows[:1], None)
     assert all("not measured" in line for line in missing)
+
+
+def test_the_gpu_measurement_path_runs_end_to_end_on_a_tiny_sweep(monkeypatch, tmp_path):
+    """Every bench function, the table and the Markdown file, on CPU under the interpreter with
+    fp16 and tiny shapes (timing by one wall-clock call instead of do_bench), so that a GPU
+    session's few minutes are not lost to a bug in the script."""
+    import time
+
+    bench = _bench_module()
+
+    def one_call_us(fn):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6
+
+    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "_us", one_call_us)
+    monkeypatch.setattr(bench, "HEAD_DIM", 32)
+    tiny = bench.Sweep(decode=((2, 40),), prefill=(20,), sample=(3,), penalties=(2,), rejection=(2,),
+                       kv_store=(5,), vocab=300, dtype=torch.float16)
+    rows = bench.measure(tiny, None)
+    assert [r.kernel for r in rows] == ["kv_store", "paged_decode", "paged_prefill", "sample", "sample",
+                                        "apply_penalties", "rejection_sample"]
+    assert "torch ref" in rows[1].baselines and "sdpa (dense)" in rows[2].baselines
+    out = tmp_path / "kernels.md"
+    bench.report(rows, None, "Device: cpu (test)", str(out))
+    text = out.read_text()
+    assert text.startswith("Device: cpu (test)") and text.count("\n| ") == len(rows) + 1
+    assert "not measured" in text          # the goals' shapes are not in a tiny sweep
