@@ -12,8 +12,9 @@ from engine.attention.torch_backend import TorchAttentionBackend
 from engine.attention.triton_backend import TritonAttentionBackend
 
 
-def test_auto_picks_torch_on_cpu_and_triton_runs_under_the_interpreter():
+def test_auto_picks_torch_on_cpu_and_triton_runs_under_the_interpreter(monkeypatch):
     assert isinstance(get_attention_backend("auto", torch.device("cpu")), TorchAttentionBackend)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")   # already so on CPU machines; not on CUDA ones
     assert isinstance(get_attention_backend("triton", torch.device("cpu")), TritonAttentionBackend)
 
 

@@ -58,12 +58,12 @@ def tokenizer(tmp_path_factory) -> tuple[Tokenizer, Path]:
     return _tokenizer(folder), folder
 
 
-def _greedy(tokenizer, dtype: torch.dtype, attention: str, sampler: str) -> list[list[int]]:
+def _greedy(tokenizer, device, dtype: torch.dtype, attention: str, sampler: str) -> list[list[int]]:
     tok, folder = tokenizer
-    model = _tiny_llama().to(dtype)
+    model = _tiny_llama().to(device=device, dtype=dtype)
     loaded = LoadedModel(model=model, arch=model.arch, tokenizer=tok, name="tiny-llama", path=folder,
-                         dtype=dtype, device=torch.device("cpu"))
-    llm = LLM("tiny-llama", loaded=loaded, device="cpu", dtype=str(dtype).removeprefix("torch."),
+                         dtype=dtype, device=device)
+    llm = LLM("tiny-llama", loaded=loaded, device=str(device), dtype=str(dtype).removeprefix("torch."),
               attention_backend=attention, sampler_backend=sampler,
               block_size=4, max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
     prompts = [[5, 17, 3, 9, 22, 41, 8], [60, 2, 33, 33, 12, 7, 1, 19, 44, 50, 3, 3, 6, 71, 15], [4]]
@@ -83,7 +83,7 @@ def _greedy(tokenizer, dtype: torch.dtype, attention: str, sampler: str) -> list
     (torch.float16, "triton", "triton"),
     (torch.bfloat16, "torch", "triton"),
 ])
-def test_triton_backend_gives_torch_backend_greedy_tokens(tokenizer, dtype, attention, sampler):
-    want = _greedy(tokenizer, dtype, "torch", "torch")
+def test_triton_backend_gives_torch_backend_greedy_tokens(tokenizer, device, dtype, attention, sampler):
+    want = _greedy(tokenizer, device, dtype, "torch", "torch")
     assert all(len(t) == 6 for t in want)
-    assert _greedy(tokenizer, dtype, attention, sampler) == want
+    assert _greedy(tokenizer, device, dtype, attention, sampler) == want
