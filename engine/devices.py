@@ -28,12 +28,21 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(x) for x in re.findall(r"\d+", version.split("+")[0])[:2])
 
 
+def _triton_version() -> str:
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:   # e.g. shipped as "pytorch-triton"
+        import triton
+
+        return triton.__version__
+
+
 def triton_unavailable_reason(option: str, device: torch.device) -> str | None:
     """None when Triton kernels can run on ``device``; else why not, naming ``option`` (e.g.
     "attention_backend=triton") so the error says which setting asked for them."""
     if importlib.util.find_spec("triton") is None:
         return f"{option} needs the triton package (pip install 'sluice[triton]')"
-    version = importlib.metadata.version("triton")
+    version = _triton_version()
     if _version_tuple(version) < MIN_TRITON:
         floor = ".".join(map(str, MIN_TRITON))
         return f"{option} needs triton>={floor}, found triton {version} (pip install -U 'sluice[triton]')"

@@ -39,6 +39,20 @@ def test_a_triton_older_than_the_verified_floor_is_refused_and_auto_falls_back(m
     assert isinstance(get_attention_backend("auto", torch.device("cuda")), TorchAttentionBackend)
 
 
+def test_a_triton_without_its_own_distribution_name_is_read_from_the_module(monkeypatch):
+    import importlib.metadata
+
+    import triton
+
+    def no_triton_dist(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", no_triton_dist)   # as with "pytorch-triton"
+    monkeypatch.setattr(triton, "__version__", "3.1.0")
+    with pytest.raises(ValueError, match=r"needs triton>=3\.4, found triton 3\.1\.0"):
+        get_attention_backend("triton", torch.device("cpu"))
+
+
 def _meta(seq_lens, query_lens, block_size, tables, device):
     starts = [0]
     for n in query_lens:
