@@ -28,7 +28,7 @@ _NUM_STAGES = 2
 def block_n_for(dtype: torch.dtype, head_dim_pad: int) -> int:
     """Key tile width. Rows wider than 512 bytes (fp32 at head_dim 256) get 32-token tiles: with 64,
     the kernel needs 213 KB of shared memory, more than an A100 block may have (163 KB)."""
-    return _BLOCK_N if torch.empty((), dtype=dtype).element_size() * head_dim_pad <= 512 else _BLOCK_N // 2
+    return _BLOCK_N if dtype.itemsize * head_dim_pad <= 512 else _BLOCK_N // 2
 
 
 @triton.jit
