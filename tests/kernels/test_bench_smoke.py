@@ -53,9 +53,9 @@ def test_goals_are_judged_from_the_measured_rows():
     assert all("not measured" in line for line in missing)
 
 
-def test_the_gpu_measurement_path_runs_end_to_end_on_a_tiny_sweep(monkeypatch, tmp_path):
-    """Every bench function, the table and the Markdown file, on CPU under the interpreter with
-    fp16 and tiny shapes (timing by one wall-clock call instead of do_bench), so that a GPU
+def test_the_gpu_measurement_path_runs_end_to_end_on_a_tiny_sweep(monkeypatch, tmp_path, device):
+    """Every bench function, the table and the Markdown file, with fp16 and tiny shapes (timing by
+    one wall-clock call instead of do_bench), on CPU under the interpreter, so that a GPU
     session's few minutes are not lost to a bug in the script."""
     import time
 
@@ -66,7 +66,7 @@ def test_the_gpu_measurement_path_runs_end_to_end_on_a_tiny_sweep(monkeypatch, t
         fn()
         return (time.perf_counter() - start) * 1e6
 
-    monkeypatch.setattr(bench, "DEVICE", "cpu")
+    monkeypatch.setattr(bench, "DEVICE", device.type)
     monkeypatch.setattr(bench, "_us", one_call_us)
     monkeypatch.setattr(bench, "HEAD_DIM", 32)
     tiny = bench.Sweep(decode=((2, 40),), prefill=(20,), sample=(3,), penalties=(2,), rejection=(2,),
