@@ -36,12 +36,12 @@ def _tokenizer(folder: Path) -> Tokenizer:
     return Tokenizer.from_folder(folder)
 
 
-def _tiny_llama() -> LlamaForCausalLM:
+def _tiny_llama(dtype: torch.dtype = torch.float32, device="cpu") -> LlamaForCausalLM:
     arch = ModelArchConfig(
         architecture="llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
         max_position_embeddings=128, tie_word_embeddings=True)
-    model = LlamaForCausalLM(arch, max_seq_len=128)
+    model = LlamaForCausalLM(arch, max_seq_len=128, dtype=dtype, device=device)   # as the loaders build it
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():   # allocated uninitialised: fill every one
@@ -60,7 +60,7 @@ def tokenizer(tmp_path_factory) -> tuple[Tokenizer, Path]:
 
 def _greedy(tokenizer, device, dtype: torch.dtype, attention: str, sampler: str) -> list[list[int]]:
     tok, folder = tokenizer
-    model = _tiny_llama().to(device=device, dtype=dtype)
+    model = _tiny_llama(dtype, device)
     loaded = LoadedModel(model=model, arch=model.arch, tokenizer=tok, name="tiny-llama", path=folder,
                          dtype=dtype, device=device)
     llm = LLM("tiny-llama", loaded=loaded, device=str(device), dtype=str(dtype).removeprefix("torch."),
