@@ -59,21 +59,24 @@ class Row:
     kernel: str
     shape: str
     us: float
-    achieved: str
-    pct_peak: str
+    rate: float | None            # in ``unit``; None where no rate applies
+    unit: str                     # "GB/s" or "TFLOP/s"
+    peak: float | None            # the device's peak in ``unit``, when known
     baselines: dict[str, float]   # name -> µs
 
     def cells(self) -> tuple[str, ...]:
+        achieved = "-" if self.rate is None else f"{self.rate:.0f} {self.unit}"
+        pct = "-" if self.rate is None else "n/a" if self.peak is None else f"{100 * self.rate / self.peak:.0f}%"
         base = ", ".join(f"{name} {us:.0f} µs ({us / self.us:.2f}×)" for name, us in self.baselines.items())
-        return (self.kernel, self.shape, f"{self.us:.1f}", self.achieved, self.pct_peak, base or "-")
+        return (self.kernel, self.shape, f"{self.us:.1f}", achieved, pct, base or "-")
 
 
 def peak_for(name: str) -> tuple[float, float] | None:
     return next((v for k, v in PEAKS.items() if k in name.upper()), None)
 
 
-def _pct(value: float, peak: float | None) -> str:
-    return "n/a" if peak is None else f"{100 * value / peak:.0f}%"
+def _bw(peak) -> float | None:
+    return peak and peak[1]
 
 
 def _us(fn) -> float:
@@ -110,7 +113,7 @@ def bench_decode(sweep: Sweep, peak, rows: list[Row]) -> None:
             del k, v
             if batch <= 16:                                          # a Python loop over the rows
                 base["torch ref"] = _us(lambda: K.paged_decode_ref(q, kc, vc, tables, seq_lens, scale))
-        rows.append(Row("paged_decode", f"B={batch} ctx={ctx}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
+        rows.append(Row("paged_decode", f"B={batch} ctx={ctx}", us, gbs, "GB/s", _bw(peak), base))
         del q, kc, vc
 
 
@@ -134,7 +137,7 @@ def bench_prefill(sweep: Sweep, peak, rows: list[Row]) -> None:
                 q, k, v, qsl, qsl, chunk, chunk, softmax_scale=scale, causal=True))
         if chunk <= 2048:
             base["torch ref"] = _us(lambda: K.paged_prefill_ref(q, kc, vc, tables, qsl, seq_lens, scale))
-        rows.append(Row("paged_prefill", f"chunk={chunk}", us, f"{tf:.0f} TFLOP/s", _pct(tf, peak and peak[0]), base))
+        rows.append(Row("paged_prefill", f"chunk={chunk}", us, tf, "TFLOP/s", peak and peak[0], base))
 
 
 def _sampling_args(batch: int, vocab: int, device, top_k: int = 50):
@@ -160,7 +163,7 @@ def bench_sampling(sweep: Sweep, peak, rows: list[Row]) -> None:
             gbs = args[0].numel() * 4 / us / 1e3
             base = {"torch sort top-p": _us(lambda: torch_sort_top_p(args[0], 0.8, 0.9))}
             name = "top-p 0.9" if top_k == 0 else f"top-k {top_k} + top-p 0.9"
-            rows.append(Row("sample", f"B={batch} V={_vocab(sweep.vocab)} {name}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
+            rows.append(Row("sample", f"B={batch} V={_vocab(sweep.vocab)} {name}", us, gbs, "GB/s", _bw(peak), base))
 
 
 def bench_penalties(sweep: Sweep, peak, rows: list[Row]) -> None:
@@ -176,7 +179,7 @@ def bench_penalties(sweep: Sweep, peak, rows: list[Row]) -> None:
         moved = logits.numel() * 4 * 2 + counts.numel() * 4 + prompt.numel()   # logits read+written, counts, mask
         gbs = moved / us / 1e3
         base = {"torch ref": _us(lambda: K.apply_penalties_ref(logits, *args))}
-        rows.append(Row("apply_penalties", f"B={batch} V={_vocab(vocab)}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
+        rows.append(Row("apply_penalties", f"B={batch} V={_vocab(vocab)}", us, gbs, "GB/s", _bw(peak), base))
 
 
 def torch_rejection(drafts, q, p):
@@ -207,7 +210,7 @@ def bench_rejection(sweep: Sweep, peak, rows: list[Row]) -> None:
         base = {"torch (vectorised)": _us(lambda: torch_rejection(drafts, q, p))}
         if batch <= 16:
             base["torch ref"] = _us(lambda: K.rejection_sample_ref(drafts, q, p))
-        rows.append(Row("rejection_sample", f"B={batch} K={k} V={_vocab(vocab)}", us, "-", "-", base))
+        rows.append(Row("rejection_sample", f"B={batch} K={k} V={_vocab(vocab)}", us, None, "", None, base))
 
 
 def bench_kv_store(sweep: Sweep, peak, rows: list[Row]) -> None:
@@ -219,7 +222,7 @@ def bench_kv_store(sweep: Sweep, peak, rows: list[Row]) -> None:
         us = _us(lambda: K.kv_store(key, key, kc, vc, slots))
         gbs = 4 * key.numel() * key.element_size() / us / 1e3
         base = {"torch index_put": _us(lambda: K.kv_store_ref(key, key, kc, vc, slots))}
-        rows.append(Row("kv_store", f"tokens={tokens}", us, f"{gbs:.0f} GB/s", _pct(gbs, peak and peak[1]), base))
+        rows.append(Row("kv_store", f"tokens={tokens}", us, gbs, "GB/s", _bw(peak), base))
 
 
 def goals(rows: list[Row], peak) -> list[str]:
@@ -231,7 +234,7 @@ def goals(rows: list[Row], peak) -> list[str]:
     if dec is None or peak is None:
         out.append("paged decode ≥ 80% of HBM bandwidth at B=64 × 2k: not measured (row or device peak missing)")
     else:
-        pct = 100 * float(dec.achieved.split()[0]) / peak[1]
+        pct = 100 * dec.rate / peak[1]
         out.append(f"paged decode ≥ 80% of HBM bandwidth at B=64 × 2k: {pct:.0f}% ({'met' if pct >= 80 else 'missed'})")
     pre = by.get(("paged_prefill", "chunk=4096"))
     fa = pre and pre.baselines.get("flash-attn (dense)")
