@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
-import kernels as K  # noqa: E402
+import sluice.kernels as K  # noqa: E402
 
 # Peak dense bf16 tensor TFLOP/s and HBM GB/s, from the vendors' datasheets (SXM parts).
 PEAKS = {"H200": (989.0, 4800.0), "H100": (989.0, 3350.0), "A100": (312.0, 2039.0), "L4": (121.0, 300.0)}

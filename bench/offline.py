@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bandwidth import decode_ceiling, machine, measure_bandwidth, weight_bytes  # noqa: E402
-from engine.llm import LLM  # noqa: E402
-from engine.loaders import load_model, resolve_path  # noqa: E402
-from engine.sampling_params import SamplingParams  # noqa: E402
+from sluice.engine.llm import LLM  # noqa: E402
+from sluice.engine.loaders import load_model, resolve_path  # noqa: E402
+from sluice.engine.sampling_params import SamplingParams  # noqa: E402
 
 SECTIONS = ("throughput", "decode", "prefix", "chunked")
 BASE_PROMPTS = [

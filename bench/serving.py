@@ -79,8 +79,8 @@ class Item:
 def _load_tokenizer(model: str):
     from gguf import GGUFReader
 
-    from engine.loaders import resolve_path
-    from engine.tokenizer import Tokenizer
+    from sluice.engine.loaders import resolve_path
+    from sluice.engine.tokenizer import Tokenizer
 
     path = resolve_path(model)
     if path.suffix != ".gguf":
@@ -178,7 +178,7 @@ async def openai_request(session: aiohttp.ClientSession, target: Target, item: I
 
 
 async def grpc_request(client, item: Item, stop_ids: list[int]) -> Record:
-    from engine.client import EngineRpcError
+    from sluice.engine.client import EngineRpcError
 
     kw = dict(max_tokens=item.max_tokens, temperature=0.0, ignore_eos=item.exact or None)
     rec, usage = Record(ok=False), None
@@ -226,7 +226,7 @@ class Target:
 
     def sender(self, session: aiohttp.ClientSession, prompt_format: str, stop_ids: list[int], clients: list):
         if self.kind == "grpc":
-            from engine.client import AsyncEngineClient
+            from sluice.engine.client import AsyncEngineClient
             client = AsyncEngineClient(self.address)   # bound to the running loop
             clients.append(client)
             return lambda item: grpc_request(client, item, stop_ids)
@@ -268,7 +268,7 @@ def _wait_ready(t: Target, timeout: float = START_TIMEOUT_S) -> None:
             raise RuntimeError(f"{t.name} exited with {t.proc.returncode} while starting:\n{tail}")
         try:
             if t.kind == "grpc":
-                from engine.client import EngineClient, EngineRpcError
+                from sluice.engine.client import EngineClient, EngineRpcError
                 with EngineClient(t.address) as c:
                     with contextlib.suppress(EngineRpcError):
                         if c.health(timeout=2.0) == "SERVING":
@@ -288,7 +288,7 @@ def _launch_commands(args: argparse.Namespace, model_path: Path) -> list[tuple[s
     py, out = sys.executable, []
     for kind in args.launch:
         port = _free_port()
-        sub = ["-m", "http_facade.cli", "serve"] if kind == "http" else ["-m", "engine.cli", "engine"]
+        sub = ["-m", "sluice.http_facade.cli", "serve"] if kind == "http" else ["-m", "sluice.engine.cli", "engine"]
         cmd = [py, *sub, args.model, "--device", "cpu", "--mode", "server", "--overrides", args.sluice_overrides,
                "--port", str(port)]
         addr = f"http://127.0.0.1:{port}" if kind == "http" else f"127.0.0.1:{port}"
@@ -335,7 +335,7 @@ def open_targets(args: argparse.Namespace):
         print("llama.cpp peer: llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'); "
               "skipping the llamacpp row", flush=True)
         args.peer = None
-    from engine.loaders import resolve_path
+    from sluice.engine.loaders import resolve_path
     logdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
     try:
         for name, kind, is_peer, cmd, addr in _launch_commands(args, resolve_path(args.model)):

@@ -30,13 +30,13 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, TypeVar
 
-from engine.errors import EngineUnavailableError, UnsupportedError
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.errors import EngineUnavailableError, UnsupportedError
+from sluice.engine.outputs import RequestOutput
+from sluice.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.embedding import EmbeddingEngine
-    from engine.engine_core import EngineCore, LoadStats, ModelInfo
+    from sluice.engine.embedding import EmbeddingEngine
+    from sluice.engine.engine_core import EngineCore, LoadStats, ModelInfo
 
 log = logging.getLogger("sluice.async_engine")
 T = TypeVar("T")

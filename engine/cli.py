@@ -17,7 +17,7 @@ people without a server. MODEL is a ``.gguf`` path, a Hugging Face folder or a s
 ``engine.overrides``); they are checked before anything loads.
 
 ``serve`` runs the engine and the HTTP facade under one supervisor and ``facade`` runs the HTTP
-facade alone in front of a running engine; both live in ``http_facade.cli`` and are registered
+facade alone in front of a running engine; both live in ``sluice.http_facade.cli`` and are registered
 here so that ``sluice`` is the one command.
 """
 from __future__ import annotations
@@ -28,8 +28,8 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from engine.errors import EngineError
-from engine.overrides import MODES, check_mode, parse_overrides
+from sluice.engine.errors import EngineError
+from sluice.engine.overrides import MODES, check_mode, parse_overrides
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none
@@ -91,7 +91,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
 
-    from http_facade.cli import add_facade_arguments, add_serve_arguments, main_facade, main_serve
+    from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, main_facade, main_serve
 
     serve = sub.add_parser("serve", help="run the engine and the HTTP facade (OpenAI, MLC, AFS), supervised")
     add_serve_arguments(serve)
@@ -103,14 +103,14 @@ def _build_parser() -> argparse.ArgumentParser:
 
 
 def _engine_config(args: argparse.Namespace):
-    from engine.overrides import build_engine_config
+    from sluice.engine.overrides import build_engine_config
 
     return build_engine_config(args.model, mode=args.mode, overrides=args.overrides, device=args.device)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
-    from engine.engine_core import EngineCore
-    from engine.rpc.server import ServerConfig, serve
+    from sluice.engine.engine_core import EngineCore
+    from sluice.engine.rpc.server import ServerConfig, serve
 
     server_config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace)
     config = _engine_config(args)
@@ -127,7 +127,7 @@ def _embedding_factory(name: str, rerank: str | None, device: str):
     """A loader of the embedding engine (run on the engine thread), or None for none."""
     import importlib.util
 
-    from engine.loaders.bert_loader import DEFAULT_PACKAGE
+    from sluice.engine.loaders.bert_loader import DEFAULT_PACKAGE
 
     if name == "auto":
         name = "all-minilm-l6-v2" if importlib.util.find_spec(DEFAULT_PACKAGE) is not None else "none"
@@ -137,9 +137,9 @@ def _embedding_factory(name: str, rerank: str | None, device: str):
         return None
 
     def load():
-        from engine.embedding import EmbeddingEngine
-        from engine.devices import resolve_device
-        from engine.loaders.bert_loader import load_embedding_model
+        from sluice.engine.embedding import EmbeddingEngine
+        from sluice.engine.devices import resolve_device
+        from sluice.engine.loaders.bert_loader import load_embedding_model
 
         dev = resolve_device(device)
         model = None if name.lower() == "none" else load_embedding_model(name, device=dev)
@@ -152,7 +152,7 @@ def _embedding_factory(name: str, rerank: str | None, device: str):
 
 
 def _sampling(args: argparse.Namespace):
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.sampling_params import SamplingParams
 
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                           top_k=args.top_k, seed=args.seed, stop=list(args.stop))
@@ -171,7 +171,7 @@ def _stream(llm, prompt: str, params, add_special_tokens: bool) -> str:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     params = _sampling(args)
     llm = LLM(config=_engine_config(args), progress=True)
@@ -180,7 +180,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     params = _sampling(args)
     llm = LLM(config=_engine_config(args), progress=True)

@@ -27,9 +27,9 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.rpc import engine_pb2 as pb
-from engine.rpc import engine_pb2_grpc as pb_grpc
-from engine.rpc.client_embed import (Embeddings, RerankHit, Reranked, embed_request,  # noqa: F401 - re-exported
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.rpc.client_embed import (Embeddings, RerankHit, Reranked, embed_request,  # noqa: F401 - re-exported
                                      embeddings_from_proto, rerank_request, reranked_from_proto)
 
 Prompt = str | Sequence[int]

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from engine import envs
+from sluice.engine import envs
 
 
 def resolve_device(name: str) -> torch.device:

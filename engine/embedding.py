@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.errors import UnsupportedError
-from engine.loaders.bert_loader import EmbeddingModel
+from sluice.engine.errors import UnsupportedError
+from sluice.engine.loaders.bert_loader import EmbeddingModel
 
 DEFAULT_MAX_BATCH_TOKENS = 8192
 CROSS_ENCODER, EMBEDDING_COSINE = "cross-encoder", "embedding-cosine"

@@ -20,19 +20,19 @@ from typing import Iterable
 
 import torch
 
-from engine import envs
-from engine.attention.selector import get_attention_backend
-from engine.config import EngineConfig
-from engine.devices import resolve_device
-from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import ContextLengthError, QueueFullError, UnsupportedError
-from engine.kv_cache import KVCacheManager, num_blocks_for_budget
-from engine.loaders import LoadedModel, load_model, resolve_dtype
-from engine.model_runner import ModelRunner
-from engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from sluice.engine import envs
+from sluice.engine.attention.selector import get_attention_backend
+from sluice.engine.config import EngineConfig
+from sluice.engine.devices import resolve_device
+from sluice.engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.errors import ContextLengthError, QueueFullError, UnsupportedError
+from sluice.engine.kv_cache import KVCacheManager, num_blocks_for_budget
+from sluice.engine.loaders import LoadedModel, load_model, resolve_dtype
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import Scheduler
 
 log = logging.getLogger("sluice.engine")
 

@@ -9,12 +9,12 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
-from engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
-from engine.engine_core import EngineCore
-from engine.errors import QueueFullError
-from engine.loaders import LoadedModel
-from engine.outputs import CompletionOutput, GenerationResult, RequestOutput, Usage
-from engine.sampling_params import SamplingParams
+from sluice.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from sluice.engine.engine_core import EngineCore
+from sluice.engine.errors import QueueFullError
+from sluice.engine.loaders import LoadedModel
+from sluice.engine.outputs import CompletionOutput, GenerationResult, RequestOutput, Usage
+from sluice.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict]

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from engine.outputs import RunnerOutput, TokenLogprob
-from engine.sampler import GeneratorCache, Sampler, SamplingBatch
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.outputs import RunnerOutput, TokenLogprob
+from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from engine.config import EngineConfig
+from sluice.engine.config import EngineConfig
 
 MODES = ("local", "interactive", "server")
 _SERVER_MAX_SEQS = 128
@@ -56,7 +56,7 @@ def _bool(text: str) -> bool:
 
 @dataclass(frozen=True)
 class _Key:
-    option: str                      # the flat option name that engine.llm.build_config takes
+    option: str                      # the flat option name that sluice.engine.llm.build_config takes
     parse: Callable[[str], Any]
     help: str
 
@@ -136,7 +136,7 @@ def build_engine_config(model: str, *, mode: str = "local", overrides: str | dic
     ``context_window(model)`` reads the model's context length from its metadata (no weights);
     it is called only when the mode needs it and ``context_window_size`` was not overridden.
     """
-    from engine.llm import build_config   # the one place that splits flat options per subsystem
+    from sluice.engine.llm import build_config   # the one place that splits flat options per subsystem
 
     check_mode(mode)
     given = parse_overrides(overrides) if not isinstance(overrides, dict) else dict(overrides)
@@ -165,10 +165,10 @@ def _mlc_name(message: str) -> str:
 
 def model_context_window(model: str) -> int:
     """The model's own context window, read from its metadata without loading weights."""
-    from engine.errors import ModelLoadError
-    from engine.loaders import resolve_path
-    from engine.loaders.gguf_loader import gguf_architecture, gguf_metadata, open_gguf
-    from engine.loaders.hf_loader import arch_from_folder
+    from sluice.engine.errors import ModelLoadError
+    from sluice.engine.loaders import resolve_path
+    from sluice.engine.loaders.gguf_loader import gguf_architecture, gguf_metadata, open_gguf
+    from sluice.engine.loaders.hf_loader import arch_from_folder
 
     path = resolve_path(model)
     if not path.is_file():

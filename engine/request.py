@@ -9,7 +9,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from sluice.engine.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):

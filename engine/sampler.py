@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import torch
 
-from engine import envs
-from engine.devices import triton_unavailable_reason
-from engine.outputs import TokenLogprob
-from engine.request import Request
+from sluice.engine import envs
+from sluice.engine.devices import triton_unavailable_reason
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.request import Request
 
 _NEG_INF = float("-inf")
 SAMPLER_BACKENDS = ("auto", "torch", "triton")
@@ -515,7 +515,7 @@ class Sampler:
         self.backend = resolve_sampler_backend(backend, device)
         self._kernels = None
         if self.backend == "triton":   # imported here: CPU-only installs never load triton
-            self._kernels = (importlib.import_module("kernels.penalties"), importlib.import_module("kernels.sampling"))
+            self._kernels = (importlib.import_module("sluice.kernels.penalties"), importlib.import_module("sluice.kernels.sampling"))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if self._kernels is None:

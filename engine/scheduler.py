@@ -31,11 +31,11 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.config import SchedulerConfig
-from engine.errors import ContextLengthError, QueueFullError
-from engine.kv_cache.block_manager import KVCacheManager
-from engine.outputs import RunnerOutput
-from engine.request import Request, RequestStatus
+from sluice.engine.config import SchedulerConfig
+from sluice.engine.errors import ContextLengthError, QueueFullError
+from sluice.engine.kv_cache.block_manager import KVCacheManager
+from sluice.engine.outputs import RunnerOutput
+from sluice.engine.request import Request, RequestStatus
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, processors
 
-from engine.chat_template import render_chat_template
-from engine.errors import ModelLoadError
+from sluice.engine.chat_template import render_chat_template
+from sluice.engine.errors import ModelLoadError
 
 # Tokens that close a chat turn in the common templates (ChatML, Llama 3, Phi-3, Gemma, Mistral).
 _END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>")
@@ -114,7 +114,7 @@ class Tokenizer:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_gguf(cls, reader, path: str | Path = "<gguf>") -> Tokenizer:
-        from engine.loaders.gguf_loader import gguf_metadata
+        from sluice.engine.loaders.gguf_loader import gguf_metadata
 
         def meta(key, default=None):
             return gguf_metadata(reader, f"tokenizer.{key}", default)

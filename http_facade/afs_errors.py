@@ -22,7 +22,7 @@ checks ``"status_code" in record``), and the stream ends.
 """
 from __future__ import annotations
 
-from http_facade.errors import ApiError
+from sluice.http_facade.errors import ApiError
 
 UNPROCESSABLE = 422
 AFS_PREFIX = "/models/"

@@ -28,8 +28,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.afs_errors import invalid
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.afs_errors import invalid
 
 _INTRO = ("You can call these functions. Each line is one function as JSON (name, description and a JSON "
           "schema of its parameters):")

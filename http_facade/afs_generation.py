@@ -32,15 +32,15 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.afs_errors import afs_error_body
-from http_facade.afs_functions import find_call
-from http_facade.afs_protocol import AfsGeneration
-from http_facade.errors import ApiError, internal, unavailable
-from http_facade.generation import RequestTimer, run_plan
-from http_facade.protocol import GenerationPlan
-from http_facade.sse import SSEWriter
-from http_facade.state import FacadeState
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.afs_errors import afs_error_body
+from sluice.http_facade.afs_functions import find_call
+from sluice.http_facade.afs_protocol import AfsGeneration
+from sluice.http_facade.errors import ApiError, internal, unavailable
+from sluice.http_facade.generation import RequestTimer, run_plan
+from sluice.http_facade.protocol import GenerationPlan
+from sluice.http_facade.sse import SSEWriter
+from sluice.http_facade.state import FacadeState
 
 _MIN_LOGPROB = -9999.0   # JSON has no -Infinity
 # Engine field names → the AFS parameter a client sent.

@@ -27,9 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.afs_functions import FunctionSpec, call_text, parse_functions, with_function_prompt
-from http_facade.afs_errors import invalid
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.afs_functions import FunctionSpec, call_text, parse_functions, with_function_prompt
+from sluice.http_facade.afs_errors import invalid
 
 DEFAULT_SEED = 42
 MAX_STOP_SEQUENCES = 4

@@ -12,13 +12,13 @@ import logging
 import grpc
 from aiohttp import web
 
-from http_facade import routes_afs, routes_embeddings, routes_openai
-from http_facade.afs_errors import afs_error_body, is_afs_path
-from http_facade.engine_link import EngineLink
-from http_facade.errors import ApiError, from_rpc_error, internal, unavailable
-from http_facade.openapi import ENDPOINTS, docs_page, openapi_document
-from http_facade.sse import CORS_HEADERS
-from http_facade.state import STATE_KEY, FacadeConfig, FacadeState, state_of
+from sluice.http_facade import routes_afs, routes_embeddings, routes_openai
+from sluice.http_facade.afs_errors import afs_error_body, is_afs_path
+from sluice.http_facade.engine_link import EngineLink
+from sluice.http_facade.errors import ApiError, from_rpc_error, internal, unavailable
+from sluice.http_facade.openapi import ENDPOINTS, docs_page, openapi_document
+from sluice.http_facade.sse import CORS_HEADERS
+from sluice.http_facade.state import STATE_KEY, FacadeConfig, FacadeState, state_of
 
 log = logging.getLogger("sluice.facade")
 

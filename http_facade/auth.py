@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 
 from aiohttp import web
 
-from http_facade.errors import ApiError
+from sluice.http_facade.errors import ApiError
 
 KeyExtractor = Callable[[web.Request], "str | None"]
 ENV_KEYS = "SLUICE_API_KEYS"

@@ -2,7 +2,7 @@
 
 ``engine/cli.py`` registers the two subcommands with ``add_facade_arguments`` /
 ``add_serve_arguments`` and calls ``main_facade`` / ``main_serve``. The module also runs on its
-own (``python -m http_facade.cli facade --engine HOST:PORT``), which is how ``sluice serve``
+own (``python -m sluice.http_facade.cli facade --engine HOST:PORT``), which is how ``sluice serve``
 starts the facade process.
 """
 from __future__ import annotations
@@ -16,11 +16,11 @@ from collections.abc import Sequence
 
 from aiohttp import web
 
-from http_facade.app import build_app
-from http_facade.auth import AuthPolicy, load_keys
-from http_facade.cors import CorsPolicy, parse_json_list
-from http_facade.routes_afs import AfsConfig
-from http_facade.state import DEFAULT_MAX_BODY_BYTES, FacadeConfig
+from sluice.http_facade.app import build_app
+from sluice.http_facade.auth import AuthPolicy, load_keys
+from sluice.http_facade.cors import CorsPolicy, parse_json_list
+from sluice.http_facade.routes_afs import AfsConfig
+from sluice.http_facade.state import DEFAULT_MAX_BODY_BYTES, FacadeConfig
 
 log = logging.getLogger("sluice.facade")
 
@@ -147,13 +147,13 @@ def main_facade(args: argparse.Namespace) -> int:
 
 
 def main_serve(args: argparse.Namespace) -> int:
-    from http_facade.supervisor import serve_from_args
+    from sluice.http_facade.supervisor import serve_from_args
 
     return serve_from_args(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m http_facade.cli")
+    parser = argparse.ArgumentParser(prog="python -m sluice.http_facade.cli")
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     add_facade_arguments(sub.add_parser("facade", help="run the HTTP facade in front of a running engine"))

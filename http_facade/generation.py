@@ -17,10 +17,10 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.engine_link import EngineLink
-from http_facade.errors import from_rpc_error
-from http_facade.protocol import GenerationPlan
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.engine_link import EngineLink
+from sluice.http_facade.errors import from_rpc_error
+from sluice.http_facade.protocol import GenerationPlan
 
 log = logging.getLogger("sluice.facade.trace")
 

@@ -12,8 +12,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.errors import bad_request
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.errors import bad_request
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "developer": pb.ROLE_SYSTEM, "user": pb.ROLE_USER,
           "assistant": pb.ROLE_ASSISTANT, "tool": pb.ROLE_TOOL}

@@ -28,15 +28,15 @@ from typing import Any
 
 from aiohttp import web
 
-from engine.rpc import engine_pb2 as pb
-from http_facade import afs_protocol as ap
-from http_facade.afs_errors import invalid, unsupported
-from http_facade.afs_generation import run_afs
-from http_facade.errors import ApiError
-from http_facade.protocol import parse_json
-from http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import afs_protocol as ap
+from sluice.http_facade.afs_errors import invalid, unsupported
+from sluice.http_facade.afs_generation import run_afs
+from sluice.http_facade.errors import ApiError
+from sluice.http_facade.protocol import parse_json
+from sluice.http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
                                            encoding_format, resolve_encoder)
-from http_facade.state import state_of
+from sluice.http_facade.state import state_of
 
 DEFAULT_TOP_N = 3
 

@@ -22,10 +22,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.errors import ApiError, bad_request, from_rpc_error, not_found
-from http_facade.protocol import get_model, parse_json
-from http_facade.state import FacadeState, state_of
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.errors import ApiError, bad_request, from_rpc_error, not_found
+from sluice.http_facade.protocol import get_model, parse_json
+from sluice.http_facade.state import FacadeState, state_of
 
 _INT32_MAX = (1 << 31) - 1
 EncoderInputs = tuple[list[str], list[list[int]]]    # (texts, token-id lists): exactly one non-empty

@@ -18,12 +18,12 @@ import uuid
 
 from aiohttp import web
 
-from engine.rpc import engine_pb2 as pb
-from http_facade import protocol, shapes
-from http_facade.errors import ApiError
-from http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
-from http_facade.sse import SSEWriter
-from http_facade.state import FacadeState, state_of
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import protocol, shapes
+from sluice.http_facade.errors import ApiError
+from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
+from sluice.http_facade.sse import SSEWriter
+from sluice.http_facade.state import FacadeState, state_of
 
 log = logging.getLogger("sluice.facade")
 

@@ -5,8 +5,8 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.errors import ApiError, internal, unavailable
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.errors import ApiError, internal, unavailable
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _MIN_LOGPROB = -9999.0   # JSON has no -Infinity

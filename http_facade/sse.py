@@ -9,7 +9,7 @@ import json
 
 from aiohttp import web
 
-from http_facade.errors import ApiError
+from sluice.http_facade.errors import ApiError
 
 # The CORS headers of a request, for responses prepared by the handler itself.
 CORS_HEADERS: web.RequestKey[dict[str, str]] = web.RequestKey("sluice_cors_headers", dict)

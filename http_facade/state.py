@@ -7,12 +7,12 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from engine.rpc import engine_pb2 as pb
-from http_facade.auth import AuthPolicy
-from http_facade.cors import CorsPolicy
-from http_facade.engine_link import EngineLink
-from http_facade.errors import ApiError, not_found
-from http_facade.metrics import FacadeMetrics
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.auth import AuthPolicy
+from sluice.http_facade.cors import CorsPolicy
+from sluice.http_facade.engine_link import EngineLink
+from sluice.http_facade.errors import ApiError, not_found
+from sluice.http_facade.metrics import FacadeMetrics
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 _TRACE_KEEP = 1024

@@ -1,7 +1,7 @@
 """``sluice serve``: the engine and the facade as two child processes, supervised.
 
-Start the engine (``python -m engine.cli engine MODEL --port <free port>``), wait for its gRPC
-health to say SERVING, start the facade (``python -m http_facade.cli facade --engine ...``),
+Start the engine (``python -m sluice.engine.cli engine MODEL --port <free port>``), wait for its gRPC
+health to say SERVING, start the facade (``python -m sluice.http_facade.cli facade --engine ...``),
 wait for its ``/health``, then watch both:
 
 * one child exits → the other is stopped and ``serve`` exits non-zero (never a hung port);
@@ -28,14 +28,22 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from http_facade.auth import ENV_KEYS
-from http_facade.cli import afs_config, facade_config
+from sluice.http_facade.auth import ENV_KEYS
+from sluice.http_facade.cli import afs_config, facade_config
 
 log = logging.getLogger("sluice.serve")
 
 _POLL_S = 0.2
 _FACADE_STOP_S = 10.0
 _FACADE_START_S = 60.0
+
+
+def python_module_cmd(module: str) -> tuple[str, ...]:
+    """``python -m module`` for a child process. On Python >= 3.11 with ``-P``: the working
+    directory is not put on ``sys.path``, so a user's own folder named like one of ours (or like
+    any dependency) cannot stand in for the installed package."""
+    safe = ("-P",) if sys.version_info >= (3, 11) else ()
+    return (sys.executable, *safe, "-m", module)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -168,13 +176,13 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     afs = afs_config(args)
     if any("," in k for k in config.auth.keys):
         raise ValueError("--api-key: keys must not contain commas")
-    engine_cmd = (sys.executable, "-m", "engine.cli", "engine", args.model, "--host", "127.0.0.1",
+    engine_cmd = (*python_module_cmd("sluice.engine.cli"), "engine", args.model, "--host", "127.0.0.1",
                   "--port", str(engine_port), "--device", args.device, "--mode", args.mode,
                   "--overrides", args.overrides, "--grace", str(args.grace))
     for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model)):
         if value is not None:   # unset: the engine's own default
             engine_cmd += (flag, value)
-    facade_cmd = [sys.executable, "-m", "http_facade.cli", "facade", "--engine", engine_addr,
+    facade_cmd = [*python_module_cmd("sluice.http_facade.cli"), "facade", "--engine", engine_addr,
                   "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
                   "--allowed-origins", args.allowed_origins, "--allowed-methods", args.allowed_methods,
                   "--allowed-headers", args.allowed_headers]

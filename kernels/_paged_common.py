@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor
+from sluice.kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor
 
 LOG2E = math.log2(math.e)
 

@@ -10,8 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_same_dtype
-from kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
+from sluice.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, check_last_dim_contiguous, check_same_dtype
+from sluice.kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
 
 # Tuning: one program per token moves num_kv_heads * head_dim elements; 4 warps cover up to
 # 8 KiB per program, beyond that 8 warps keep enough loads in flight.

@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FP_FUSION, next_pow2
-from kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
+from sluice.kernels._checks import FP_FUSION, next_pow2
+from sluice.kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
 
 # Tuning (H100-class GPUs): 64-token tiles; split only when fewer than ~2 waves of programs
 # would run, and never give a split fewer than 256 tokens; splits are powers of two so that

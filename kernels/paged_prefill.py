@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
-from kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
+from sluice.kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
+from sluice.kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
 
 # Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
 _BLOCK_M = 64

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, FP_FUSION, check_shape, check_tensor, next_pow2
+from sluice.kernels._checks import FLOAT_DTYPES, FP_FUSION, check_shape, check_tensor, next_pow2
 
 # Tuning: one program per (row, 2048-token vocabulary tile).
 _BLOCK_V = 2048

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FP_FUSION, check_shape, check_tensor
+from sluice.kernels._checks import FP_FUSION, check_shape, check_tensor
 
 # Tuning: one program per row; the final draw streams the vocabulary in 2048-wide tiles.
 _BLOCK_V = 2048

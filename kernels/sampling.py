@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels._checks import FLOAT_DTYPES, FP_FUSION, check_shape, check_tensor
+from sluice.kernels._checks import FLOAT_DTYPES, FP_FUSION, check_shape, check_tensor
 
 # Tuning: one program per row streams the vocabulary in 4096-wide tiles (16 KiB of fp32).
 _BLOCK_V = 4096

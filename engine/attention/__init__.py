@@ -1,3 +1,3 @@
-from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "KVCache"]

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from engine.attention.triton_backend import TritonAttentionBackend
-from kernels.kv_store import kv_store
-from kernels.paged_decode import paged_decode
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.attention.triton_backend import TritonAttentionBackend
+from sluice.kernels.kv_store import kv_store
+from sluice.kernels.paged_decode import paged_decode
 
 
 def load_flash_attn_varlen(device: torch.device):

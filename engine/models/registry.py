@@ -9,7 +9,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import ModelLoadError
+from sluice.engine.errors import ModelLoadError
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from engine.models.config import ModelArchConfig
+from sluice.engine.models.config import ModelArchConfig
 
 
 def _base_inv_freq(base: float, dim: int) -> torch.Tensor:

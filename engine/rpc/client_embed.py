@@ -1,11 +1,11 @@
 """Client-side types and message builders of ``Embed`` / ``Rerank`` (re-exported by
-``engine.client``; no torch, no engine internals)."""
+``sluice.engine.client``; no torch, no engine internals)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2 as pb
 
 _INPUT_TYPES = {None: pb.EMBED_INPUT_TYPE_UNSPECIFIED, "query": pb.EMBED_INPUT_TYPE_QUERY,
                 "document": pb.EMBED_INPUT_TYPE_DOCUMENT}

@@ -8,14 +8,14 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Callable
 
-from engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
-from engine.rpc import engine_pb2 as pb
-from engine.rpc.convert_embed import embedding_info
-from engine.sampling_params import SamplingParams
+from sluice.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc.convert_embed import embedding_info
+from sluice.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from engine.embedding import EmbeddingEngine
-    from engine.engine_core import LoadStats, ModelInfo
+    from sluice.engine.embedding import EmbeddingEngine
+    from sluice.engine.engine_core import LoadStats, ModelInfo
 
 # proto3 `optional` scalars copied as-is when present; unset means the engine's default.
 _OPTIONAL_SCALARS = (

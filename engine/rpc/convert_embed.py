@@ -7,11 +7,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.embedding import EmbeddingEngine, EmbedResult
-    from engine.loaders.bert_loader import EmbeddingModel
+    from sluice.engine.embedding import EmbeddingEngine, EmbedResult
+    from sluice.engine.loaders.bert_loader import EmbeddingModel
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Regenerate the committed gRPC stubs from ``proto/sluice/v1/engine.proto``.
 
-    python -m engine.rpc.regen            # rewrite engine/rpc/engine_pb2*.py(i)
-    python -m engine.rpc.regen --out DIR  # write them into DIR instead (the staleness test does)
+    python -m sluice.engine.rpc.regen            # rewrite engine/rpc/engine_pb2*.py(i)
+    python -m sluice.engine.rpc.regen --out DIR  # write them into DIR instead (the staleness test does)
 
 protoc emits ``from sluice.v1 import engine_pb2`` in the service module because the proto's
 package path is ``sluice/v1``; the stubs live flat in ``engine/rpc``, so that one import is

@@ -17,10 +17,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.async_engine import AsyncEngine
-from engine.rpc import engine_pb2_grpc as pb_grpc
-from engine.rpc.servicer import SERVICE_NAME, EngineServicer
-from engine.rpc.status import ErrorInterceptor
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.rpc.servicer import SERVICE_NAME, EngineServicer
+from sluice.engine.rpc.status import ErrorInterceptor
 
 log = logging.getLogger("sluice.server")
 

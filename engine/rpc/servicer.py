@@ -1,6 +1,6 @@
 """The ``sluice.v1.Engine`` servicer: thin. Messages are converted at entry and exit
-(``engine.rpc.convert``, ``engine.rpc.convert_embed``); exceptions become status codes in
-``engine.rpc.status``. Embed / Rerank run on the engine's embedding worker thread."""
+(``sluice.engine.rpc.convert``, ``sluice.engine.rpc.convert_embed``); exceptions become status codes in
+``sluice.engine.rpc.status``. Embed / Rerank run on the engine's embedding worker thread."""
 from __future__ import annotations
 
 import asyncio
@@ -12,12 +12,12 @@ from typing import AsyncIterator
 
 import grpc
 
-from engine.async_engine import AsyncEngine
-from engine.errors import UnsupportedError
-from engine.rpc import convert, convert_embed
-from engine.rpc import engine_pb2 as pb
-from engine.rpc import engine_pb2_grpc as pb_grpc
-from engine.sampling_params import SamplingParams
+from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.errors import UnsupportedError
+from sluice.engine.rpc import convert, convert_embed
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name   # "sluice.v1.Engine"
 

@@ -14,7 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from engine.errors import ContextLengthError, EngineUnavailableError, QueueFullError, UnsupportedError
+from sluice.engine.errors import ContextLengthError, EngineUnavailableError, QueueFullError, UnsupportedError
 
 log = logging.getLogger("sluice.rpc")
 

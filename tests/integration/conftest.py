@@ -1,6 +1,6 @@
 """Real engine processes for the gRPC integration tests.
 
-``engine_server`` (session): ``python -m engine.cli engine smollm2 --port <free port>`` with room
+``engine_server`` (session): ``python -m sluice.engine.cli engine smollm2 --port <free port>`` with room
 for 16 concurrent sequences and the debug fault-injection switch on (prompts containing
 ``<<sluice-fault>>`` fail inside the engine step; off by default, see ``engine.envs``).
 ``start_engine`` starts further processes (the small engine the shutdown tests SIGTERM).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.client import EngineClient, EngineRpcError
+from sluice.engine.client import EngineClient, EngineRpcError
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 240.0
@@ -62,7 +62,7 @@ def launch_engine(log_path: Path, *args: str, fault_injection: bool = False) -> 
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
            "SLUICE_DEBUG_FAULT_INJECTION": "1" if fault_injection else "0"}
-    cmd = [sys.executable, "-m", "engine.cli", "engine", "smollm2", "--device", "cpu", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "sluice.engine.cli", "engine", "smollm2", "--device", "cpu", "--port", str(port), *args]
     log = open(log_path, "wb")   # noqa: SIM115 - the child owns it until it exits
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 from openai import AsyncOpenAI
 
-from engine.client import EngineClient
-from engine.overrides import parse_overrides
+from sluice.engine.client import EngineClient
+from sluice.engine.overrides import parse_overrides
 from tests.integration.conftest import MAIN_OVERRIDES, launch_engine, wait_for_idle, wait_serving
 from tests.integration.test_facade_http import KEY, MODEL, launch_facade
 
@@ -99,9 +99,9 @@ def _watch_running(target: str, stop: threading.Event, seen: dict) -> None:
 
 
 def _offline() -> list:
-    from engine.llm import LLM
-    from engine.overrides import build_engine_config
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.overrides import build_engine_config
+    from sluice.engine.sampling_params import SamplingParams
 
     llm = LLM(config=build_engine_config(MODEL, mode="local", overrides=OVERRIDES, device="cpu"))
     params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=TEMPERATURE, seed=_seed(i)) for i in range(CLIENTS)]

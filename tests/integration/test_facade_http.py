@@ -2,7 +2,7 @@
 the seed documents' Python examples run as written (only host/port/model changed), the 503 of a
 dead engine, auth on every route, a CORS preflight, the body limit, and that a client who leaves
 mid-stream or mid-request returns the engine to idle (GetLoad: nothing running or waiting, no
-KV block in use). ``facade`` here is a real ``python -m http_facade.cli facade`` process."""
+KV block in use). ``facade`` here is a real ``python -m sluice.http_facade.cli facade`` process."""
 from __future__ import annotations
 
 import json
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from engine.client import EngineClient
+from sluice.engine.client import EngineClient
 from tests.integration.conftest import REPO, free_port, wait_for_idle
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def launch_facade(engine_target: str, log_path: Path, *args: str, keys: str = KE
     env = {**os.environ, "PYTHONPATH": str(REPO), "SLUICE_API_KEYS": keys}
     # Requests without max_tokens (the seed examples) get 48: this 2-core box is too slow to let a
     # 135M model at temperature 1 run to its 8k context window.
-    cmd = [sys.executable, "-m", "http_facade.cli", "facade", "--engine", engine_target, "--port", str(port),
+    cmd = [sys.executable, "-m", "sluice.http_facade.cli", "facade", "--engine", engine_target, "--port", str(port),
            "--max-body-bytes", str(BODY_LIMIT), "--default-max-tokens", "48", *args]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -1,4 +1,4 @@
-"""``sluice serve`` (``python -m http_facade.cli serve``): it starts the engine and the facade,
+"""``sluice serve`` (``python -m sluice.http_facade.cli serve``): it starts the engine and the facade,
 answers, refuses with 429 + Retry-After when the engine's waiting queue (made tiny with
 ``--overrides``) is full, and exits 0 on SIGTERM leaving no child behind; when the engine dies the
 command exits non-zero and the HTTP port is released instead of hanging; unsupported flags fail
@@ -27,7 +27,7 @@ def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "serve.log"
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    cmd = [sys.executable, "-m", "http_facade.cli", "serve", "smollm2", "--device", "cpu", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "sluice.http_facade.cli", "serve", "smollm2", "--device", "cpu", "--port", str(port), *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -85,7 +85,7 @@ def test_serve_exits_nonzero_when_the_engine_dies(tmp_path):
     proc, url, log = _serve(tmp_path)
     try:
         engine = next(c for c in _children(proc.pid)
-                      if b"engine.cli" in Path(f"/proc/{c}/cmdline").read_bytes())
+                      if b"sluice.engine.cli" in Path(f"/proc/{c}/cmdline").read_bytes())
         os.kill(engine, signal.SIGKILL)
         assert proc.wait(60) != 0
         assert "engine exited" in log.read_text()
@@ -98,6 +98,6 @@ def test_serve_exits_nonzero_when_the_engine_dies(tmp_path):
 
 def test_unsupported_flags_fail_at_once():
     for flag in (["--speculative-mode", "eagle"], ["--additional-models", "x"], ["--allowed-origins", "nope"]):
-        r = subprocess.run([sys.executable, "-m", "http_facade.cli", "serve", "smollm2", *flag], cwd=REPO,
+        r = subprocess.run([sys.executable, "-m", "sluice.http_facade.cli", "serve", "smollm2", *flag], cwd=REPO,
                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and flag[0] in r.stderr, r.stderr

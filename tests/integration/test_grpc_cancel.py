@@ -9,7 +9,7 @@ import asyncio
 import grpc
 import pytest
 
-from engine.client import AsyncEngineClient, EngineClient, EngineRpcError
+from sluice.engine.client import AsyncEngineClient, EngineClient, EngineRpcError
 from tests.integration.conftest import wait_for_idle
 
 pytestmark = pytest.mark.slow

@@ -24,9 +24,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.client import AsyncEngineClient, EngineClient, EngineRpcError
-from engine.rpc import engine_pb2 as pb
-from engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.client import AsyncEngineClient, EngineClient, EngineRpcError
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from tests.integration.conftest import launch_engine, wait_serving
 
 pytestmark = pytest.mark.slow

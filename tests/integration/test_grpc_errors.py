@@ -10,9 +10,9 @@ import threading
 import grpc
 import pytest
 
-from engine.client import Choice, EngineClient, EngineRpcError
-from engine.rpc import engine_pb2 as pb
-from engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.client import Choice, EngineClient, EngineRpcError
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from tests.integration.conftest import wait_for_idle
 
 pytestmark = pytest.mark.slow

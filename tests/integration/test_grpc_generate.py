@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from engine.client import AsyncEngineClient, Choice, EngineClient, SamplingOptions
+from sluice.engine.client import AsyncEngineClient, Choice, EngineClient, SamplingOptions
 from tests.integration.conftest import MAIN_OVERRIDES, wait_for_idle
 
 pytestmark = pytest.mark.slow
@@ -48,9 +48,9 @@ def test_16_concurrent_streams_interleave_and_equal_the_offline_api(engine_serve
     assert max(firsts) < min(finishes), f"a stream finished before all had started: {events}"
     assert all(c.finish_reason == "length" and len(c.token_ids) == 6 for c in choices)
 
-    from engine.llm import LLM
-    from engine.overrides import build_engine_config
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.llm import LLM
+    from sluice.engine.overrides import build_engine_config
+    from sluice.engine.sampling_params import SamplingParams
 
     llm = LLM(config=build_engine_config("smollm2", mode="local", overrides=MAIN_OVERRIDES, device="cpu"))
     params = [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True)

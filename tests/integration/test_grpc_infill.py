@@ -20,9 +20,9 @@ import grpc
 import pytest
 import torch
 
-from engine.client import EngineClient, EngineRpcError
-from engine.engine_core import build_infill_prompt
-from engine.tokenizer import Tokenizer
+from sluice.engine.client import EngineClient, EngineRpcError
+from sluice.engine.engine_core import build_infill_prompt
+from sluice.engine.tokenizer import Tokenizer
 from tests.integration.conftest import REPO, EngineProcess, free_port, wait_serving
 from tests.unit.test_infill import CODELLAMA_FIM, codellama_tokenizer_folder
 
@@ -49,7 +49,7 @@ def fim_client(tmp_path_factory, model_folder: Path):
     log_path = tmp_path_factory.mktemp("fim_engine") / "engine.log"
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    cmd = [sys.executable, "-m", "engine.cli", "engine", str(model_folder), "--device", "cpu", "--port", str(port),
+    cmd = [sys.executable, "-m", "sluice.engine.cli", "engine", str(model_folder), "--device", "cpu", "--port", str(port),
            "--overrides", "max_total_seq_length=1024", "--embedding-model", "none"]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -12,7 +12,7 @@ import time
 import grpc
 import pytest
 
-from engine.client import Choice, EngineClient, EngineRpcError
+from sluice.engine.client import Choice, EngineClient, EngineRpcError
 from tests.integration.conftest import launch_engine, wait_for_idle, wait_serving
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.client import EngineClient, EngineRpcError
+from sluice.engine.client import EngineClient, EngineRpcError
 from tests.integration.conftest import REPO
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,7 @@ class _BlockRepo:
     that only the stubs regenerated from the .proto can serve this client."""
 
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("engine", "kernels", "http_facade"):
+        if name.split(".")[:2] in (["sluice", "engine"], ["sluice", "kernels"], ["sluice", "http_facade"]):
             raise ImportError(f"{name}: blocked, this client may use only the regenerated stubs")
         return None
 
@@ -37,7 +37,7 @@ sys.path.insert(0, sys.argv[1])
 import grpc
 from sluice.v1 import engine_pb2 as pb, engine_pb2_grpc as pb_grpc
 try:
-    import engine
+    import sluice.engine
     raise SystemExit("the repository is importable: this client would not prove anything")
 except ImportError:
     pass

@@ -28,7 +28,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels._checks import FP_FUSION
+from sluice.kernels._checks import FP_FUSION
 
 # The modules themselves: ``kernels`` re-exports functions under some of the same names.
 kv_store, paged_decode, paged_prefill, penalties, rejection, sampling = (

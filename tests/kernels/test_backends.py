@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.selector import get_attention_backend
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.attention.triton_backend import TritonAttentionBackend
+from sluice.engine.attention.base import AttentionMetadata
+from sluice.engine.attention.selector import get_attention_backend
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.attention.triton_backend import TritonAttentionBackend
 
 
 def test_auto_picks_torch_on_cpu_and_triton_runs_under_the_interpreter(monkeypatch):
@@ -91,7 +91,7 @@ def test_the_triton_floor_matches_pyproject():
     import tomllib
     from pathlib import Path
 
-    from engine.devices import MIN_TRITON
+    from sluice.engine.devices import MIN_TRITON
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     floor = "triton>=" + ".".join(map(str, MIN_TRITON))
@@ -129,7 +129,7 @@ def _fake_flash_attn(monkeypatch, calls: list | None):
 
 
 def test_auto_on_cuda_prefers_an_installed_flash_attn_and_falls_back_when_it_is_broken(monkeypatch, caplog):
-    from engine.attention.flash_attn_backend import FlashAttnBackend
+    from sluice.engine.attention.flash_attn_backend import FlashAttnBackend
 
     cuda = torch.device("cuda")   # selection only: nothing runs on it
     monkeypatch.setitem(__import__("sys").modules, "flash_attn", None)   # not installed
@@ -149,7 +149,7 @@ def test_auto_on_cuda_prefers_an_installed_flash_attn_and_falls_back_when_it_is_
     ([12, 20, 5], [1, 1, 1], False),      # pure decode: the Triton decode kernel
 ])
 def test_flash_attn_backend_routes_each_step_and_equals_torch(monkeypatch, device, seq_lens, query_lens, uses_flash):
-    from engine.attention.flash_attn_backend import FlashAttnBackend
+    from sluice.engine.attention.flash_attn_backend import FlashAttnBackend
 
     calls: list = []
     _fake_flash_attn(monkeypatch, calls)

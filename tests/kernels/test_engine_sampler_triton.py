@@ -18,9 +18,9 @@ import random
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import GeneratorCache, Sampler, SamplingBatch, processed_probs, resolve_sampler_backend
-from engine.sampling_params import SamplingParams
+from sluice.engine.request import Request
+from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch, processed_probs, resolve_sampler_backend
+from sluice.engine.sampling_params import SamplingParams
 from tests.kernels.stats import chi_square_pvalue
 
 P_MIN = 1e-3

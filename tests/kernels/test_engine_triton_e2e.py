@@ -17,12 +17,12 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers
 
-from engine.llm import LLM
-from engine.loaders import LoadedModel
-from engine.models.config import ModelArchConfig
-from engine.models.llama import LlamaForCausalLM
-from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import LoadedModel
+from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.llama import LlamaForCausalLM
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.tokenizer import Tokenizer
 
 VOCAB = 96
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
+from sluice.engine.llm import LLM
+from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.kv_store import kv_store, kv_store_ref
+from sluice.kernels.kv_store import kv_store, kv_store_ref
 
 
 def _inputs(block_size, num_kv_heads, head_dim, num_tokens, dtype, device, seed=0):

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
-from kernels.paged_prefill import block_n_for, paged_prefill, paged_prefill_ref
+from sluice.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
+from sluice.kernels.paged_prefill import block_n_for, paged_prefill, paged_prefill_ref
 from tests.kernels.conftest import BF16_DOT
 from tests.kernels.paged_cases import dense_attention, make_case
 

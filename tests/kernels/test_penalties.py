@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.penalties import apply_penalties, apply_penalties_ref
+from sluice.kernels.penalties import apply_penalties, apply_penalties_ref
 
 
 def _args(rows, vocab, device, seed=0):

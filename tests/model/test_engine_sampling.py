@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.loaders import load_model
-from engine.sampling_params import SamplingParams
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

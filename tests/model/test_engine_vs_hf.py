@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.llm import LLM
-from engine.loaders import load_model
-from engine.models.registry import resolve_short_name
-from engine.sampling_params import SamplingParams
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.models.registry import resolve_short_name
+from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

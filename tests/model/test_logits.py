@@ -26,11 +26,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
-from engine.loaders import build_model, load_model
-from engine.loaders.gguf_loader import load_gguf
-from engine.loaders.hf_loader import load_hf_folder
+from sluice.engine.attention.base import AttentionMetadata
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.loaders import build_model, load_model
+from sluice.engine.loaders.gguf_loader import load_gguf
+from sluice.engine.loaders.hf_loader import load_hf_folder
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATOL, RTOL = 2e-3, 1e-4

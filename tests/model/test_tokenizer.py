@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
-from engine.loaders.gguf_loader import open_gguf
-from engine.tokenizer import Tokenizer
+from sluice.engine.loaders.gguf_loader import open_gguf
+from sluice.engine.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CORPUS = [

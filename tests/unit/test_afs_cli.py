@@ -8,8 +8,8 @@ import argparse
 
 import pytest
 
-from http_facade.cli import add_facade_arguments, add_serve_arguments, afs_config
-from http_facade.supervisor import build_plan, serve_from_args
+from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, afs_config
+from sluice.http_facade.supervisor import build_plan, serve_from_args
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:

@@ -17,12 +17,12 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.rpc import engine_pb2 as pb
-from engine.rpc import engine_pb2_grpc as pb_grpc
-from http_facade.app import build_app
-from http_facade.auth import AuthPolicy
-from http_facade.routes_afs import AfsConfig
-from http_facade.state import STATE_KEY, FacadeConfig
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.http_facade.app import build_app
+from sluice.http_facade.auth import AuthPolicy
+from sluice.http_facade.routes_afs import AfsConfig
+from sluice.http_facade.state import STATE_KEY, FacadeConfig
 from tests.unit.test_facade_fake_engine import MODEL, FakeEngine
 
 KEY = "afs-key"

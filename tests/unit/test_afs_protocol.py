@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from engine.rpc import engine_pb2 as pb
-from http_facade import afs_functions as af
-from http_facade import afs_protocol as ap
-from http_facade.errors import ApiError
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import afs_functions as af
+from sluice.http_facade import afs_protocol as ap
+from sluice.http_facade.errors import ApiError
 
 WEATHER = {"name": "get_current_weather", "description": "Get the current weather in a given location",
            "parameters": {"type": "object", "properties": {"location": {"type": "string"}},

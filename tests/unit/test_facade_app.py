@@ -13,11 +13,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from http_facade.app import build_app
-from http_facade.auth import AuthPolicy
-from http_facade.cors import CorsPolicy
-from http_facade.openapi import ENDPOINTS
-from http_facade.state import STATE_KEY, FacadeConfig
+from sluice.http_facade.app import build_app
+from sluice.http_facade.auth import AuthPolicy
+from sluice.http_facade.cors import CorsPolicy
+from sluice.http_facade.openapi import ENDPOINTS
+from sluice.http_facade.state import STATE_KEY, FacadeConfig
 from tests.unit.test_facade_fake_engine import MODEL, fake_engine  # noqa: F401 - fixture
 
 KEY = "sk-test-123"

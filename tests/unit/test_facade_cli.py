@@ -8,10 +8,10 @@ import argparse
 
 import pytest
 
-from http_facade.auth import AuthPolicy, load_keys
-from http_facade.cli import add_facade_arguments, add_serve_arguments, facade_config
-from http_facade.cors import parse_json_list
-from http_facade.supervisor import build_plan, serve_from_args
+from sluice.http_facade.auth import AuthPolicy, load_keys
+from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, facade_config
+from sluice.http_facade.cors import parse_json_list
+from sluice.http_facade.supervisor import build_plan, serve_from_args
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def test_serve_plan(monkeypatch):
     plan = build_plan(args)
     assert plan.engine_addr == "127.0.0.1:50123" and plan.facade_url == "http://127.0.0.1:8100"
     engine = " ".join(plan.engine_cmd)
-    assert "-m engine.cli engine smollm2" in engine and "--overrides max_waiting=4" in engine
+    assert "-m sluice.engine.cli engine smollm2" in engine and "--overrides max_waiting=4" in engine
     assert "--mode server" in engine and "--port 50123" in engine
     facade = " ".join(plan.facade_cmd)
     assert "--engine 127.0.0.1:50123" in facade and "--enable-tracing" in facade

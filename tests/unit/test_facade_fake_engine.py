@@ -15,8 +15,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from engine.rpc import engine_pb2 as pb
-from engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 
 MODEL = "fake-model"
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from engine.rpc import engine_pb2 as pb
-from http_facade import protocol
-from http_facade.errors import ApiError, from_rpc_error, param_from_details
+from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import protocol
+from sluice.http_facade.errors import ApiError, from_rpc_error, param_from_details
 
 
 def _chat(**kw) -> dict:

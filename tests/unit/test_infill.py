@@ -18,9 +18,9 @@ import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, \
     processors, trainers
 
-from engine.engine_core import build_infill_prompt
-from engine.errors import UnsupportedError
-from engine.tokenizer import Tokenizer
+from sluice.engine.engine_core import build_infill_prompt
+from sluice.engine.errors import UnsupportedError
+from sluice.engine.tokenizer import Tokenizer
 
 CORPUS = ["def add(a, b):", "    return a + b", "result = add(1, 2)", "print(result)", "class Foo: pass",
           "for i in range(10):", "x = [i * i for i in xs]"]

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.errors import ModelLoadError
-from engine.loaders import load_model
-from engine.models import registry
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.loaders import load_model
+from sluice.engine.models import registry
 
 H, HEADS, KV_HEADS, D, INTER, LAYERS = 32, 4, 2, 8, 48, 2
 TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.overrides import build_engine_config, mode_defaults, parse_overrides
+from sluice.engine.overrides import build_engine_config, mode_defaults, parse_overrides
 
 WINDOW = 8192
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import _Linear, cpu_packing_available
+from sluice.engine.models.llama import _Linear, cpu_packing_available
 
 pytestmark = pytest.mark.skipif(not cpu_packing_available(), reason="this torch build has no oneDNN packing")
 

@@ -1,6 +1,6 @@
 """The committed gRPC stubs in engine/rpc/ are what grpcio-tools makes of
-proto/sluice/v1/engine.proto today (regenerate with ``python -m engine.rpc.regen``), and they
-import as part of the ``engine.rpc`` package."""
+proto/sluice/v1/engine.proto today (regenerate with ``python -m sluice.engine.rpc.regen``), and they
+import as part of the ``sluice.engine.rpc`` package."""
 from __future__ import annotations
 
 import ast
@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("grpc_tools")
 
-from engine.rpc import regen  # noqa: E402
+from sluice.engine.rpc import regen  # noqa: E402
 
 
 def _serialized_descriptor(pb2_source: str) -> bytes:
@@ -38,7 +38,7 @@ def test_committed_descriptor_matches_the_proto(fresh: Path) -> None:
     committed = (regen.STUB_DIR / "engine_pb2.py").read_text()
     regenerated = (fresh / "engine_pb2.py").read_text()
     assert _serialized_descriptor(committed) == _serialized_descriptor(regenerated), (
-        "engine/rpc/engine_pb2.py is stale: run `python -m engine.rpc.regen`")
+        "engine/rpc/engine_pb2.py is stale: run `python -m sluice.engine.rpc.regen`")
 
 
 def test_committed_files_are_byte_identical_with_the_same_tools(fresh: Path) -> None:
@@ -49,7 +49,7 @@ def test_committed_files_are_byte_identical_with_the_same_tools(fresh: Path) -> 
                     "the descriptor comparison above still guards staleness")
     for name in regen.GENERATED:
         assert (regen.STUB_DIR / name).read_text() == (fresh / name).read_text(), (
-            f"engine/rpc/{name} is stale: run `python -m engine.rpc.regen`")
+            f"engine/rpc/{name} is stale: run `python -m sluice.engine.rpc.regen`")
 
 
 def _installed_version(dist: str) -> str:
@@ -59,7 +59,7 @@ def _installed_version(dist: str) -> str:
 
 
 def test_stubs_import_as_a_package_without_absolute_sluice_imports() -> None:
-    from engine.rpc import engine_pb2, engine_pb2_grpc
+    from sluice.engine.rpc import engine_pb2, engine_pb2_grpc
 
     source = (regen.STUB_DIR / "engine_pb2_grpc.py").read_text()
     assert "from sluice" not in source and "import sluice" not in source
@@ -73,7 +73,7 @@ def test_stubs_import_as_a_package_without_absolute_sluice_imports() -> None:
 
 
 def test_unset_sampling_fields_are_distinguishable_from_zero() -> None:
-    from engine.rpc import engine_pb2 as pb
+    from sluice.engine.rpc import engine_pb2 as pb
 
     msg = pb.SamplingParams(temperature=0.0)
     assert msg.HasField("temperature") and not msg.HasField("top_p") and not msg.HasField("seed")

@@ -28,11 +28,11 @@ def torch_modules_after_import(module: str) -> list[str]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("module", ["engine.scheduler", "engine.kv_cache",
-                                    "engine.kv_cache.block_pool", "engine.kv_cache.block_manager"])
+@pytest.mark.parametrize("module", ["sluice.engine.scheduler", "sluice.engine.kv_cache",
+                                    "sluice.engine.kv_cache.block_pool", "sluice.engine.kv_cache.block_manager"])
 def test_module_does_not_import_torch(module):
     assert torch_modules_after_import(module) == []
 
 
 def test_probe_detects_torch():
-    assert "torch" in torch_modules_after_import("engine.attention.base")
+    assert "torch" in torch_modules_after_import("sluice.engine.attention.base")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.models.config import ModelArchConfig, normalize_rope_scaling
-from engine.models.rope import RotaryEmbedding, apply_rotary, compute_inv_freq
+from sluice.engine.models.config import ModelArchConfig, normalize_rope_scaling
+from sluice.engine.models.rope import RotaryEmbedding, apply_rotary, compute_inv_freq
 
 HEAD_DIM, THETA, MPE = 64, 10000.0, 256
 SCALINGS = [

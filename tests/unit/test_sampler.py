@@ -19,8 +19,8 @@ import random
 import pytest
 import torch
 
-from engine.request import Request
-from engine.sampler import (
+from sluice.engine.request import Request
+from sluice.engine.sampler import (
     GeneratorCache,
     Sampler,
     SamplingBatch,
@@ -31,7 +31,7 @@ from engine.sampler import (
     processed_probs,
     resolve_sampler_backend,
 )
-from engine.sampling_params import SamplingParams
+from sluice.engine.sampling_params import SamplingParams
 
 NEG = float("-inf")
 CPU = torch.device("cpu")

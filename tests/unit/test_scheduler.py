@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import SchedulerConfig
-from engine.errors import ContextLengthError, QueueFullError
-from engine.kv_cache import KVCacheManager
-from engine.outputs import RunnerOutput
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from sluice.engine.config import SchedulerConfig
+from sluice.engine.errors import ContextLengthError, QueueFullError
+from sluice.engine.kv_cache import KVCacheManager
+from sluice.engine.outputs import RunnerOutput
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.scheduler import Scheduler, SchedulerOutput
 
 BS = 4
 

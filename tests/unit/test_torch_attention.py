@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.attention.base import AttentionMetadata
-from engine.attention.torch_backend import TorchAttentionBackend
+from sluice.engine.attention.base import AttentionMetadata
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
 
 
 def _dense_ref(q, k, v, ctx, scale):
