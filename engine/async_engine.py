@@ -162,13 +162,16 @@ class AsyncEngine:
             return len(remaining)
 
     async def shutdown(self) -> None:
-        """Stop the engine thread (after ``drain()``; requests still open are abandoned)."""
+        """Stop the engine thread (after ``drain()``). Streams still open end with
+        ``EngineUnavailableError``: a caller waiting on one must not wait for ever."""
         if self._state is not EngineState.FAILED:
             self._state = EngineState.STOPPED
         if self._thread is not None and self._thread.is_alive():
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join, 30.0)
         self._embed_pool.shutdown(wait=False, cancel_futures=True)
+        for stream in self._streams.values():
+            stream.put_nowait(EngineUnavailableError("engine unavailable: the engine has stopped"))
 
     # ---- requests -----------------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,

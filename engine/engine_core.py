@@ -162,6 +162,7 @@ class EngineCore:
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, _Choice]] = {}   # scheduler request id -> its choice
         self._dirty: dict[str, None] = {}                          # client ids with news, in order
+        self._check_each_step = envs.debug_invariants()
 
     # ---- set-up -------------------------------------------------------------------------
     @staticmethod
@@ -280,6 +281,9 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
+        # Whatever finished a request since the last step (including schedule() itself, which
+        # ends a request that alone outgrows the KV pool) sends it out through _collect.
+        self._mark_dirty(out.finished_ids)
         if out.scheduled:
             try:
                 res = self.runner.execute(out)
@@ -293,7 +297,16 @@ class EngineCore:
                     self._process(req, res)
         elif out.finished_ids:
             self.runner.execute(out)   # lets the runner drop per-request state
-        return self._collect()
+        outputs = self._collect()
+        if self._check_each_step:
+            self.check_invariants()
+        return outputs
+
+    def _mark_dirty(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            entry = self._choice_of.get(rid)
+            if entry is not None:
+                self._dirty[entry[0].request_id] = None
 
     def _process(self, req: Request, res: RunnerOutput) -> None:
         entry = self._choice_of.get(req.request_id)
@@ -318,11 +331,6 @@ class EngineCore:
                     req.status = RequestStatus.FINISHED_STOPPED
                 else:
                     self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            elif req.is_finished:
-                d.text += choice.detok.finish()
-                if choice.detok.stop_string is not None:   # completed by the flushed bytes
-                    req.stop_reason = choice.detok.stop_string
-                    req.status = RequestStatus.FINISHED_STOPPED
         except Exception as exc:
             log.exception("request %s failed", req.request_id)
             self._fail([req], f"{type(exc).__name__}: {exc}")
@@ -349,6 +357,7 @@ class EngineCore:
                 d = c.delta
                 if c.request.is_finished:
                     d = d or CompletionDelta(index=c.request.index)
+                    self._flush(c, d)
                     self._finalize(c, d)
                     c.reported = True
                 if d is not None:
@@ -363,6 +372,47 @@ class EngineCore:
                     self._choice_of.pop(c.request.request_id, None)
         self._dirty.clear()
         return outputs
+
+    @staticmethod
+    def _flush(c: _Choice, d: CompletionDelta) -> None:
+        """The text the detokenizer held back, for a choice that ended normally (by a token,
+        max_tokens, the context window or the end of the KV pool). Idempotent."""
+        req = c.request
+        if req.status not in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            return
+        try:
+            d.text += c.detok.finish()
+        except Exception as exc:  # noqa: BLE001 - this choice fails, the step goes on
+            log.exception("request %s failed", req.request_id)
+            req.status, req.error = RequestStatus.FINISHED_ERROR, f"{type(exc).__name__}: {exc}"
+            return
+        if c.detok.stop_string is not None:   # completed by the flushed bytes
+            req.stop_reason = c.detok.stop_string
+            req.status = RequestStatus.FINISHED_STOPPED
+
+    def check_invariants(self) -> None:
+        """After a step: every choice the core tracks is waiting or running in the scheduler, or
+        has reported its final delta; the scheduler tracks no request the core does not know; the
+        KV pool is consistent when idle. Raises AssertionError naming the request. A choice that is
+        finished but unreported would hang its stream for ever (nothing would report it)."""
+        sched = self.scheduler
+        running = {r.request_id for r in sched.running}
+        waiting = {r.request_id for r in sched.waiting}
+        for rid, (group, c) in self._choice_of.items():
+            if c.reported:
+                continue
+            where = running if c.request.status == RequestStatus.RUNNING else waiting
+            if c.request.is_finished or rid not in where or sched.get_request(rid) is not c.request:
+                raise AssertionError(
+                    f"request {group.request_id!r} choice {c.request.index}: {c.request.status.name}, "
+                    "tracked by the core but neither scheduled, waiting nor reported")
+        orphans = (running | waiting) - self._choice_of.keys()
+        if orphans:
+            raise AssertionError(f"scheduler requests unknown to the core: {sorted(orphans)[:8]}")
+        if len(running) != len(sched.running) or len(waiting) != len(sched.waiting):
+            raise AssertionError("a request is queued twice in the scheduler")
+        if not self.has_unfinished_requests():   # the pool walk is too slow for every step
+            self.kv.check_invariants()
 
     @staticmethod
     def _finalize(c: _Choice, d: CompletionDelta) -> None:

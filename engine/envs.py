@@ -26,3 +26,11 @@ def cpu_packed_weights() -> bool:
     """SLUICE_CPU_PACKED_WEIGHTS=0 keeps float32 CPU weights in torch's dense layout instead of
     oneDNN's packed one (for comparison; packed is faster)."""
     return os.environ.get("SLUICE_CPU_PACKED_WEIGHTS", "1") != "0"
+
+
+def debug_invariants() -> bool:
+    """SLUICE_DEBUG_INVARIANTS=1 makes every engine step check that each request the core
+    tracks is running, waiting or already reported, and that the scheduler holds no request the
+    core does not know (``EngineCore.check_invariants``). On in the test suite; costs one pass
+    over the live requests per step."""
+    return os.environ.get("SLUICE_DEBUG_INVARIANTS", "0") == "1"

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 
+# Every engine step checks that no request is tracked without being scheduled, waiting or
+# reported (engine.envs.debug_invariants); engine processes started by tests inherit it.
+os.environ.setdefault("SLUICE_DEBUG_INVARIANTS", "1")
+
 if "TRITON_INTERPRET" not in os.environ:
     try:
         import torch
