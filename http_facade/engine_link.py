@@ -43,8 +43,8 @@ class EngineLink:
         return self._channel
 
     @property
-    def _stub(self) -> pb_grpc.EngineStub:
-        return pb_grpc.EngineStub(self._open())
+    def _stub(self) -> pb_grpc.EngineServiceStub:
+        return pb_grpc.EngineServiceStub(self._open())
 
     @property
     def _health(self) -> health_pb2_grpc.HealthStub:
@@ -92,7 +92,7 @@ class EngineLink:
         self._models = (now, models)
         return models
 
-    async def get_load(self) -> pb.LoadStats:
+    async def get_load(self) -> pb.GetLoadResponse:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.unary_timeout_s)
 
     async def detokenize(self, token_ids: list[int]) -> str:

@@ -39,7 +39,7 @@ class FacadeMetrics:
         self.requests = Counter("sluice_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
 
-    def set_load(self, load: pb.LoadStats | None) -> None:
+    def set_load(self, load: pb.GetLoadResponse | None) -> None:
         if load is None:
             self.engine_up.set(0)
             return

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc.client_tools import tool_calls
 from sluice.http_facade.errors import bad_request
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "developer": pb.ROLE_SYSTEM, "user": pb.ROLE_USER,
@@ -233,7 +234,10 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     if calls:
         if role != "assistant" or not isinstance(calls, list):
             raise bad_request(f"{where}.tool_calls: a list, on assistant messages only", f"{where}.tool_calls")
-        msg.tool_calls_json = json.dumps(calls)
+        try:
+            msg.tool_calls.extend(tool_calls(calls, f"{where}.tool_calls"))
+        except ValueError as exc:   # "messages[1].tool_calls[0].function.name: ..."
+            raise bad_request(str(exc), str(exc).split(":", 1)[0]) from None
     return msg
 
 

@@ -64,21 +64,49 @@ def chat_from_proto(msg: pb.ChatInput, field: str = "chat") -> tuple[list[dict],
             out["name"] = m.name
         if m.tool_call_id:
             out["tool_call_id"] = m.tool_call_id
-        if m.tool_calls_json:
-            out["tool_calls"] = _json_list(m.tool_calls_json, f"{field}.messages[{i}].tool_calls_json")
+        if m.tool_calls:
+            where = f"{field}.messages[{i}].tool_calls"
+            out["tool_calls"] = [_tool_call(c, f"{where}[{j}]") for j, c in enumerate(m.tool_calls)]
         messages.append(out)
-    tools = _json_list(msg.tools_json, f"{field}.tools_json") if msg.tools_json else None
+    tools = [_tool(t, f"{field}.tools[{j}]") for j, t in enumerate(msg.tools)] or None
     add_gen = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
     return messages, tools, add_gen
 
 
-def _json_list(text: str, field: str) -> list:
+# Tools and tool calls reach the chat template in the OpenAI shape, the one HF templates are
+# written against: {"type": "function", "function": {...}}.
+def _tool_type(value: int, field: str) -> str:
+    if value not in (pb.TOOL_TYPE_UNSPECIFIED, pb.TOOL_TYPE_FUNCTION):
+        raise ValueError(f"{field}: must be TOOL_TYPE_FUNCTION, got {value}")
+    return "function"
+
+
+def _tool(msg: pb.ToolDefinition, field: str) -> dict:
+    f = msg.function
+    if not f.name:
+        raise ValueError(f"{field}.function.name: must not be empty")
+    function: dict = {"name": f.name}
+    if f.HasField("description"):
+        function["description"] = f.description
+    if f.HasField("parameters_json"):
+        function["parameters"] = _json_object(f.parameters_json, f"{field}.function.parameters_json")
+    return {"type": _tool_type(msg.type, f"{field}.type"), "function": function}
+
+
+def _tool_call(msg: pb.ToolCall, field: str) -> dict:
+    if not msg.function.name:
+        raise ValueError(f"{field}.function.name: must not be empty")
+    return {"id": msg.id, "type": _tool_type(msg.type, f"{field}.type"),
+            "function": {"name": msg.function.name, "arguments": msg.function.arguments}}
+
+
+def _json_object(text: str, field: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{field}: not valid JSON ({exc.msg} at position {exc.pos})") from None
-    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
-        raise ValueError(f"{field}: must be a JSON list of objects")
+    if not isinstance(value, dict):
+        raise ValueError(f"{field}: must be a JSON object (a JSON Schema), got {type(value).__name__}")
     return value
 
 
@@ -137,8 +165,8 @@ def model_info_to_proto(info: ModelInfo, embedding: EmbeddingEngine | None = Non
     )
 
 
-def load_to_proto(load: LoadStats, num_in_flight: int) -> pb.LoadStats:
-    return pb.LoadStats(
+def load_to_proto(load: LoadStats, num_in_flight: int) -> pb.GetLoadResponse:
+    return pb.GetLoadResponse(
         num_running=load.num_running, num_waiting=load.num_waiting, kv_blocks_used=load.kv_blocks_used,
         kv_blocks_total=load.kv_blocks_total, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
         num_in_flight=num_in_flight,

@@ -2,8 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -14,6 +13,11 @@ class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ROLE_USER: _ClassVar[Role]
     ROLE_ASSISTANT: _ClassVar[Role]
     ROLE_TOOL: _ClassVar[Role]
+
+class ToolType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TOOL_TYPE_UNSPECIFIED: _ClassVar[ToolType]
+    TOOL_TYPE_FUNCTION: _ClassVar[ToolType]
 
 class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -33,6 +37,8 @@ ROLE_SYSTEM: Role
 ROLE_USER: Role
 ROLE_ASSISTANT: Role
 ROLE_TOOL: Role
+TOOL_TYPE_UNSPECIFIED: ToolType
+TOOL_TYPE_FUNCTION: ToolType
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -43,28 +49,64 @@ EMBED_INPUT_TYPE_DOCUMENT: EmbedInputType
 EMBED_INPUT_TYPE_QUERY: EmbedInputType
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls_json")
+    __slots__ = ("role", "content", "name", "tool_call_id", "tool_calls")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
-    TOOL_CALLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     role: Role
     content: str
     name: str
     tool_call_id: str
-    tool_calls_json: str
-    def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls_json: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    def __init__(self, role: _Optional[_Union[Role, str]] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_call_id: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ...) -> None: ...
 
 class ChatInput(_message.Message):
-    __slots__ = ("messages", "tools_json", "add_generation_prompt")
+    __slots__ = ("messages", "add_generation_prompt", "tools")
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
-    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
     ADD_GENERATION_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
-    tools_json: str
     add_generation_prompt: bool
-    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., tools_json: _Optional[str] = ..., add_generation_prompt: _Optional[bool] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[ToolDefinition]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: bool = ..., tools: _Optional[_Iterable[_Union[ToolDefinition, _Mapping]]] = ...) -> None: ...
+
+class ToolDefinition(_message.Message):
+    __slots__ = ("type", "function")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    type: ToolType
+    function: FunctionDefinition
+    def __init__(self, type: _Optional[_Union[ToolType, str]] = ..., function: _Optional[_Union[FunctionDefinition, _Mapping]] = ...) -> None: ...
+
+class FunctionDefinition(_message.Message):
+    __slots__ = ("name", "description", "parameters_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    description: str
+    parameters_json: str
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., parameters_json: _Optional[str] = ...) -> None: ...
+
+class ToolCall(_message.Message):
+    __slots__ = ("id", "type", "function")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    FUNCTION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    type: ToolType
+    function: FunctionCall
+    def __init__(self, id: _Optional[str] = ..., type: _Optional[_Union[ToolType, str]] = ..., function: _Optional[_Union[FunctionCall, _Mapping]] = ...) -> None: ...
+
+class FunctionCall(_message.Message):
+    __slots__ = ("name", "arguments")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments: str
+    def __init__(self, name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
@@ -121,7 +163,7 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     include_stop_str_in_output: bool
     skip_special_tokens: bool
-    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_unlimited: _Optional[bool] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: _Optional[bool] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_unlimited: bool = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: bool = ..., skip_special_tokens: bool = ...) -> None: ...
 
 class InfillInput(_message.Message):
     __slots__ = ("prefix", "suffix")
@@ -147,7 +189,7 @@ class GenerateRequest(_message.Message):
     infill: InfillInput
     sampling: SamplingParams
     add_special_tokens: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., infill: _Optional[_Union[InfillInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., infill: _Optional[_Union[InfillInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., add_special_tokens: bool = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "token")
@@ -251,7 +293,7 @@ class TokenizeRequest(_message.Message):
     text: str
     chat: ChatInput
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: bool = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
     __slots__ = ("token_ids", "prompt", "max_model_len")
@@ -269,7 +311,7 @@ class DetokenizeRequest(_message.Message):
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     skip_special_tokens: bool
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: _Optional[bool] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., skip_special_tokens: bool = ...) -> None: ...
 
 class DetokenizeResponse(_message.Message):
     __slots__ = ("text",)
@@ -280,6 +322,12 @@ class DetokenizeResponse(_message.Message):
 class GetModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class GetModelInfoResponse(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: ModelInfo
+    def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
     __slots__ = ("name", "path", "architecture", "max_model_len", "vocab_size", "dtype", "device", "attention_backend", "capabilities", "embedding_model", "embedding_dimension", "embedding_max_length", "embedding_normalize", "embedding_query_prefix", "embedding_document_prefix", "rerank_method", "rerank_model")
@@ -317,7 +365,7 @@ class ModelInfo(_message.Message):
     embedding_document_prefix: str
     rerank_method: str
     rerank_model: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., embedding_model: _Optional[str] = ..., embedding_dimension: _Optional[int] = ..., embedding_max_length: _Optional[int] = ..., embedding_normalize: _Optional[bool] = ..., embedding_query_prefix: _Optional[str] = ..., embedding_document_prefix: _Optional[str] = ..., rerank_method: _Optional[str] = ..., rerank_model: _Optional[str] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., embedding_model: _Optional[str] = ..., embedding_dimension: _Optional[int] = ..., embedding_max_length: _Optional[int] = ..., embedding_normalize: bool = ..., embedding_query_prefix: _Optional[str] = ..., embedding_document_prefix: _Optional[str] = ..., rerank_method: _Optional[str] = ..., rerank_model: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -333,7 +381,7 @@ class GetLoadRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
-class LoadStats(_message.Message):
+class GetLoadResponse(_message.Message):
     __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_rate", "num_in_flight")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -365,7 +413,7 @@ class EmbedRequest(_message.Message):
     input_type: EmbedInputType
     prefix: str
     truncate: bool
-    def __init__(self, texts: _Optional[_Iterable[str]] = ..., normalize: _Optional[bool] = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., input_type: _Optional[_Union[EmbedInputType, str]] = ..., prefix: _Optional[str] = ..., truncate: _Optional[bool] = ...) -> None: ...
+    def __init__(self, texts: _Optional[_Iterable[str]] = ..., normalize: bool = ..., token_ids: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ..., dimensions: _Optional[int] = ..., input_type: _Optional[_Union[EmbedInputType, str]] = ..., prefix: _Optional[str] = ..., truncate: bool = ...) -> None: ...
 
 class Embedding(_message.Message):
     __slots__ = ("values", "index", "num_tokens", "truncated")
@@ -377,7 +425,7 @@ class Embedding(_message.Message):
     index: int
     num_tokens: int
     truncated: bool
-    def __init__(self, values: _Optional[_Iterable[float]] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., truncated: _Optional[bool] = ...) -> None: ...
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., index: _Optional[int] = ..., num_tokens: _Optional[int] = ..., truncated: bool = ...) -> None: ...
 
 class EmbedResponse(_message.Message):
     __slots__ = ("embeddings", "usage", "model")
@@ -409,7 +457,7 @@ class RerankRequest(_message.Message):
     pairs: _containers.RepeatedCompositeFieldContainer[RerankPair]
     top_n: int
     return_documents: bool
-    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[RerankPair, _Mapping]]] = ..., top_n: _Optional[int] = ..., return_documents: _Optional[bool] = ...) -> None: ...
+    def __init__(self, query: _Optional[str] = ..., documents: _Optional[_Iterable[str]] = ..., pairs: _Optional[_Iterable[_Union[RerankPair, _Mapping]]] = ..., top_n: _Optional[int] = ..., return_documents: bool = ...) -> None: ...
 
 class RerankResult(_message.Message):
     __slots__ = ("index", "score", "document")

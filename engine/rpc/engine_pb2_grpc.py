@@ -5,7 +5,7 @@ import warnings
 
 from . import engine_pb2 as sluice_dot_v1_dot_engine__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.71.2'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in sluice/v1/engine_pb2_grpc.py depends on'
+        + f' but the generated code in sluice/v1/engine_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class EngineStub:
+class EngineServiceStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -35,53 +35,53 @@ class EngineStub:
             channel: A grpc.Channel.
         """
         self.Generate = channel.unary_stream(
-                '/sluice.v1.Engine/Generate',
+                '/sluice.v1.EngineService/Generate',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/sluice.v1.Engine/Abort',
+                '/sluice.v1.EngineService/Abort',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.Tokenize = channel.unary_unary(
-                '/sluice.v1.Engine/Tokenize',
+                '/sluice.v1.EngineService/Tokenize',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
         self.Detokenize = channel.unary_unary(
-                '/sluice.v1.Engine/Detokenize',
+                '/sluice.v1.EngineService/Detokenize',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
-                '/sluice.v1.Engine/GetModelInfo',
+                '/sluice.v1.EngineService/GetModelInfo',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
-                response_deserializer=sluice_dot_v1_dot_engine__pb2.ModelInfo.FromString,
+                response_deserializer=sluice_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
-                '/sluice.v1.Engine/ListModels',
+                '/sluice.v1.EngineService/ListModels',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
-                '/sluice.v1.Engine/GetLoad',
+                '/sluice.v1.EngineService/GetLoad',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
-                response_deserializer=sluice_dot_v1_dot_engine__pb2.LoadStats.FromString,
+                response_deserializer=sluice_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
                 _registered_method=True)
         self.Embed = channel.unary_unary(
-                '/sluice.v1.Engine/Embed',
+                '/sluice.v1.EngineService/Embed',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
                 _registered_method=True)
         self.Rerank = channel.unary_unary(
-                '/sluice.v1.Engine/Rerank',
+                '/sluice.v1.EngineService/Rerank',
                 request_serializer=sluice_dot_v1_dot_engine__pb2.RerankRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_engine__pb2.RerankResponse.FromString,
                 _registered_method=True)
 
 
-class EngineServicer:
+class EngineServiceServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -147,7 +147,7 @@ class EngineServicer:
         raise NotImplementedError('Method not implemented!')
 
 
-def add_EngineServicer_to_server(servicer, server):
+def add_EngineServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -172,7 +172,7 @@ def add_EngineServicer_to_server(servicer, server):
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
                     request_deserializer=sluice_dot_v1_dot_engine__pb2.GetModelInfoRequest.FromString,
-                    response_serializer=sluice_dot_v1_dot_engine__pb2.ModelInfo.SerializeToString,
+                    response_serializer=sluice_dot_v1_dot_engine__pb2.GetModelInfoResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -182,7 +182,7 @@ def add_EngineServicer_to_server(servicer, server):
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
                     request_deserializer=sluice_dot_v1_dot_engine__pb2.GetLoadRequest.FromString,
-                    response_serializer=sluice_dot_v1_dot_engine__pb2.LoadStats.SerializeToString,
+                    response_serializer=sluice_dot_v1_dot_engine__pb2.GetLoadResponse.SerializeToString,
             ),
             'Embed': grpc.unary_unary_rpc_method_handler(
                     servicer.Embed,
@@ -196,13 +196,13 @@ def add_EngineServicer_to_server(servicer, server):
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'sluice.v1.Engine', rpc_method_handlers)
+            'sluice.v1.EngineService', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('sluice.v1.Engine', rpc_method_handlers)
+    server.add_registered_method_handlers('sluice.v1.EngineService', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class Engine:
+class EngineService(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod
@@ -219,7 +219,7 @@ class Engine:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/sluice.v1.Engine/Generate',
+            '/sluice.v1.EngineService/Generate',
             sluice_dot_v1_dot_engine__pb2.GenerateRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.GenerateResponse.FromString,
             options,
@@ -246,7 +246,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/Abort',
+            '/sluice.v1.EngineService/Abort',
             sluice_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.AbortResponse.FromString,
             options,
@@ -273,7 +273,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/Tokenize',
+            '/sluice.v1.EngineService/Tokenize',
             sluice_dot_v1_dot_engine__pb2.TokenizeRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.TokenizeResponse.FromString,
             options,
@@ -300,7 +300,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/Detokenize',
+            '/sluice.v1.EngineService/Detokenize',
             sluice_dot_v1_dot_engine__pb2.DetokenizeRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.DetokenizeResponse.FromString,
             options,
@@ -327,9 +327,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/GetModelInfo',
+            '/sluice.v1.EngineService/GetModelInfo',
             sluice_dot_v1_dot_engine__pb2.GetModelInfoRequest.SerializeToString,
-            sluice_dot_v1_dot_engine__pb2.ModelInfo.FromString,
+            sluice_dot_v1_dot_engine__pb2.GetModelInfoResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -354,7 +354,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/ListModels',
+            '/sluice.v1.EngineService/ListModels',
             sluice_dot_v1_dot_engine__pb2.ListModelsRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.ListModelsResponse.FromString,
             options,
@@ -381,9 +381,9 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/GetLoad',
+            '/sluice.v1.EngineService/GetLoad',
             sluice_dot_v1_dot_engine__pb2.GetLoadRequest.SerializeToString,
-            sluice_dot_v1_dot_engine__pb2.LoadStats.FromString,
+            sluice_dot_v1_dot_engine__pb2.GetLoadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -408,7 +408,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/Embed',
+            '/sluice.v1.EngineService/Embed',
             sluice_dot_v1_dot_engine__pb2.EmbedRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.EmbedResponse.FromString,
             options,
@@ -435,7 +435,7 @@ class Engine:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/sluice.v1.Engine/Rerank',
+            '/sluice.v1.EngineService/Rerank',
             sluice_dot_v1_dot_engine__pb2.RerankRequest.SerializeToString,
             sluice_dot_v1_dot_engine__pb2.RerankResponse.FromString,
             options,

@@ -1,6 +1,6 @@
 """Build and run the engine's gRPC server.
 
-Life cycle: bind the port and start serving at once with health NOT_SERVING (Engine RPCs answer
+Life cycle: bind the port and start serving at once with health NOT_SERVING (EngineService RPCs answer
 UNAVAILABLE while the model loads) → SERVING once the model is loaded → on SIGTERM/SIGINT:
 NOT_SERVING, new requests UNAVAILABLE, in-flight requests get ``grace_s`` to finish and are then
 aborted, the server stops and ``serve()`` returns 0. A model that fails to load returns 1.
@@ -54,7 +54,7 @@ class EngineServer:
             options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                      ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
         )
-        pb_grpc.add_EngineServicer_to_server(EngineServicer(engine), self.server)
+        pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -1,4 +1,4 @@
-"""The ``sluice.v1.Engine`` servicer: thin. Messages are converted at entry and exit
+"""The ``sluice.v1.EngineService`` servicer: thin. Messages are converted at entry and exit
 (``sluice.engine.rpc.convert``, ``sluice.engine.rpc.convert_embed``); exceptions become status codes in
 ``sluice.engine.rpc.status``. Embed / Rerank run on the engine's embedding worker thread."""
 from __future__ import annotations
@@ -19,10 +19,10 @@ from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from sluice.engine.sampling_params import SamplingParams
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Engine"].full_name   # "sluice.v1.Engine"
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineService"].full_name   # "sluice.v1.EngineService"
 
 
-class EngineServicer(pb_grpc.EngineServicer):
+class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
 
@@ -110,15 +110,17 @@ class EngineServicer(pb_grpc.EngineServicer):
         text = await asyncio.to_thread(core.tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
         return pb.DetokenizeResponse(text=text)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        return convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+                           ) -> pb.GetModelInfoResponse:
+        info = convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
+        return pb.GetModelInfoResponse(model=info)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
         info = convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
         return pb.ListModelsResponse(models=[info])
 
-    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.LoadStats:
+    async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:
         load = await self.engine.get_load()
         return convert.load_to_proto(load, self.engine.num_in_flight)
 

@@ -136,6 +136,22 @@ def test_litserve_requests_examples(facade):
     assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
 
 
+def test_tool_call_history_reaches_the_engine(facade, engine_server, auth):
+    """An assistant turn's tool_calls and the tool's answer travel to the engine as typed messages
+    (new ``tools`` are still refused with a 400): the prompt the engine renders is the one its
+    Tokenize renders for the same conversation."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "Weather in Oslo?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "rain, 4 C"}]
+    r = requests.post(f"{facade.url}/v1/chat/completions", headers=auth,
+                      json={"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text
+    with EngineClient(engine_server.target, timeout=60) as client:
+        rendered = client.tokenize(messages=messages)
+    assert r.json()["usage"]["prompt_tokens"] == len(rendered.token_ids)
+
+
 # ---------------------------------------------------------------------------- disconnect
 def test_disconnect_mid_stream_returns_the_engine_to_idle(facade, engine_server, auth):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me everything about rivers."}],

@@ -125,7 +125,7 @@ def test_model_info_reports_embedding_side(client: EngineClient) -> None:
 def test_embed_errors(client: EngineClient, request_, field: str) -> None:
     with grpc.insecure_channel(client.target) as channel:
         with pytest.raises(grpc.RpcError) as info:
-            pb_grpc.EngineStub(channel).Embed(request_, timeout=60)
+            pb_grpc.EngineServiceStub(channel).Embed(request_, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith(field), info.value.details()
 

@@ -56,9 +56,27 @@ def test_invalid_argument_for_inputs(client: EngineClient) -> None:
     with grpc.insecure_channel(client.target) as channel:
         req = pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(content="hi")]))
         with pytest.raises(grpc.RpcError) as info:
-            list(pb_grpc.EngineStub(channel).Generate(req, timeout=30))
+            list(pb_grpc.EngineServiceStub(channel).Generate(req, timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("chat.messages[0].role:")
+    _assert_idle(client)
+
+
+def test_invalid_tools_name_the_field(client: EngineClient) -> None:
+    hi = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "now"}},
+             {"type": "function", "function": {"name": "f", "parameters": "[1, 2]"}}]
+    err = _status_of(lambda: client.tokenize(messages=hi, tools=tools))
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.message == "chat.tools[1].function.parameters_json: must be a JSON object (a JSON Schema), got list"
+    with grpc.insecure_channel(client.target) as channel:
+        call = pb.ToolCall(id="c", function=pb.FunctionCall(arguments="{}"))
+        chat = pb.ChatInput(messages=[pb.ChatMessage(role=pb.ROLE_USER, content="hi"),
+                                      pb.ChatMessage(role=pb.ROLE_ASSISTANT, tool_calls=[call])])
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.EngineServiceStub(channel).Generate(pb.GenerateRequest(chat=chat), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details() == "chat.messages[1].tool_calls[0].function.name: must not be empty"
     _assert_idle(client)
 
 
@@ -74,7 +92,7 @@ def test_out_of_range_when_the_prompt_exceeds_the_context_window(client: EngineC
 def test_unimplemented_for_a_capability_the_model_lacks(client: EngineClient) -> None:
     # SmolLM2's tokenizer has no fill-in-the-middle tokens: infilling is a capability it lacks.
     with grpc.insecure_channel(client.target) as channel:
-        stub = pb_grpc.EngineStub(channel)
+        stub = pb_grpc.EngineServiceStub(channel)
         req = pb.GenerateRequest(infill=pb.InfillInput(prefix="def f(", suffix="):\n    pass"),
                                  sampling=pb.SamplingParams(max_tokens=4))
         with pytest.raises(grpc.RpcError) as info:

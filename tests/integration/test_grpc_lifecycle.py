@@ -100,7 +100,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(small_engine) -> None:
     engine, _ = small_engine
     results: dict = {}
     with EngineClient(engine.target, timeout=120.0) as client:
-        assert client.health() == "SERVING" and client.health("sluice.v1.Engine") == "SERVING"
+        assert client.health() == "SERVING" and client.health("sluice.v1.EngineService") == "SERVING"
         threads = []
         for key, kwargs in (("long", LONG), ("short", dict(max_tokens=4, ignore_eos=True, temperature=0.0))):
             stream = client.generate(f"The {key} one:", **kwargs)

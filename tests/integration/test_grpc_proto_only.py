@@ -42,7 +42,7 @@ try:
 except ImportError:
     pass
 with grpc.insecure_channel(sys.argv[2]) as channel:
-    stub = pb_grpc.EngineStub(channel)
+    stub = pb_grpc.EngineServiceStub(channel)
     sampling = pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     req = pb.GenerateRequest(text="The river flows", sampling=sampling)
     msgs = list(stub.Generate(req, timeout=120))
@@ -85,9 +85,9 @@ def test_reflection_lists_and_describes_the_service(engine_server) -> None:
     with grpc.insecure_channel(engine_server.target) as channel:
         db = ProtoReflectionDescriptorDatabase(channel)
         services = set(db.get_services())
-        assert {"sluice.v1.Engine", "grpc.health.v1.Health"} <= services
+        assert {"sluice.v1.EngineService", "grpc.health.v1.Health"} <= services
         pool = DescriptorPool(db)
-        service = pool.FindServiceByName("sluice.v1.Engine")
+        service = pool.FindServiceByName("sluice.v1.EngineService")
         methods = {m.name for m in service.methods}
     assert {"Generate", "Abort", "Tokenize", "Detokenize", "GetModelInfo", "ListModels", "GetLoad"} <= methods
 
@@ -95,7 +95,7 @@ def test_reflection_lists_and_describes_the_service(engine_server) -> None:
 def test_health_is_serving_after_load(engine_server) -> None:
     with EngineClient(engine_server.target, timeout=10) as client:
         assert client.health() == "SERVING"
-        assert client.health("sluice.v1.Engine") == "SERVING"
+        assert client.health("sluice.v1.EngineService") == "SERVING"
         with pytest.raises(EngineRpcError) as info:
             client.health("no.such.Service")
         assert info.value.code == grpc.StatusCode.NOT_FOUND

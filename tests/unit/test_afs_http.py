@@ -101,7 +101,7 @@ class AfsFakeEngine(FakeEngine):
 async def afs():
     server = grpc.aio.server()
     fake = AfsFakeEngine()
-    pb_grpc.add_EngineServicer_to_server(fake, server)
+    pb_grpc.add_EngineServiceServicer_to_server(fake, server)
     hs = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -30,7 +30,7 @@ def _prompt_text(req: pb.GenerateRequest) -> str:
     return " ".join(map(str, req.token_ids.ids))
 
 
-class FakeEngine(pb_grpc.EngineServicer):
+class FakeEngine(pb_grpc.EngineServiceServicer):
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
         self.active: set[str] = set()
@@ -106,8 +106,8 @@ class FakeEngine(pb_grpc.EngineServicer):
             dtype="float32", device="cpu", attention_backend="torch", capabilities=self.capabilities)])
 
     async def GetLoad(self, request, context):
-        return pb.LoadStats(num_running=len(self.active), num_waiting=0, kv_blocks_used=2 * len(self.active),
-                            kv_blocks_total=64, prefix_cache_hit_rate=0.5, num_in_flight=len(self.active))
+        return pb.GetLoadResponse(num_running=len(self.active), num_waiting=0, kv_blocks_used=2 * len(self.active),
+                                  kv_blocks_total=64, prefix_cache_hit_rate=0.5, num_in_flight=len(self.active))
 
     async def Detokenize(self, request, context):
         return pb.DetokenizeResponse(text="".join(f"<{t}>" for t in request.token_ids))
@@ -119,7 +119,7 @@ class FakeEngine(pb_grpc.EngineServicer):
 async def start_fake_engine() -> tuple[grpc.aio.Server, FakeEngine, int]:
     server = grpc.aio.server()
     fake = FakeEngine()
-    pb_grpc.add_EngineServicer_to_server(fake, server)
+    pb_grpc.add_EngineServiceServicer_to_server(fake, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
@@ -138,7 +138,7 @@ async def fake_engine():
 async def test_fake_engine_streams_and_errors(fake_engine):
     _, port = fake_engine
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-        stub = pb_grpc.EngineStub(ch)
+        stub = pb_grpc.EngineServiceStub(ch)
         req = pb.GenerateRequest(request_id="r1", text="hello", sampling=pb.SamplingParams(n=2, max_tokens=3))
         msgs = [m async for m in stub.Generate(req)]
         assert len(msgs) == 3 and all(len(m.choices) == 2 for m in msgs)

@@ -79,6 +79,12 @@ def test_completion_prompt_shapes(prompt, kinds):
     (_chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
      "messages[0].content[0]"),
     (_chat(messages=[{"role": "tool", "content": "x"}]), "messages[0].tool_call_id"),
+    (_chat(messages=[{"role": "user", "content": "x", "tool_calls": [{}]}]), "messages[0].tool_calls"),
+    (_chat(messages=[{"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}]),
+     "messages[0].tool_calls[0].function.name"),
+    (_chat(messages=[{"role": "assistant", "tool_calls": [{"type": "custom", "function": {"name": "f"}}]}]),
+     "messages[0].tool_calls[0].type"),
+    (_chat(messages=[{"role": "assistant", "tool_calls": ["f()"]}]), "messages[0].tool_calls[0]"),
     ({"messages": [{"role": "user", "content": "x"}]}, "model"),
 ])
 def test_chat_bad_parameters_name_the_parameter(body, param):
@@ -96,6 +102,21 @@ def test_chat_bad_parameters_name_the_parameter(body, param):
 ])
 def test_completion_bad_parameters_name_the_parameter(body, param):
     assert _err(protocol.parse_completion, body).param == param
+
+
+def test_assistant_tool_calls_reach_the_engine_as_typed_calls():
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}},
+             {"id": "call_2", "type": "function", "function": {"name": "time", "arguments": "{}"}}]
+    plan = protocol.parse_chat(_chat(messages=[
+        {"role": "user", "content": "weather and time?"},
+        {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "call_1", "content": "rain"}]))
+    (req,) = plan.requests
+    got = req.chat.messages[1].tool_calls
+    assert [(c.id, c.type, c.function.name, c.function.arguments) for c in got] == [
+        ("call_1", pb.TOOL_TYPE_FUNCTION, "weather", '{"city": "Oslo"}'),
+        ("call_2", pb.TOOL_TYPE_FUNCTION, "time", "{}")]
+    assert req.chat.messages[2].tool_call_id == "call_1" and not req.chat.messages[2].tool_calls
 
 
 def test_tool_choice_none_and_text_response_format_are_accepted():
