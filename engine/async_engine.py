@@ -60,6 +60,7 @@ class _Add:
     prompt: str | list[int]
     params: SamplingParams
     add_special_tokens: bool
+    token_ids: list[int]                   # from core.prepare_prompt, run off the engine thread
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
 
 
@@ -189,7 +190,11 @@ class AsyncEngine:
         self._idle.clear()
         finished = False
         try:
-            add = _Add(request_id, prompt, params, add_special_tokens)
+            # Caps, tokenizing and the length check need no engine state: done here, in a worker
+            # thread, they cost the step loop nothing (a 7 MB prompt stalled every stream).
+            core = self.core
+            ids = await asyncio.to_thread(core.prepare_prompt, prompt, params, add_special_tokens)
+            add = _Add(request_id, prompt, params, add_special_tokens, ids)
             self._commands.put(add)
             await asyncio.wrap_future(add.future)
             while True:
@@ -319,7 +324,8 @@ class AsyncEngine:
             return
         try:
             if isinstance(cmd, _Add):
-                result = core.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.add_special_tokens)
+                result = core.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.add_special_tokens,
+                                          cmd.token_ids)
                 self._live.add(cmd.request_id)
             else:
                 result = cmd.fn(core)

@@ -5,7 +5,7 @@ and nowhere else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -75,6 +75,26 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Caps on what one request may ask for, checked before the engine allocates or tokenizes
+    anything for it (a request over a cap is INVALID_ARGUMENT naming the parameter). The HTTP
+    facade checks the same caps with its own copy (``http_facade.limits``), so that it allocates
+    no per-choice state either; gRPC clients meet these."""
+    max_n: int = 128                       # choices per request (OpenAI's bound)
+    max_stop_strings: int = 16             # stop strings per request
+    max_stop_length: int = 256             # characters in one stop string
+    max_logit_bias: int = 1024             # logit_bias entries
+    max_logprobs: int = 20                 # top alternatives per sampled token
+    max_prompt_bytes: int = 1 << 20        # UTF-8 bytes of a text prompt, or of a chat's messages
+    max_chat_messages: int = 4096          # messages in one chat
+    max_tools_bytes: int = 256 << 10       # JSON of a chat's tool definitions and tool calls
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _positive(f.name, getattr(self, f.name))
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2"                 # a .gguf path, a Hugging Face folder or a short name
     max_model_len: int | None = None       # context window; None: the model's own
@@ -82,6 +102,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from sluice.engine import envs
+from sluice.engine import envs, limits
 from sluice.engine.attention.selector import get_attention_backend
 from sluice.engine.config import EngineConfig
 from sluice.engine.devices import resolve_device
@@ -200,6 +200,7 @@ class EngineCore:
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
         if not messages:
             raise ValueError("messages: must hold at least one message")
+        limits.check_chat(messages, tools, self.config.limits)
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def render_infill(self, prefix: str, suffix: str) -> InfillPrompt:
@@ -209,6 +210,9 @@ class EngineCore:
         return build_infill_prompt(self.tokenizer, prefix, suffix)
 
     def encode_prompt(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, or a token prompt checked against the vocabulary. The
+        size caps come first: nothing is tokenized or walked beyond them."""
+        limits.check_prompt(prompt, self.config.limits, self.max_model_len)
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
@@ -222,17 +226,27 @@ class EngineCore:
                 raise ValueError(f"prompt: token id {t!r} is outside the vocabulary (size {vocab})")
         return ids
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                    add_special_tokens: bool = True) -> list[int]:
-        """Validate and queue a request; returns its prompt token ids. Allocates nothing on error."""
-        if not isinstance(request_id, str) or not request_id:
-            raise ValueError("request_id: must be a non-empty string")
-        if request_id in self._groups:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
+    def prepare_prompt(self, prompt: str | list[int], params: SamplingParams,
+                       add_special_tokens: bool = True) -> list[int]:
+        """Checks the caps and the parameters, then tokenizes and checks the length: everything
+        about a new request that needs no engine state. Thread-safe (the tokenizer is), so
+        ``AsyncEngine`` runs it off the step thread: a long prompt stalls no one's decode."""
+        limits.check_params(params, self.config.limits)
         params.validate()
         params.check_vocab(self.model_info.vocab_size)
         ids = self.encode_prompt(prompt, add_special_tokens)
         self.check_length(len(ids), params)
+        return ids
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    add_special_tokens: bool = True, token_ids: list[int] | None = None) -> list[int]:
+        """Validate and queue a request; returns its prompt token ids. Allocates nothing on error.
+        ``token_ids``: what ``prepare_prompt`` returned for these arguments, to skip repeating it."""
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError("request_id: must be a non-empty string")
+        if request_id in self._groups:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        ids = self.prepare_prompt(prompt, params, add_special_tokens) if token_ids is None else token_ids
         sched = self.scheduler
         if sched.num_waiting + params.n > self.config.scheduler.max_waiting:
             raise QueueFullError(f"waiting queue is full (max_waiting={self.config.scheduler.max_waiting})")

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import fields
 
-from sluice.engine.config import CacheConfig, DeviceConfig, EngineConfig, SchedulerConfig
+from sluice.engine.config import CacheConfig, DeviceConfig, EngineConfig, LimitsConfig, SchedulerConfig
 from sluice.engine.engine_core import EngineCore
 from sluice.engine.errors import QueueFullError
 from sluice.engine.loaders import LoadedModel
@@ -23,15 +23,15 @@ Messages = list[dict]
 def build_config(model: str, **kwargs) -> EngineConfig:
     """Split flat keyword options into the per-subsystem configs; unknown keys are an error."""
     parts = {}
-    for cls in (CacheConfig, SchedulerConfig, DeviceConfig):
+    for cls in (CacheConfig, SchedulerConfig, DeviceConfig, LimitsConfig):
         names = {f.name for f in fields(cls)}
         parts[cls] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "model"}
+    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "limits", "model"}
     unknown = set(kwargs) - top
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: unknown engine option")
     return EngineConfig(model=model, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
-                        device=parts[DeviceConfig], **kwargs)
+                        device=parts[DeviceConfig], limits=parts[LimitsConfig], **kwargs)
 
 
 class LLM:

@@ -79,6 +79,15 @@ KEYS: dict[str, _Key] = {
     "num_threads": _Key("num_threads", _int, "torch intra-op threads on CPU"),
     "num_speculative_tokens": _Key("num_speculative_tokens", _int, "draft tokens per step"),
     "seed": _Key("seed", _int, "the engine's base random seed"),
+    # Request caps (engine.config.LimitsConfig); over a cap a request is INVALID_ARGUMENT.
+    "max_n": _Key("max_n", _int, "choices per request"),
+    "max_stop_strings": _Key("max_stop_strings", _int, "stop strings per request"),
+    "max_stop_length": _Key("max_stop_length", _int, "characters in one stop string"),
+    "max_logit_bias": _Key("max_logit_bias", _int, "logit_bias entries per request"),
+    "max_logprobs": _Key("max_logprobs", _int, "top logprob alternatives per token"),
+    "max_prompt_bytes": _Key("max_prompt_bytes", _bytes, "UTF-8 bytes of a prompt or a chat's messages"),
+    "max_chat_messages": _Key("max_chat_messages", _int, "messages in one chat"),
+    "max_tools_bytes": _Key("max_tools_bytes", _bytes, "JSON bytes of a chat's tools and tool calls"),
 }
 # MLC options with no sluice equivalent: named, so the error says so rather than "unknown".
 _UNSUPPORTED_MLC = ("tensor_parallel_shards", "pipeline_parallel_stages", "max_history_size",

@@ -30,6 +30,8 @@ from typing import Any
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.afs_functions import FunctionSpec, call_text, parse_functions, with_function_prompt
 from sluice.http_facade.afs_errors import invalid
+from sluice.http_facade.limits import RequestLimits
+from sluice.http_facade.protocol import check_json_size, check_message_caps, check_prompt_caps
 
 DEFAULT_SEED = 42
 MAX_STOP_SEQUENCES = 4
@@ -130,6 +132,17 @@ def parse_params(body: dict) -> AfsParams:
         show_probabilities=bool(show),
         seed=seed,
     )
+
+
+# ------------------------------------------------------------------------------------ caps
+def check_caps(body: dict, limits: RequestLimits) -> None:
+    """The request caps on the raw body (400 naming the field), before anything is built."""
+    inputs = body.get("inputs")
+    if isinstance(inputs, str):
+        check_prompt_caps(inputs, limits, "inputs")
+    check_message_caps(body.get("messages"), limits)
+    if body.get("functions") is not None:
+        check_json_size("functions", body["functions"], limits)
 
 
 # ---------------------------------------------------------------------------------- requests

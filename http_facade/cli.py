@@ -19,6 +19,7 @@ from aiohttp import web
 from sluice.http_facade.app import build_app
 from sluice.http_facade.auth import AuthPolicy, load_keys
 from sluice.http_facade.cors import CorsPolicy, parse_json_list
+from sluice.http_facade.limits import parse_limits
 from sluice.http_facade.routes_afs import AfsConfig
 from sluice.http_facade.state import DEFAULT_MAX_BODY_BYTES, FacadeConfig
 
@@ -44,6 +45,9 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat max_tokens when a request sets none (default: until the context window)")
     p.add_argument("--enable-tracing", action="store_true",
                    help="log per-request events with timings; served at POST /debug/dump_event_trace")
+    p.add_argument("--limits", default="", metavar='"KEY=N;..."',
+                   help="request caps, e.g. \"max_n=16;max_prompt_bytes=65536\" (README: Limits); with "
+                        "serve, the keys the engine knows reach it too")
     p.add_argument("--afs-ping-interval", type=float, default=15.0, metavar="S",
                    help="AFS streams: seconds without a record before an 'event: ping' (default: 15)")
     p.add_argument("--afs-query-prefix", default=None, metavar="TEXT",
@@ -95,7 +99,7 @@ def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
     keys = load_keys(args.api_key, args.api_key_file)
     return FacadeConfig(engine_addr=engine_addr, auth=AuthPolicy(keys=keys), cors=cors,
                         max_body_bytes=args.max_body_bytes, enable_tracing=args.enable_tracing,
-                        default_max_tokens=args.default_max_tokens)
+                        default_max_tokens=args.default_max_tokens, limits=parse_limits(args.limits))
 
 
 # ---------------------------------------------------------------------------------- running

@@ -15,6 +15,7 @@ from typing import Any
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc.client_tools import tool_calls
 from sluice.http_facade.errors import bad_request
+from sluice.http_facade.limits import RequestLimits, over, utf8_len
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "developer": pb.ROLE_SYSTEM, "user": pb.ROLE_USER,
           "assistant": pb.ROLE_ASSISTANT, "tool": pb.ROLE_TOOL}
@@ -105,6 +106,87 @@ def get_model(body: dict) -> str:
     if not isinstance(model, str) or not model:
         raise bad_request("model: you must provide a model name (see GET /v1/models)", "model")
     return model
+
+
+# ---------------------------------------------------------------------------------- caps
+def check_caps(body: dict, limits: RequestLimits) -> None:
+    """The request caps, on the raw body, before anything is built from it: each check is a
+    ``len()`` or a walk over items whose count is already capped. Types are checked later."""
+    n = body.get("n")
+    if _is_int(n) and n > limits.max_n:
+        raise bad_request(over("n", "choices per request", n, limits.max_n, "max_n"), "n")
+    stop = body.get("stop")
+    if isinstance(stop, str):
+        stop = [stop]
+    if isinstance(stop, list):
+        if len(stop) > limits.max_stop_strings:
+            raise bad_request(over("stop", "stop strings", len(stop), limits.max_stop_strings, "max_stop_strings"),
+                              "stop")
+        longest = max((len(s) for s in stop if isinstance(s, str)), default=0)
+        if longest > limits.max_stop_length:
+            raise bad_request(over("stop", "characters per stop string", longest, limits.max_stop_length,
+                                   "max_stop_length"), "stop")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and len(bias) > limits.max_logit_bias:
+        raise bad_request(over("logit_bias", "entries", len(bias), limits.max_logit_bias, "max_logit_bias"),
+                          "logit_bias")
+    for name in ("top_logprobs", "logprobs"):
+        v = body.get(name)
+        if _is_int(v) and v > limits.max_logprobs:
+            raise bad_request(over(name, "alternatives per token", v, limits.max_logprobs, "max_logprobs"), name)
+    check_prompt_caps(body.get("prompt"), limits)
+    check_message_caps(body.get("messages"), limits)
+    for name in ("tools", "functions"):
+        if body.get(name) is not None:
+            check_json_size(name, body[name], limits)
+
+
+def check_prompt_caps(prompt: Any, limits: RequestLimits, name: str = "prompt") -> None:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not isinstance(prompt, list):
+        return
+    if prompt and all(_is_int(t) for t in prompt):
+        prompt = [prompt]                         # one token prompt
+    if len(prompt) > limits.max_prompts:
+        raise bad_request(over(name, "prompts per request", len(prompt), limits.max_prompts, "max_prompts"),
+                          name)
+    for p in prompt:
+        if isinstance(p, str) and len(p) > limits.max_prompt_bytes // 4 and utf8_len(p) > limits.max_prompt_bytes:
+            raise bad_request(over(name, "bytes of UTF-8 text", utf8_len(p), limits.max_prompt_bytes,
+                                   "max_prompt_bytes"), name)
+        if isinstance(p, list) and len(p) > limits.max_prompt_tokens:
+            raise bad_request(over(name, "token ids", len(p), limits.max_prompt_tokens, "max_prompt_tokens"),
+                              name)
+
+
+def check_message_caps(messages: Any, limits: RequestLimits) -> None:
+    if not isinstance(messages, list):
+        return
+    if len(messages) > limits.max_chat_messages:
+        raise bad_request(over("messages", "messages", len(messages), limits.max_chat_messages,
+                               "max_chat_messages"), "messages")
+    total = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        parts = content if isinstance(content, list) else [content]
+        for part in parts:
+            text = part.get("text") if isinstance(part, dict) else part
+            if isinstance(text, str):
+                total += utf8_len(text)
+        if total > limits.max_prompt_bytes:
+            raise bad_request(over("messages", "bytes of message text", total, limits.max_prompt_bytes,
+                                   "max_prompt_bytes"), "messages")
+        if m.get("tool_calls") is not None:
+            check_json_size("messages", m["tool_calls"], limits)
+
+
+def check_json_size(name: str, value: Any, limits: RequestLimits) -> None:
+    size = utf8_len(json.dumps(value, ensure_ascii=False))
+    if size > limits.max_tools_bytes:
+        raise bad_request(over(name, "bytes of JSON", size, limits.max_tools_bytes, "max_tools_bytes"), name)
 
 
 # ------------------------------------------------------------------------------ sampling
@@ -241,8 +323,10 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     return msg
 
 
-def parse_chat(body: dict, default_max_tokens: int | None = None) -> GenerationPlan:
+def parse_chat(body: dict, default_max_tokens: int | None = None,
+               limits: RequestLimits = RequestLimits()) -> GenerationPlan:
     """``default_max_tokens``: used when the client sets none (None: until the context window is full)."""
+    check_caps(body, limits)
     model = get_model(body)
     _refuse_tools(body)
     messages = body.get("messages")
@@ -285,7 +369,8 @@ def _token_prompt(ids: list, where: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
 
 
-def parse_completion(body: dict) -> GenerationPlan:
+def parse_completion(body: dict, limits: RequestLimits = RequestLimits()) -> GenerationPlan:
+    check_caps(body, limits)
     model = get_model(body)
     _refuse_unsupported(body, ("suffix",))
     bases = _prompts(body.get("prompt"))

@@ -59,7 +59,9 @@ def _config(request: web.Request) -> AfsConfig:
 
 
 async def _body(request: web.Request) -> dict:
-    return parse_json(await request.read())
+    body = parse_json(await request.read())
+    ap.check_caps(body, state_of(request).config.limits)
+    return body
 
 
 def _elapsed(start: float) -> str:

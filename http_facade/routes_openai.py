@@ -47,12 +47,13 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = protocol.parse_json(await request.read())
-    return await _generate(request, protocol.parse_chat(body, state_of(request).config.default_max_tokens), "chatcmpl")
+    config = state_of(request).config
+    return await _generate(request, protocol.parse_chat(body, config.default_max_tokens, config.limits), "chatcmpl")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = protocol.parse_json(await request.read())
-    return await _generate(request, protocol.parse_completion(body), "cmpl")
+    return await _generate(request, protocol.parse_completion(body, state_of(request).config.limits), "cmpl")
 
 
 class _Run:

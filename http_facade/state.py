@@ -12,6 +12,7 @@ from sluice.http_facade.auth import AuthPolicy
 from sluice.http_facade.cors import CorsPolicy
 from sluice.http_facade.engine_link import EngineLink
 from sluice.http_facade.errors import ApiError, not_found
+from sluice.http_facade.limits import RequestLimits
 from sluice.http_facade.metrics import FacadeMetrics
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
@@ -27,6 +28,7 @@ class FacadeConfig:
     enable_tracing: bool = False
     # chat max_tokens when a client sends none; None: until a stop or the context window (OpenAI)
     default_max_tokens: int | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:

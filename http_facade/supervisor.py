@@ -30,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.http_facade.auth import ENV_KEYS
 from sluice.http_facade.cli import afs_config, facade_config
+from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
 
 log = logging.getLogger("sluice.serve")
 
@@ -178,14 +179,14 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         raise ValueError("--api-key: keys must not contain commas")
     engine_cmd = (*python_module_cmd("sluice.engine.cli"), "engine", args.model, "--host", "127.0.0.1",
                   "--port", str(engine_port), "--device", args.device, "--mode", args.mode,
-                  "--overrides", args.overrides, "--grace", str(args.grace))
+                  "--overrides", _with_engine_limits(args.overrides, config.limits), "--grace", str(args.grace))
     for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model)):
         if value is not None:   # unset: the engine's own default
             engine_cmd += (flag, value)
     facade_cmd = [*python_module_cmd("sluice.http_facade.cli"), "facade", "--engine", engine_addr,
                   "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
                   "--allowed-origins", args.allowed_origins, "--allowed-methods", args.allowed_methods,
-                  "--allowed-headers", args.allowed_headers]
+                  "--allowed-headers", args.allowed_headers, "--limits", args.limits]
     if args.default_max_tokens is not None:
         facade_cmd += ["--default-max-tokens", str(args.default_max_tokens)]
     facade_cmd += ["--afs-ping-interval", str(afs.ping_interval_s)]
@@ -195,6 +196,15 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return ServePlan(engine_cmd, tuple(facade_cmd), engine_addr, f"http://{host}:{args.port}",
                      {ENV_KEYS: ",".join(config.auth.keys)}, args.ready_timeout, args.grace + 10.0)
+
+
+def _with_engine_limits(overrides: str, limits: RequestLimits) -> str:
+    """The engine's overrides plus the caps it shares with the facade, so both enforce one set
+    (an explicit override of the same key wins)."""
+    given = {item.partition("=")[0].strip() for item in overrides.split(";")}
+    extra = [f"{k}={getattr(limits, k)}" for k in ENGINE_KEYS
+             if k not in given and getattr(limits, k) != getattr(RequestLimits(), k)]
+    return ";".join(filter(None, [overrides.strip().rstrip(";"), *extra]))
 
 
 def serve_from_args(args: argparse.Namespace) -> int:

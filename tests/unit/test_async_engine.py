@@ -46,7 +46,10 @@ class FakeCore:
         self.step_delay_s = step_delay_s
         self.model_info = "fake-model"
 
-    def add_request(self, request_id, prompt, params, add_special_tokens=True):
+    def prepare_prompt(self, prompt, params, add_special_tokens=True):
+        return [1, 2, 3]
+
+    def add_request(self, request_id, prompt, params, add_special_tokens=True, token_ids=None):
         self.threads.add(threading.current_thread().name)
         self.calls.append(("add", request_id, prompt))
         if self.add_error is not None:
