@@ -193,7 +193,7 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     if not isinstance(m, dict):
         raise invalid(f"{where}: must be an object", where)
     role = m.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise invalid(f"{where}.role: must be one of system, human, user, assistant, function; got {role!r}",
                       f"{where}.role")
     call = m.get("function_call") if role == "assistant" else None

@@ -15,6 +15,7 @@ from typing import Any
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc.client_tools import tool_calls
 from sluice.http_facade.errors import bad_request
+from sluice.http_facade.json_body import decode_json
 from sluice.http_facade.limits import RequestLimits, over, utf8_len
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "developer": pb.ROLE_SYSTEM, "user": pb.ROLE_USER,
@@ -48,13 +49,8 @@ class GenerationPlan:
 
 # ------------------------------------------------------------------------------- primitives
 def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    return body
+    """The body as a dict, or a 400 (``json_body.decode_json``: the one decoding path)."""
+    return decode_json(raw)
 
 
 def _is_int(v: Any) -> bool:
@@ -300,7 +296,7 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     if not isinstance(m, dict):
         raise bad_request(f"{where}: must be an object", where)
     role = m.get("role")
-    if role not in _ROLES:
+    if not isinstance(role, str) or role not in _ROLES:
         raise bad_request(f"{where}.role: must be one of system, developer, user, assistant, tool; got {role!r}",
                           f"{where}.role")
     msg = pb.ChatMessage(role=_ROLES[role], content=_content(m.get("content"), f"{where}.content"))

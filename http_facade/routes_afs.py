@@ -33,7 +33,7 @@ from sluice.http_facade import afs_protocol as ap
 from sluice.http_facade.afs_errors import invalid, unsupported
 from sluice.http_facade.afs_generation import run_afs
 from sluice.http_facade.errors import ApiError
-from sluice.http_facade.protocol import parse_json
+from sluice.http_facade.json_body import read_json
 from sluice.http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
                                            encoding_format, resolve_encoder)
 from sluice.http_facade.state import state_of
@@ -59,7 +59,7 @@ def _config(request: web.Request) -> AfsConfig:
 
 
 async def _body(request: web.Request) -> dict:
-    body = parse_json(await request.read())
+    body = await read_json(request)
     ap.check_caps(body, state_of(request).config.limits)
     return body
 

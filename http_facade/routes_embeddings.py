@@ -24,7 +24,8 @@ from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.errors import ApiError, bad_request, from_rpc_error, not_found
-from sluice.http_facade.protocol import get_model, parse_json
+from sluice.http_facade.json_body import read_json
+from sluice.http_facade.protocol import get_model
 from sluice.http_facade.state import FacadeState, state_of
 
 _INT32_MAX = (1 << 31) - 1
@@ -132,7 +133,7 @@ async def call_encoder(call, request, model: pb.ModelInfo, capability: str):
 # -------------------------------------------------------------------------------- route
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
-    body = parse_json(await request.read())
+    body = await read_json(request)
     model = await resolve_encoder(state, get_model(body), "embeddings")
     inputs = encoder_inputs(body.get("input"))
     fmt = encoding_format(body)

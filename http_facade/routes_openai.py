@@ -22,6 +22,7 @@ from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade import protocol, shapes
 from sluice.http_facade.errors import ApiError
 from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
+from sluice.http_facade.json_body import read_json
 from sluice.http_facade.sse import SSEWriter
 from sluice.http_facade.state import FacadeState, state_of
 
@@ -46,13 +47,13 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = protocol.parse_json(await request.read())
+    body = await read_json(request)
     config = state_of(request).config
     return await _generate(request, protocol.parse_chat(body, config.default_max_tokens, config.limits), "chatcmpl")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = protocol.parse_json(await request.read())
+    body = await read_json(request)
     return await _generate(request, protocol.parse_completion(body, state_of(request).config.limits), "cmpl")
 
 

@@ -209,7 +209,7 @@ async def test_validation_errors_are_422_with_the_afs_body(afs):
     await _afs_error(await client.post("/models/conversation", json=_conv(parameters={"top_k": 0}), headers=H),
                      422, "top_k")
     await _afs_error(await client.post("/models/generate", json={"model": MODEL}, headers=H), 422, "inputs")
-    await _afs_error(await client.post("/models/generate", data=b"{nope", headers=H), 400, None)
+    await _afs_error(await client.post("/models/generate", data=b"{nope", headers={**H, "Content-Type": "application/json"}), 400, None)
     await _afs_error(await client.post("/models/generate", json={"model": "nope", "inputs": "x"}, headers=H),
                      404, "model")
     assert len(fake.requests) == n     # nothing reached the engine

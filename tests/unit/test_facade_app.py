@@ -21,6 +21,7 @@ from sluice.http_facade.state import STATE_KEY, FacadeConfig
 from tests.unit.test_facade_fake_engine import MODEL, fake_engine  # noqa: F401 - fixture
 
 KEY = "sk-test-123"
+JSON = {"Content-Type": "application/json"}
 
 
 async def _client(port: int, **config) -> TestClient:
@@ -143,7 +144,7 @@ async def test_models_list_and_retrieve(http):
 # ------------------------------------------------------------------------------- errors
 async def test_error_statuses(http):
     client, _ = http
-    await _error(await client.post("/v1/chat/completions", data=b"{oops"), 400)
+    await _error(await client.post("/v1/chat/completions", data=b"{oops", headers=JSON), 400)
     await _error(await client.post("/v1/chat/completions", json=_chat(top_p="x")), 400, "top_p")
     await _error(await client.post("/v1/chat/completions", json=_chat(temperature=3.0)), 400, "temperature")
     await _error(await client.post("/v1/chat/completions", json=_chat(model="gpt-9")), 404, "model",
@@ -151,7 +152,8 @@ async def test_error_statuses(http):
     await _error(await client.get("/v1/nowhere"), 404, None, "not_found")
     resp = await client.get("/v1/chat/completions")
     await _error(resp, 405, None, "method_not_allowed")
-    await _error(await client.post("/v1/chat/completions", data=b"x" * 5000), 413, None, "request_too_large")
+    await _error(await client.post("/v1/chat/completions", data=b"x" * 5000, headers=JSON), 413, None,
+                 "request_too_large")
     await _error(await client.post("/v1/chat/completions", json=_chat(tools=[{"type": "function"}])), 400, "tools")
 
 
