@@ -1,7 +1,8 @@
 """Server-sent events: each event is written (one HTTP chunk) and drained on its own.
 
 Clients that split on network reads (``iter_content(chunk_size=None)`` then ``chunk[6:]``, as
-in MLC's examples) therefore see exactly one ``data: ...`` event per read.
+in MLC's examples) therefore see exactly one ``data: ...`` event per read. An HTTP/1.0 client
+gets the events as a body that ends when the connection closes (no chunked encoding there).
 """
 from __future__ import annotations
 
@@ -18,14 +19,20 @@ CORS_HEADERS: web.RequestKey[dict[str, str]] = web.RequestKey("sluice_cors_heade
 class SSEWriter:
     def __init__(self, request: web.Request) -> None:
         self.request = request
+        # HTTP/1.0 has no chunked encoding (aiohttp refuses it with an error): there the stream
+        # is the body up to the end of the connection, with no Content-Length.
+        http10 = request.version < (1, 1)
         self.response = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
-            "Connection": "keep-alive",
+            "Connection": "close" if http10 else "keep-alive",
             "X-Accel-Buffering": "no",
             **request.get(CORS_HEADERS, {}),   # set by the CORS middleware
         })
-        self.response.enable_chunked_encoding()
+        if http10:
+            self.response.force_close()
+        else:
+            self.response.enable_chunked_encoding()
         self.prepared = False
 
     async def prepare(self) -> None:
