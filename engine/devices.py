@@ -41,11 +41,11 @@ def triton_unavailable_reason(option: str, device: torch.device) -> str | None:
     """None when Triton kernels can run on ``device``; else why not, naming ``option`` (e.g.
     "attention_backend=triton") so the error says which setting asked for them."""
     if importlib.util.find_spec("triton") is None:
-        return f"{option} needs the triton package (pip install 'sluice[triton]')"
+        return f"{option} needs the triton package (pip install 'sluice-llm[triton]')"
     version = _triton_version()
     if _version_tuple(version) < MIN_TRITON:
         floor = ".".join(map(str, MIN_TRITON))
-        return f"{option} needs triton>={floor}, found triton {version} (pip install -U 'sluice[triton]')"
+        return f"{option} needs triton>={floor}, found triton {version} (pip install -U 'sluice-llm[triton]')"
     if device.type == "cuda" or envs.triton_interpret():
         return None
     return f"{option} needs a CUDA device or TRITON_INTERPRET=1, got device {device}"

@@ -24,7 +24,7 @@ def load_flash_attn_varlen(device: torch.device):
         from flash_attn import flash_attn_varlen_func
     except ImportError as exc:
         raise ValueError(
-            "attention_backend=flash_attn needs the flash-attn package (pip install 'sluice[gpu]'); "
+            "attention_backend=flash_attn needs the flash-attn package (pip install 'sluice-llm[gpu]'); "
             f"importing it failed: {exc}"
         ) from exc
     return flash_attn_varlen_func

@@ -71,6 +71,7 @@ def codellama(tmp_path_factory) -> Path:
     return codellama_tokenizer_folder(tmp_path_factory.mktemp("codellama"))
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("prefix,suffix", CASES)
 def test_codellama_prompt_equals_transformers(codellama: Path, prefix: str, suffix: str) -> None:
     from transformers import CodeLlamaTokenizerFast

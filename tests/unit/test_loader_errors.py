@@ -172,6 +172,7 @@ def _tiny_hf_folder(folder: Path, shard: bool = False) -> tuple[Path, torch.nn.M
     return folder, ref
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("shard", [False, True])
 def test_tiny_hf_folder_round_trips(tmp_path, shard):
     folder, ref = _tiny_hf_folder(tmp_path, shard)
@@ -250,6 +251,7 @@ def test_unsupported_hf_architecture(tmp_path):
         load_model(tmp_path)
 
 
+@pytest.mark.oracle
 def test_pickle_only_folder_is_refused(tmp_path):
     folder, _ = _tiny_hf_folder(tmp_path)
     for f in folder.glob("*.safetensors"):
@@ -258,6 +260,7 @@ def test_pickle_only_folder_is_refused(tmp_path):
         load_model(folder)
 
 
+@pytest.mark.oracle
 def test_corrupt_safetensors(tmp_path):
     folder, _ = _tiny_hf_folder(tmp_path)
     (folder / "model.safetensors").write_bytes(b"\x00" * 64)
@@ -265,6 +268,7 @@ def test_corrupt_safetensors(tmp_path):
         load_model(folder)
 
 
+@pytest.mark.oracle
 def test_safetensors_wrong_shape(tmp_path):
     from safetensors.torch import load_file, save_file
 

@@ -56,6 +56,7 @@ def _hf_inv_freq(rope_scaling, seq_len=None, head_dim=HEAD_DIM):
     return ROPE_INIT_FUNCTIONS[rope_scaling["rope_type"]](config, "cpu", seq_len=seq_len)
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("rope_scaling", SCALINGS, ids=lambda s: "default" if s is None else s["rope_type"])
 @pytest.mark.parametrize("head_dim", [64, 80])
 def test_inv_freq_matches_transformers(rope_scaling, head_dim):
@@ -66,6 +67,7 @@ def test_inv_freq_matches_transformers(rope_scaling, head_dim):
     assert our_scale == pytest.approx(ref_scale, rel=1e-12)
 
 
+@pytest.mark.oracle
 def test_dynamic_ntk_stretches_past_max_positions_like_transformers():
     scaling = {"rope_type": "dynamic", "factor": 2.0}
     ours, _ = compute_inv_freq(_arch(scaling), seq_len=3 * MPE)
@@ -75,6 +77,7 @@ def test_dynamic_ntk_stretches_past_max_positions_like_transformers():
     assert (ours[1:] < base[1:]).all()  # a larger base: every non-zero-index frequency is lower
 
 
+@pytest.mark.oracle
 @pytest.mark.parametrize("rope_scaling", SCALINGS, ids=lambda s: "default" if s is None else s["rope_type"])
 def test_rotation_matches_apply_rotary_pos_emb(rope_scaling):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -1,0 +1,65 @@
+"""The import package is ``sluice``: pyproject.toml maps ``sluice.engine``, ``sluice.kernels`` and
+``sluice.http_facade`` onto the layout's folders and lists every package under them, and no file
+in the repository imports the bare names (``engine``, ``kernels``, ``http_facade``), which belong
+to nobody (Hugging Face's ``kernels`` package owns the top-level ``kernels``)."""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+FOLDERS = ("engine", "kernels", "http_facade")
+BARE = set(FOLDERS)
+
+
+def _setuptools() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+
+
+def test_every_package_folder_is_listed_under_its_sluice_name():
+    config = _setuptools()
+    assert config["package-dir"] == {f"sluice.{f}": f for f in FOLDERS}
+    on_disk = {"sluice." + ".".join(p.parent.relative_to(REPO).parts)
+               for f in FOLDERS for p in (REPO / f).rglob("__init__.py") if "__pycache__" not in p.parts}
+    assert sorted(config["packages"]) == sorted(on_disk)
+
+
+def test_the_console_script_and_the_distribution_name():
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "sluice-llm"
+    assert project["scripts"] == {"sluice": "sluice.engine.cli:main"}
+    assert not any(re.match(r"torch\b.*<", d) for d in project["dependencies"]), "torch must not be capped"
+
+
+def _bare_imports(source: str, where: str) -> list[str]:
+    found = []
+    for node in ast.walk(ast.parse(source, filename=where)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "import_module" and node.args and isinstance(node.args[0], ast.Constant)):
+            names = [str(node.args[0].value)]
+        found += [f"{where}:{node.lineno}: {n}" for n in names if n.split(".")[0] in BARE]
+    return found
+
+
+def test_nothing_imports_the_bare_folder_names():
+    files = [p for p in REPO.rglob("*.py")
+             if not any(part.startswith(".") or part in ("build", "__pycache__") for part in p.relative_to(REPO).parts)]
+    assert len(files) > 100
+    assert [hit for p in files for hit in _bare_imports(p.read_text(), str(p.relative_to(REPO)))] == []
+
+
+@pytest.mark.parametrize("source", ["import kernels", "from engine.cli import main",
+                                    "importlib.import_module('http_facade.cli')"])
+def test_the_check_sees_a_bare_import(source):
+    assert len(_bare_imports(source, "probe.py")) == 1
+    assert _bare_imports(source.replace("kernels", "sluice.kernels").replace("engine", "sluice.engine")
+                         .replace("http_facade", "sluice.http_facade"), "probe.py") == []
