@@ -14,8 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PROTO = REPO / "proto"
-# Makefile: BUF_DIR = $(VENV)/buf; the tests run on the venv's interpreter, so sys.prefix is $(VENV).
-BUF = Path(sys.prefix) / "buf" / "node_modules" / ".bin" / "buf"
+# Makefile: BUF_DIR = $(VENV)/buf. The tests usually run on that venv's interpreter (sys.prefix is
+# $(VENV)); a second venv made for other checks (.ci/floors) finds the default one's buf.
+_CANDIDATES = [venv / "buf" / "node_modules" / ".bin" / "buf" for venv in (Path(sys.prefix), REPO / ".venv")]
+BUF = next((path for path in _CANDIDATES if path.exists()), _CANDIDATES[0])
 
 
 def _pinned_version() -> str:
@@ -32,8 +34,8 @@ def _buf(*args: str, cwd: Path) -> subprocess.CompletedProcess:
 def buf() -> Path:
     pinned = _pinned_version()
     if not BUF.exists():
-        pytest.fail(f"buf is not installed at {BUF}: run `make setup` (it installs @bufbuild/buf@{pinned} "
-                    "from npm into the venv)", pytrace=False)
+        pytest.fail(f"buf is not installed at {' or '.join(map(str, dict.fromkeys(_CANDIDATES)))}: run `make setup` "
+                    f"(it installs @bufbuild/buf@{pinned} from npm into the venv)", pytrace=False)
     proc = _buf("--version", cwd=REPO)
     if proc.returncode != 0:
         pytest.fail(f"{BUF} --version failed ({proc.stderr.strip()}): run `make setup`", pytrace=False)
