@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterable, TypeVar
 
-from sluice.engine.errors import EngineUnavailableError, UnsupportedError
+from sluice.engine.errors import EngineError, EngineUnavailableError, UnsupportedError
 from sluice.engine.outputs import RequestOutput
 from sluice.engine.sampling_params import SamplingParams
 
@@ -288,7 +288,10 @@ class AsyncEngine:
             core = self._core_factory()
             self._embedding = self._embedding_factory() if self._embedding_factory else None
         except BaseException as exc:  # noqa: BLE001 - reported to wait_ready()
-            log.exception("engine failed to load")
+            if isinstance(exc, EngineError):   # says what is wrong with which file: one line
+                log.error("engine failed to load: %s", exc)
+            else:
+                log.exception("engine failed to load")
             self._post(self._on_loaded, exc)
             return
         self._core = core

@@ -146,7 +146,7 @@ async def run_afs(request: web.Request, state: FacadeState, gen: AfsGeneration, 
                           gen.params.show_probabilities, 0, False, None)
     answer = _Answer(gen, RequestTimer(request_id, request.path))
     try:
-        async with contextlib.aclosing(run_plan(state.link, plan, request_id)) as stream:
+        async with contextlib.aclosing(run_plan(state.link, plan, request_id, state.ending)) as stream:
             if gen.stream:
                 return await _stream(request, answer, stream, ping_interval_s)
             async for _, msg in stream:

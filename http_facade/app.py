@@ -2,7 +2,8 @@
 
 Middleware order (outermost first): CORS (preflight answers, headers on every response, errors
 included) → errors (``ApiError``, aiohttp's HTTP errors, gRPC errors and real faults → the
-OpenAI error shape, or the AFS one under ``/models/``; never a stack trace) → auth (API keys).
+OpenAI error shape, or the AFS one under ``/models/``; never a stack trace) → drain (503 for new
+work while shutting down) → auth (API keys).
 """
 from __future__ import annotations
 
@@ -77,6 +78,15 @@ def _error_response(request: web.Request, err: ApiError) -> web.Response:
 
 
 @web.middleware
+async def drain_middleware(request: web.Request, handler) -> web.StreamResponse:
+    """While shutting down, new work is refused; requests in flight run on for the grace."""
+    if state_of(request).draining and request.method == "POST":
+        raise ApiError(503, "the server is shutting down", "service_unavailable", None, "shutting_down",
+                       {"Connection": "close", "Retry-After": "1"})
+    return await handler(request)
+
+
+@web.middleware
 async def auth_middleware(request: web.Request, handler) -> web.StreamResponse:
     state_of(request).config.auth.check(request)
     return await handler(request)
@@ -107,7 +117,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    if await state_of(request).link.serving():
+    state = state_of(request)
+    if not state.draining and await state.link.serving():
         return web.json_response({"status": "ready"})
     raise unavailable("the engine is not serving (loading, draining or down)")
 
@@ -163,7 +174,7 @@ def build_app(config: FacadeConfig, link: EngineLink | None = None,
     """The facade app. ``link`` defaults to a channel to ``config.engine_addr`` (closed on cleanup);
     ``afs``: the AFS dialect's options (ping interval, query prefix)."""
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[cors_middleware, error_middleware, auth_middleware])
+                          middlewares=[cors_middleware, error_middleware, drain_middleware, auth_middleware])
     app[STATE_KEY] = FacadeState(config, link or EngineLink(config.engine_addr))
     app[routes_afs.AFS_CONFIG] = afs or routes_afs.AfsConfig()
     for ep in ENDPOINTS:

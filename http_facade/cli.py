@@ -21,7 +21,7 @@ from sluice.http_facade.auth import AuthPolicy, load_keys
 from sluice.http_facade.cors import CorsPolicy, parse_json_list
 from sluice.http_facade.limits import parse_limits
 from sluice.http_facade.routes_afs import AfsConfig
-from sluice.http_facade.state import DEFAULT_MAX_BODY_BYTES, FacadeConfig
+from sluice.http_facade.state import DEFAULT_MAX_BODY_BYTES, STATE_KEY, FacadeConfig
 
 log = logging.getLogger("sluice.facade")
 
@@ -45,6 +45,10 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                    help="chat max_tokens when a request sets none (default: until the context window)")
     p.add_argument("--enable-tracing", action="store_true",
                    help="log per-request events with timings; served at POST /debug/dump_event_trace")
+    p.add_argument("--idle-timeout", type=float, default=15.0, metavar="S",
+                   help="close a connection that sends no complete request for S seconds (default: 15)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="a request body must arrive within S seconds, else 408 (default: 30)")
     p.add_argument("--limits", default="", metavar='"KEY=N;..."',
                    help="request caps, e.g. \"max_n=16;max_prompt_bytes=65536\" (README: Limits); with "
                         "serve, the keys the engine knows reach it too")
@@ -56,6 +60,9 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
 
 def add_facade_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", required=True, metavar="HOST:PORT", help="the engine's gRPC address")
+    parser.add_argument("--grace", type=float, default=30.0,
+                        help="seconds in-flight requests may run on after SIGTERM, then their streams "
+                             "end with an error event (default: 30)")
     _add_http_arguments(parser)
 
 
@@ -99,23 +106,44 @@ def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
     keys = load_keys(args.api_key, args.api_key_file)
     return FacadeConfig(engine_addr=engine_addr, auth=AuthPolicy(keys=keys), cors=cors,
                         max_body_bytes=args.max_body_bytes, enable_tracing=args.enable_tracing,
-                        default_max_tokens=args.default_max_tokens, limits=parse_limits(args.limits))
+                        default_max_tokens=args.default_max_tokens, limits=parse_limits(args.limits),
+                        idle_timeout_s=args.idle_timeout, body_timeout_s=args.body_timeout)
 
 
 # ---------------------------------------------------------------------------------- running
+# After the grace, streams get their error event and end; aiohttp cancels what is left after this.
+_END_MARGIN_S = 3.0
+_LINGER_S = 2.0
+
+
 async def serve_facade(config: FacadeConfig, host: str, port: int, stop: asyncio.Event,
-                       afs: AfsConfig | None = None) -> None:
-    """Serve until ``stop`` is set. Disconnected clients cancel their handlers (and engine requests)."""
-    runner = web.AppRunner(build_app(config, afs=afs), handler_cancellation=True, access_log=None)
+                       afs: AfsConfig | None = None, grace_s: float = 30.0) -> None:
+    """Serve until ``stop`` is set, then drain: stop listening, refuse new requests (503), let
+    the requests in flight run for ``grace_s``, then end each stream still open with an error
+    event. Disconnected clients cancel their handlers (and engine requests)."""
+    app = build_app(config, afs=afs)
+    # keepalive_timeout also bounds a connection's wait for its first request, so a client that
+    # sends nothing, or its headers a byte at a time (slowloris), is dropped after it.
+    # lingering_time: how long the unread rest of a refused body (413, 408) is read and dropped
+    # before the connection closes.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, lingering_time=_LINGER_S,
+                           keepalive_timeout=config.idle_timeout_s, shutdown_timeout=grace_s + _END_MARGIN_S)
     await runner.setup()
+    state = app[STATE_KEY]
+    ender: asyncio.TimerHandle | None = None
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
         print(f"sluice facade: listening on http://{host}:{port} (engine {config.engine_addr})",
               file=sys.stderr, flush=True)
         await stop.wait()
+        state.draining = True
+        ender = asyncio.get_running_loop().call_later(grace_s, state.ending.set)
+        log.info("draining: requests in flight have %.0fs", grace_s)
     finally:
-        await runner.cleanup()
+        await runner.cleanup()   # stops listening, waits for the handlers in flight
+        if ender is not None:
+            ender.cancel()
 
 
 def run_facade(engine_addr: str, host: str = "127.0.0.1", port: int = 8000, api_keys: Sequence[str] = (),
@@ -127,12 +155,13 @@ def run_facade(engine_addr: str, host: str = "127.0.0.1", port: int = 8000, api_
     return asyncio.run(_run_until_signal(config, host, port))
 
 
-async def _run_until_signal(config: FacadeConfig, host: str, port: int, afs: AfsConfig | None = None) -> int:
+async def _run_until_signal(config: FacadeConfig, host: str, port: int, afs: AfsConfig | None = None,
+                            grace_s: float = 30.0) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await serve_facade(config, host, port, stop, afs)
+    await serve_facade(config, host, port, stop, afs, grace_s)
     return 0
 
 
@@ -144,7 +173,7 @@ def main_facade(args: argparse.Namespace) -> int:
         print(f"sluice facade: error: {exc}", file=sys.stderr)
         return 2
     try:
-        return asyncio.run(_run_until_signal(config, args.host, args.port, afs))
+        return asyncio.run(_run_until_signal(config, args.host, args.port, afs, args.grace))
     except OSError as exc:   # e.g. the port is taken
         print(f"sluice facade: error: {exc}", file=sys.stderr)
         return 1

@@ -19,7 +19,7 @@ import grpc
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.engine_link import EngineLink
-from sluice.http_facade.errors import from_rpc_error
+from sluice.http_facade.errors import ApiError, from_rpc_error
 from sluice.http_facade.protocol import GenerationPlan
 
 log = logging.getLogger("sluice.facade.trace")
@@ -27,8 +27,15 @@ log = logging.getLogger("sluice.facade.trace")
 _END = object()
 
 
-async def run_plan(link: EngineLink, plan: GenerationPlan, base_id: str
+async def run_plan(link: EngineLink, plan: GenerationPlan, base_id: str, stop: asyncio.Event | None = None
                    ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
+    """``stop``: when it is set (the shutdown grace is over) the streams are closed and a 503
+    ``ApiError`` is raised, which a streaming handler sends as its error event."""
+    if stop is not None:
+        async with contextlib.aclosing(run_plan(link, plan, base_id)) as source:
+            async for item in until_set(source, stop):
+                yield item
+        return
     requests = []
     for i, template in enumerate(plan.requests):
         req = pb.GenerateRequest()
@@ -83,6 +90,34 @@ async def _merged(link: EngineLink, requests: list[pb.GenerateRequest], n: int
             t.cancel()
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_set(source: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
+    """``source``'s items until it ends or ``stop`` is set; then 503 (the source is closed by
+    the caller, which cancels its engine streams)."""
+    stopper = asyncio.ensure_future(stop.wait())
+    iterator = source.__aiter__()
+    step: asyncio.Future | None = None
+    try:
+        while True:
+            step = asyncio.ensure_future(iterator.__anext__())
+            await asyncio.wait({step, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if not step.done():
+                raise ApiError(503, "the server is shutting down: the request was ended before it finished",
+                               "service_unavailable", None, "shutting_down")
+            try:
+                item = step.result()
+            except StopAsyncIteration:
+                return
+            yield item
+    finally:
+        stopper.cancel()
+        # Shutdown, or this handler cancelled (the client left): the pending step must end
+        # before the caller closes ``source``, which cannot close while a step runs in it.
+        if step is not None and not step.done():
+            step.cancel()
+            with contextlib.suppress(BaseException):
+                await step
 
 
 @dataclass

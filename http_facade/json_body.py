@@ -16,6 +16,7 @@ the AFS shape under ``/models/`` and in the OpenAI shape elsewhere.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -31,12 +32,22 @@ def is_json_type(content_type: str) -> bool:
     return ct in _JSON_TYPES or (ct.startswith("application/") and ct.endswith("+json"))
 
 
-async def read_json(request: web.Request) -> dict:
+async def read_json(request: web.Request, timeout_s: float) -> dict:
+    """The body as a dict; 415 for a non-JSON Content-Type, 408 when it takes over ``timeout_s``."""
     if not is_json_type(request.content_type):
         given = request.headers.get("Content-Type") or "none"
         raise ApiError(415, f"the request body must be JSON sent with Content-Type: application/json "
                             f"(got {given})", "invalid_request_error", None, "unsupported_media_type")
-    return decode_json(await request.read())
+    try:
+        raw = await asyncio.wait_for(request.read(), timeout_s)
+    except asyncio.TimeoutError:
+        # A slow body holds a handler and its buffers: refuse it, and close the connection after
+        # the answer (what is left of the body would be read as the next request).
+        if request.protocol is not None:
+            request.protocol.close()
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g}s", "invalid_request_error",
+                       None, "request_timeout", {"Connection": "close"}) from None
+    return decode_json(raw)
 
 
 def _int(text: str) -> int:

@@ -59,7 +59,7 @@ def _config(request: web.Request) -> AfsConfig:
 
 
 async def _body(request: web.Request) -> dict:
-    body = await read_json(request)
+    body = await read_json(request, state_of(request).config.body_timeout_s)
     ap.check_caps(body, state_of(request).config.limits)
     return body
 

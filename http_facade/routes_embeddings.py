@@ -133,7 +133,7 @@ async def call_encoder(call, request, model: pb.ModelInfo, capability: str):
 # -------------------------------------------------------------------------------- route
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
-    body = await read_json(request)
+    body = await read_json(request, state_of(request).config.body_timeout_s)
     model = await resolve_encoder(state, get_model(body), "embeddings")
     inputs = encoder_inputs(body.get("input"))
     fmt = encoding_format(body)

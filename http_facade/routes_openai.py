@@ -47,13 +47,13 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
+    body = await read_json(request, state_of(request).config.body_timeout_s)
     config = state_of(request).config
     return await _generate(request, protocol.parse_chat(body, config.default_max_tokens, config.limits), "chatcmpl")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    body = await read_json(request)
+    body = await read_json(request, state_of(request).config.body_timeout_s)
     return await _generate(request, protocol.parse_completion(body, state_of(request).config.limits), "cmpl")
 
 
@@ -103,7 +103,7 @@ async def _generate(request: web.Request, plan: protocol.GenerationPlan, prefix:
     run = _Run(state, plan, env, request.path)
     outcome = "error"
     try:
-        async with contextlib.aclosing(run_plan(state.link, plan, env.id)) as stream:
+        async with contextlib.aclosing(run_plan(state.link, plan, env.id, state.ending)) as stream:
             if plan.stream:
                 response = await _stream(request, run, stream)
             else:

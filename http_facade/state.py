@@ -1,6 +1,7 @@
 """The facade's configuration (frozen) and its per-app state (engine link, metrics, traces)."""
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
@@ -29,12 +30,20 @@ class FacadeConfig:
     # chat max_tokens when a client sends none; None: until a stop or the context window (OpenAI)
     default_max_tokens: int | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # A connection waiting for a request (idle keep-alive, or headers dribbled slowly) is closed
+    # after idle_timeout_s; a request body that has not fully arrived after body_timeout_s is a 408.
+    idle_timeout_s: float = 15.0
+    body_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: must be a positive integer, got {self.max_body_bytes!r}")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError(f"default_max_tokens: must be >= 1, got {self.default_max_tokens}")
+        for name in ("idle_timeout_s", "body_timeout_s"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {v!r}")
         host, sep, port = self.engine_addr.rpartition(":")
         if not sep or not host or not port.isdigit():
             raise ValueError(f"engine_addr: expected HOST:PORT, got {self.engine_addr!r}")
@@ -47,6 +56,10 @@ class FacadeState:
         self.metrics = FacadeMetrics()
         self.started = int(time.time())
         self.traces: collections.deque[dict] = collections.deque(maxlen=_TRACE_KEEP)
+        # Shutdown: ``draining`` refuses new generation requests (503); ``ending`` is set when the
+        # grace period is over and ends every stream still open with an error event.
+        self.draining = False
+        self.ending = asyncio.Event()
 
     async def resolve_model(self, name: str) -> pb.ModelInfo:
         """The served model a request names (by name or path); 404 if none."""

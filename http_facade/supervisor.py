@@ -35,7 +35,6 @@ from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
 log = logging.getLogger("sluice.serve")
 
 _POLL_S = 0.2
-_FACADE_STOP_S = 10.0
 _FACADE_START_S = 60.0
 
 
@@ -148,21 +147,21 @@ class Supervisor:
             return False
 
     def _stop_all(self) -> None:
-        # The facade first (no new requests), then the engine (drains what is in flight).
-        _stop(self.facade, _FACADE_STOP_S)
-        _stop(self.engine, self.plan.engine_stop_s)
-
-
-def _stop(proc: subprocess.Popen | None, timeout_s: float) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        log.warning("pid %d ignored SIGTERM for %.0fs; killing it", proc.pid, timeout_s)
-        proc.kill()
-        proc.wait()
+        # Both at once, each with the same grace: the facade stops listening and refuses new
+        # requests, the engine refuses new ones too; what is in flight runs on for the grace,
+        # then ends with an error event (the facade's, or the engine's abort). A child still
+        # alive well after that is killed.
+        procs = [p for p in (self.facade, self.engine) if p is not None and p.poll() is None]
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.plan.engine_stop_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("pid %d still running %.0fs after SIGTERM; killing it", proc.pid, self.plan.engine_stop_s)
+                proc.kill()
+                proc.wait()
 
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
@@ -186,7 +185,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     facade_cmd = [*python_module_cmd("sluice.http_facade.cli"), "facade", "--engine", engine_addr,
                   "--host", args.host, "--port", str(args.port), "--max-body-bytes", str(args.max_body_bytes),
                   "--allowed-origins", args.allowed_origins, "--allowed-methods", args.allowed_methods,
-                  "--allowed-headers", args.allowed_headers, "--limits", args.limits]
+                  "--allowed-headers", args.allowed_headers, "--limits", args.limits, "--grace", str(args.grace),
+                  "--idle-timeout", str(args.idle_timeout), "--body-timeout", str(args.body_timeout)]
     if args.default_max_tokens is not None:
         facade_cmd += ["--default-max-tokens", str(args.default_max_tokens)]
     facade_cmd += ["--afs-ping-interval", str(afs.ping_interval_s)]

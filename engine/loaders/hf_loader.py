@@ -22,9 +22,12 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise ModelLoadError(f"{folder}: no config.json (not a Hugging Face model folder)")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ModelLoadError(f"{path}: unreadable config.json: {exc}") from exc
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{path}: config.json must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def arch_from_folder(folder: Path) -> ModelArchConfig:

@@ -61,6 +61,12 @@ def _validate_rope_scaling(rs: dict | None) -> None:
             _positive_float("rope_scaling.factor", rs.get("factor"))
 
 
+# config.json fields that must be positive integers when present (a string "64" would fail later,
+# deep in the model's construction, with a TypeError that names nothing).
+_HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 @dataclass(frozen=True)
 class ModelArchConfig:
     architecture: str                       # one of SUPPORTED_ARCHITECTURES
@@ -106,7 +112,7 @@ class ModelArchConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
+    def from_hf_config(cls, cfg: dict) -> ModelArchConfig:  # noqa: C901 - a flat list of checks
         """From a parsed ``config.json``; raises ValueError naming the missing or bad field."""
         model_type = cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
@@ -114,6 +120,14 @@ class ModelArchConfig:
                 f"architecture: model_type {model_type!r} is not supported; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        for name in _HF_INT_FIELDS:
+            v = cfg.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name}: must be a positive integer in config.json, got {v!r}")
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = cfg.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ValueError(f"{name}: must be a number in config.json, got {v!r}")
         try:
             hidden, heads = cfg["hidden_size"], cfg["num_attention_heads"]
             # Newer configs nest rope_theta inside rope_parameters.

@@ -1,0 +1,63 @@
+"""``sluice serve``'s shutdown: SIGTERM reaches the facade and the engine at once, and each may
+take the whole grace (``--grace`` + a margin) to drain. The facade used to be killed after a
+fixed 10 s, cutting longer streams with no error event, and the engine heard of the shutdown
+only after that. Stand-in children record when SIGTERM arrived and take 10.5 s to exit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from sluice.http_facade.supervisor import ServePlan, Supervisor
+
+pytestmark = pytest.mark.timeout(60)
+
+CHILD = """
+import signal, sys, time
+def on_term(signum, frame):
+    open(sys.argv[1], "w").write(repr(time.time()))
+    time.sleep(float(sys.argv[2]))
+    sys.exit(0)
+signal.signal(signal.SIGTERM, on_term)
+open(sys.argv[1] + ".up", "w").write("up")
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _child(tmp_path, name: str, drain_s: float) -> subprocess.Popen:
+    mark = tmp_path / name
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(mark), str(drain_s)])
+    deadline = time.monotonic() + 20
+    while not (tmp_path / f"{name}.up").exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.02)
+    return proc
+
+
+def _supervisor(stop_s: float) -> Supervisor:
+    return Supervisor(ServePlan((), (), "127.0.0.1:1", "http://127.0.0.1:1", {}, 1.0, stop_s))
+
+
+def test_both_children_drain_together_for_the_whole_grace(tmp_path):
+    sup = _supervisor(stop_s=30.0)
+    sup.facade = _child(tmp_path, "facade", 10.5)
+    sup.engine = _child(tmp_path, "engine", 10.5)
+    t0 = time.monotonic()
+    sup._stop_all()
+    assert time.monotonic() - t0 < 20
+    assert (sup.facade.returncode, sup.engine.returncode) == (0, 0)     # neither was killed
+    got = [float((tmp_path / n).read_text()) for n in ("facade", "engine")]
+    assert abs(got[0] - got[1]) < 1.0                                   # SIGTERM at once
+
+
+def test_a_child_still_running_after_the_grace_is_killed(tmp_path):
+    sup = _supervisor(stop_s=1.0)
+    sup.facade = _child(tmp_path, "facade", 60)
+    sup.engine = _child(tmp_path, "engine", 0)
+    t0 = time.monotonic()
+    sup._stop_all()
+    assert time.monotonic() - t0 < 5
+    assert sup.facade.returncode == -9 and sup.engine.returncode == 0
