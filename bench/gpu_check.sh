@@ -13,7 +13,13 @@ set -uo pipefail
 out=${OUT:-bench/results}
 mkdir -p "$out"
 py=${PYTHON:-python3}
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# Nothing is installed, so the import package `sluice` is put together from the checkout's
+# folders (pyproject.toml maps sluice.engine to engine/ and so on) in a scratch folder on the path.
+pkg=$(mktemp -d)
+trap 'rm -rf "$pkg"' EXIT
+mkdir "$pkg/sluice"
+for d in engine kernels http_facade; do ln -s "$PWD/$d" "$pkg/sluice/$d"; done
+export PYTHONUNBUFFERED=1 PYTHONPATH="$pkg:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem --format=csv
   $py -c 'import sys, torch, triton; print("python", sys.version.split()[0], "| torch", torch.__version__,
