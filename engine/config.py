@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from sluice.engine.spec_decode.config import SpeculativeConfig
+
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
@@ -103,6 +105,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

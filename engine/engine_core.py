@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
@@ -33,6 +33,8 @@ from sluice.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
+from sluice.engine.spec_decode.factory import build_spec_decoder
+from sluice.engine.spec_decode.stops import add_tokens_until_stop
 
 log = logging.getLogger("sluice.engine")
 
@@ -127,9 +129,9 @@ def _encode_continuation(tokenizer, text: str) -> list[int]:
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None) -> None:
         self.config = config
-        if config.scheduler.num_speculative_tokens:
-            # The scheduler's budget already carries draft tokens; no proposer exists yet.
-            raise ValueError("num_speculative_tokens: speculative decoding is not implemented yet")
+        if config.scheduler.num_speculative_tokens and not config.speculative.enabled:
+            raise ValueError("num_speculative_tokens: drafts need a proposer; set speculative_mode "
+                             "(and spec_draft_length) instead")
         device = resolve_device(config.device.device)
         dtype = resolve_dtype(config.device.dtype, device)
         threads = config.device.num_threads or envs.num_threads()
@@ -143,13 +145,15 @@ class EngineCore:
         block_size = config.cache.block_size
         num_blocks = self._num_blocks(arch, dtype, device)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, block_size, self.max_model_len)
+        sched_config = replace(config.scheduler, num_speculative_tokens=config.speculative.num_speculative_tokens)
+        self.scheduler = Scheduler(sched_config, self.kv, block_size, self.max_model_len)
         self.runner = ModelRunner(
             self.loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim, num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size,
             device=device, dtype=dtype, attn=attn, sampler_backend=config.device.sampler_backend,
             seed=config.seed,
         )
+        self.spec = build_spec_decoder(config.speculative, self.runner)   # None when disabled
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
         if getattr(self.tokenizer, "fim_tokens", None):
             caps.add("infilling")
@@ -306,11 +310,17 @@ class EngineCore:
                 self._fail([s.request for s in out.scheduled], f"engine fault: {type(exc).__name__}: {exc}")
                 res = None
             if res is not None:
+                drafted = self.spec.drafted(out) if self.spec else ()
                 updated = self.scheduler.update_from_output(out, res)
+                if drafted:
+                    self.spec.record(drafted, res.num_rejected_tokens)
                 for req in updated:
                     self._process(req, res)
         elif out.finished_ids:
             self.runner.execute(out)   # lets the runner drop per-request state
+        if self.spec is not None:
+            self.spec.drop(out.finished_ids)
+            self.spec.propose(self.scheduler.running)
         outputs = self._collect()
         if self._check_each_step:
             self.check_invariants()
@@ -331,12 +341,15 @@ class EngineCore:
             if group.fault:
                 raise RuntimeError("injected fault (SLUICE_DEBUG_FAULT_INJECTION)")
             new = res.sampled_token_ids.get(req.request_id, [])
+            r, used = add_tokens_until_stop(choice.detok, new)
+            if used < len(new):   # a stop string ended inside a run of accepted drafts: cut there
+                del req.output_token_ids[used - len(new):]
+                new = new[:used]
             d = choice.delta or CompletionDelta(index=choice.request.index)
             d.token_ids.extend(new)
             lps = res.logprobs.get(req.request_id)
             if lps:
-                d.logprobs = (d.logprobs or []) + lps
-            r = choice.detok.add_tokens(new)
+                d.logprobs = (d.logprobs or []) + lps[:len(new)]
             d.text += r.delta_text
             choice.delta = d
             if r.stop_string is not None:
@@ -437,7 +450,8 @@ class EngineCore:
         d.finish_reason = req.status.finish_reason
         d.stop_reason = req.stop_reason
         d.error = req.error
-        d.usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens)
+        d.usage = Usage(req.num_prompt_tokens, req.num_output_tokens, req.num_cached_tokens,
+                        req.num_draft_tokens, req.num_accepted_tokens)
         t0 = req.arrival_time
         d.metrics = RequestMetrics(
             arrival_time=t0,

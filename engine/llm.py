@@ -15,6 +15,7 @@ from sluice.engine.errors import QueueFullError
 from sluice.engine.loaders import LoadedModel
 from sluice.engine.outputs import CompletionOutput, GenerationResult, RequestOutput, Usage
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode.config import SpeculativeConfig
 
 Prompt = str | list[int]
 Messages = list[dict]
@@ -23,15 +24,16 @@ Messages = list[dict]
 def build_config(model: str, **kwargs) -> EngineConfig:
     """Split flat keyword options into the per-subsystem configs; unknown keys are an error."""
     parts = {}
-    for cls in (CacheConfig, SchedulerConfig, DeviceConfig, LimitsConfig):
+    for cls in (CacheConfig, SchedulerConfig, DeviceConfig, LimitsConfig, SpeculativeConfig):
         names = {f.name for f in fields(cls)}
         parts[cls] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "limits", "model"}
+    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "limits", "speculative", "model"}
     unknown = set(kwargs) - top
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: unknown engine option")
     return EngineConfig(model=model, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
-                        device=parts[DeviceConfig], limits=parts[LimitsConfig], **kwargs)
+                        device=parts[DeviceConfig], limits=parts[LimitsConfig],
+                        speculative=parts[SpeculativeConfig], **kwargs)
 
 
 class LLM:

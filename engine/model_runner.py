@@ -20,6 +20,8 @@ import torch
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
 from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
+from sluice.engine.spec_decode.rows import rows_of
+from sluice.engine.spec_decode.verify import DraftedSeq, verify
 
 
 @dataclass(frozen=True)
@@ -59,23 +61,64 @@ class ModelRunner:
         ]
         self.sampler = Sampler(backend=sampler_backend, device=device)
         self.generators = GeneratorCache(seed=seed, device=device)
+        # request id -> [K, V] draft distributions for the drafts it carries into the next step,
+        # set by proposers that have them (absent: a point mass per draft token).
+        self.draft_probs: dict[str, torch.Tensor] = {}
 
     def execute(self, out) -> RunnerOutput:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
         for request_id in out.finished_ids:
             self.generators.drop(request_id)
+            self.draft_probs.pop(request_id, None)
         if not out.scheduled:
             return RunnerOutput()
         batch = self.prepare(out.scheduled)
-        sampled = [s.request for s in out.scheduled if s.sample]
+        hidden = self.forward(batch)
+        # Work that needs the batch but not the logits (a grammar bitmask) goes here.
+        return self.sample(out.scheduled, batch, hidden)
+
+    def forward(self, batch: BatchInputs) -> torch.Tensor:
+        """[num_tokens, hidden] for the flattened batch; writes its K/V into the cache."""
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.attn)
-            if not sampled:
-                return RunnerOutput()
-            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_sampled, vocab]
-            sb = SamplingBatch.from_requests(sampled, self.vocab_size, self.device, self.generators)
-            so = self.sampler(logits, sb)
-        return self._to_output(sampled, so)
+            return self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta, self.attn)
+
+    def sample(self, scheduled, batch: BatchInputs, hidden: torch.Tensor) -> RunnerOutput:
+        """Sample, or verify drafts, on the logit rows of the sequences that caught up: one row
+        per sequence, K + 1 for a sequence with K drafts (``spec_decode.rows``)."""
+        plan = sample_plan(scheduled)
+        if not plan.seqs:
+            return RunnerOutput()
+        with torch.inference_mode():
+            logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_rows, vocab]
+            res = RunnerOutput()
+            if plan.plain:
+                reqs = [plan.seqs[i][0] for i in plan.plain]
+                if plan.drafted:
+                    idx = torch.tensor([plan.first_row[i] for i in plan.plain], device=self.device)
+                    plain_logits = logits[idx]                                    # [num_plain, vocab]
+                else:
+                    plain_logits = logits
+                sb = SamplingBatch.from_requests(reqs, self.vocab_size, self.device, self.generators)
+                self._to_output(reqs, self.sampler(plain_logits, sb), res)
+            if plan.drafted:
+                self._verify(plan, logits, res)
+        return res
+
+    def _verify(self, plan, logits: torch.Tensor, res: RunnerOutput) -> None:
+        rows, seqs = [], []
+        for i in plan.drafted:
+            req, drafts = plan.seqs[i]
+            seqs.append(DraftedSeq(req, len(rows), drafts, self.draft_probs.pop(req.request_id, None)))
+            rows.extend(rows_of(req, drafts))
+        idx = torch.tensor([plan.first_row[i] + j for i in plan.drafted
+                            for j in range(len(plan.seqs[i][1]) + 1)], device=self.device)
+        sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+        for s, v in zip(seqs, verify(logits[idx], sb, seqs, self.generators, self.sampler.backend == "triton")):
+            rid = s.request.request_id
+            res.sampled_token_ids[rid] = v.token_ids
+            res.num_rejected_tokens[rid] = v.num_rejected
+            if v.logprobs is not None:
+                res.logprobs[rid] = v.logprobs
 
     def prepare(self, scheduled) -> BatchInputs:
         bs = self.block_size
@@ -96,8 +139,8 @@ class ModelRunner:
             seq_lens.append(end)
             ctx_lens.append(start)
             row += s.num_new_tokens
-            if s.sample:
-                sample_rows.append(row - 1)
+            if s.sample:   # the last known token's row, then one per draft
+                sample_rows.extend(range(row - 1 - _num_drafts(s), row))
         dev = self.device
         qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
         np.cumsum(q_lens, out=qsl[1:])
@@ -121,9 +164,8 @@ class ModelRunner:
         )
 
     @staticmethod
-    def _to_output(sampled, so) -> RunnerOutput:
+    def _to_output(sampled, so, res: RunnerOutput) -> None:
         token_ids = so.token_ids.tolist()
-        res = RunnerOutput()
         want_lp = [r.sampling_params.logprobs is not None for r in sampled]
         lp = so.logprobs.tolist() if any(want_lp) and so.logprobs is not None else None
         top_ids = so.top_ids.tolist() if lp is not None and so.top_ids is not None else None
@@ -134,12 +176,41 @@ class ModelRunner:
                 k = req.sampling_params.logprobs or 0
                 top = tuple(zip(top_ids[i][:k], top_lp[i][:k])) if top_ids is not None else ()
                 res.logprobs[req.request_id] = [TokenLogprob(token_ids[i], lp[i], top)]
-        return res
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    seqs: list[tuple]          # (request, its drafts) per sampled sequence, in batch order
+    first_row: list[int]       # each one's first logit row
+    plain: list[int]           # indices into seqs without drafts
+    drafted: list[int]         # indices into seqs with drafts
+
+
+def _num_drafts(s) -> int:
+    """Draft tokens the scheduled sequence runs (the scheduler trimmed spec_token_ids to them)."""
+    return max(0, s.num_computed_tokens + s.num_new_tokens - s.request.num_tokens)
+
+
+def sample_plan(scheduled) -> SamplePlan:
+    seqs, first, plain, drafted, row = [], [], [], [], 0
+    for s in scheduled:
+        if not s.sample:
+            continue
+        drafts = list(s.request.spec_token_ids[:_num_drafts(s)])
+        (drafted if drafts else plain).append(len(seqs))
+        seqs.append((s.request, drafts))
+        first.append(row)
+        row += len(drafts) + 1
+    return SamplePlan(seqs, first, plain, drafted)
 
 
 def _token_slice(req, start: int, end: int) -> np.ndarray:
-    # Avoid rebuilding prompt + output for every decode step.
-    n_prompt = req.num_prompt_tokens
+    # Avoid rebuilding prompt + output for every decode step. Past the known tokens: the drafts.
+    n_prompt, n_known = req.num_prompt_tokens, req.num_tokens
+    if end > n_known:
+        known = _token_slice(req, start, n_known) if start < n_known else np.empty(0, dtype=np.int64)
+        drafts = req.spec_token_ids[max(0, start - n_known):end - n_known]
+        return np.concatenate([known, np.asarray(drafts, dtype=np.int64)])
     if start >= n_prompt:
         toks = req.output_token_ids[start - n_prompt:end - n_prompt]
     elif end <= n_prompt:

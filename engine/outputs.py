@@ -27,6 +27,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    draft_tokens: int = 0                  # speculative decoding: drafts verified ...
+    accepted_tokens: int = 0               # ... and accepted (both 0 without it)
 
     @property
     def total_tokens(self) -> int:

@@ -58,6 +58,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for this step
+    num_draft_tokens: int = 0              # drafts verified for this request, over its life
+    num_accepted_tokens: int = 0           # ... and accepted
     num_preemptions: int = 0
     stop_reason: str | int | None = None   # the matched stop string or stop token id
     first_scheduled_time: float | None = None

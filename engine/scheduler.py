@@ -252,11 +252,12 @@ class Scheduler:
             # Drafts are consumed by the step that verified them; the proposer sets new ones.
             req.spec_token_ids.clear()
             tokens = res.sampled_token_ids.get(req.request_id, ())
-            for token_id in tokens:
+            for used, token_id in enumerate(tokens, 1):
                 req.append_output_token(token_id)
                 status = req.check_token_stop()
                 if status is not None:
                     self._finish(req, status)
+                    _cut_result(res, req.request_id, used)
                     break
             if tokens:
                 changed.append(req)
@@ -327,3 +328,11 @@ class Scheduler:
             kv_blocks_total=self.kv.num_total_blocks,
             prefix_cache_hit_rate=self.kv.prefix_cache_hit_rate,
             num_preemptions=self.num_preemptions)
+
+
+def _cut_result(res: RunnerOutput, request_id: str, used: int) -> None:
+    """A stop token or the length limit inside a run of accepted drafts: the result keeps only
+    the tokens appended, so that what the engine outputs ends exactly there."""
+    for table in (res.sampled_token_ids, res.logprobs):
+        if request_id in table and len(table[request_id]) > used:
+            table[request_id] = table[request_id][:used]

@@ -1,0 +1,61 @@
+"""Speculative decoding's configuration: one frozen dataclass, validated before anything loads.
+
+Modes follow ``mlc_llm serve --speculative-mode`` (``disable``, ``small_draft``, ``eagle``,
+``medusa``) plus sluice's ``ngram`` (prompt lookup). EAGLE and Medusa need trained heads and
+belong to the issue "Speculative decoding II"; asking for them is an error here, at start-up.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPEC_MODES = ("disable", "ngram", "small_draft")
+_LATER_MODES = ("eagle", "medusa")
+MAX_DRAFT_LENGTH = 16
+# Above this many running requests no drafts are proposed (see README, Speculative decoding:
+# on the CPU here verification stops paying before that; bench/spec_decode.py measures it).
+DEFAULT_MAX_BATCH_SIZE = 4
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_mode: str = "disable"
+    spec_draft_length: int = 4             # K: draft tokens proposed per request and step
+    spec_ngram_max: int = 3                # n-gram proposer: longest suffix matched ...
+    spec_ngram_min: int = 1                # ... down to this length
+    additional_models: str | None = None   # small_draft: the draft model (path or short name)
+    spec_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # drafting stops above this many running requests
+
+    def __post_init__(self) -> None:
+        mode = self.speculative_mode
+        if mode in _LATER_MODES:
+            raise ValueError(f"speculative_mode: {mode} is not supported yet (it needs trained draft heads; "
+                             "see the issue \"Speculative decoding II\"); use ngram or small_draft")
+        if mode not in SPEC_MODES:
+            raise ValueError(f"speculative_mode: must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
+        _int_in("spec_draft_length", self.spec_draft_length, 1, MAX_DRAFT_LENGTH)
+        _int_in("spec_ngram_min", self.spec_ngram_min, 1, 64)
+        _int_in("spec_ngram_max", self.spec_ngram_max, 1, 64)
+        if self.spec_ngram_min > self.spec_ngram_max:
+            raise ValueError(f"spec_ngram_min: must be <= spec_ngram_max ({self.spec_ngram_max}), "
+                             f"got {self.spec_ngram_min}")
+        _int_in("spec_max_batch_size", self.spec_max_batch_size, 1, 1 << 20)
+        if mode == "small_draft" and not self.additional_models:
+            raise ValueError("additional_models: speculative_mode small_draft needs a draft model "
+                             "(--additional-models PATH)")
+        if mode != "small_draft" and self.additional_models:
+            raise ValueError(f"additional_models: a draft model is only used with speculative_mode "
+                             f"small_draft, not {mode}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_mode != "disable"
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """What the scheduler budgets per request: K when drafting, else 0."""
+        return self.spec_draft_length if self.enabled else 0
+
+
+def _int_in(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"{name}: must be an integer in [{lo}, {hi}], got {value!r}")

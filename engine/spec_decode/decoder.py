@@ -1,0 +1,87 @@
+"""What the engine core holds for speculative decoding: the proposer, the K it asks for, the
+batch-size cut-off, and the counters.
+
+After each step, ``propose`` gives drafts to the running requests that decode next (all known
+tokens but the last computed); the scheduler budgets them, the runner verifies them, and
+``record`` counts what was accepted. The scheduler never learns which proposer runs.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from sluice.engine.request import Request, RequestStatus
+from sluice.engine.spec_decode.config import SpeculativeConfig
+from sluice.engine.spec_decode.proposer import Proposer
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0                # request-steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)   # [K]: drafts accepted at j
+
+    def record(self, k: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += k
+        self.num_accepted_tokens += accepted
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per drafted request-step: accepted drafts plus the added token."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, draft_probs: dict | None = None) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.k = config.spec_draft_length
+        self.stats = SpecStats(accepted_per_position=[0] * self.k)
+        self._draft_probs = {} if draft_probs is None else draft_probs   # the runner's, shared
+
+    def propose(self, running: Sequence[Request]) -> None:
+        """Drafts for the next step. Above ``spec_max_batch_size`` running requests, none: there
+        verification costs more compute than the accepted tokens save."""
+        if len(running) > self.config.spec_max_batch_size:
+            return
+        ready = [r for r in running if r.status == RequestStatus.RUNNING
+                 and r.num_tokens - r.num_computed_tokens == 1]
+        if not ready:
+            return
+        by_id = {r.request_id: r for r in ready}
+        for rid, draft in self.proposer.propose(ready, self.k).items():
+            req = by_id[rid]
+            req.spec_token_ids = list(draft.token_ids[:self.k])
+            if draft.probs is not None:
+                self._draft_probs[rid] = draft.probs
+            else:
+                self._draft_probs.pop(rid, None)
+
+    @staticmethod
+    def drafted(out) -> list[tuple[Request, int]]:
+        """(request, drafts it runs) for this step's drafted sequences; read before the update,
+        which consumes the drafts."""
+        pairs = []
+        for s in out.scheduled:
+            k = s.num_computed_tokens + s.num_new_tokens - s.request.num_tokens
+            if s.sample and k > 0:
+                pairs.append((s.request, k))
+        return pairs
+
+    def record(self, drafted: list[tuple[Request, int]], rejected: dict[str, int]) -> None:
+        """Count what the step verified, per request (its usage) and in total (metrics)."""
+        for req, k in drafted:
+            if req.request_id not in rejected:
+                continue   # aborted while the step ran: nothing was verified for it
+            accepted = k - rejected[req.request_id]
+            req.num_draft_tokens += k
+            req.num_accepted_tokens += accepted
+            self.stats.record(k, accepted)
+
+    def drop(self, request_ids: Iterable[str]) -> None:
+        for rid in request_ids:
+            self.proposer.drop(rid)

@@ -1,0 +1,160 @@
+"""Verification: which draft tokens the target accepts, and the token it adds.
+
+Input: the target's logits for every row of the requests that carried drafts (K + 1 rows for K
+drafts; see ``rows``), already sampled-from in ``SamplingBatch`` form, and the drafts.
+
+* Greedy requests: accept the longest prefix of drafts equal to the target's argmax (after
+  penalties, bias and the min_tokens mask, per row), then add the argmax at the first mismatch,
+  or the bonus row's argmax when all K are accepted. The output is what K + 1 greedy steps
+  without drafts would give.
+* Sampling requests: rejection sampling (Leviathan et al. 2023; Chen et al. 2023). With target
+  distributions ``p_j`` (every sampling stage applied, the same distribution a plain step
+  draws from) and draft distributions ``q_j``: accept ``d_j`` with probability
+  ``min(1, p_j[d_j] / q_j[d_j])``; at the first rejection draw from ``norm(max(0, p_j - q_j))``;
+  after K acceptances draw the bonus from ``p_K``. Each emitted token is then distributed as
+  the target alone would sample it. A proposer without probabilities (n-gram, greedy draft
+  model) is a point mass: ``q_j = onehot(d_j)``, so ``d_j`` is accepted with probability
+  ``p_j[d_j]`` and the residual is ``p_j`` with ``d_j`` removed.
+
+On CUDA the sampling path runs ``kernels.rejection`` (Philox keyed by the request's seed, or a
+fresh key from the shared generator, and its output count); elsewhere the torch code below,
+drawing from the request's own generator as plain steps do.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+
+from sluice.engine.outputs import TokenLogprob
+from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize, processed_probs, request_seed
+
+
+@dataclass(frozen=True)
+class DraftedSeq:
+    request: object                    # the Request
+    first_row: int                     # its K + 1 rows are first_row .. first_row + K
+    draft_ids: list[int]               # K >= 1 drafts
+    draft_probs: torch.Tensor | None   # [K, V] or None (point mass)
+
+
+@dataclass(frozen=True)
+class Verified:
+    token_ids: list[int]               # accepted drafts, then the added token
+    num_rejected: int                  # K - accepted
+    logprobs: list[TokenLogprob] | None
+
+
+def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
+           generators: GeneratorCache, use_kernel: bool = False) -> list[Verified]:
+    """logits: [R, V], the rows of ``seqs`` (``batch`` built from the same rows)."""
+    penalised = penalize(logits.float(), batch)                       # [R, V]
+    argmax = penalised.argmax(dim=-1).tolist()
+    greedy = batch.greedy.tolist()
+    emitted: list[list[int]] = [None] * len(seqs)
+    random_seqs = []
+    for i, s in enumerate(seqs):
+        if greedy[s.first_row]:
+            emitted[i] = _greedy(argmax[s.first_row:s.first_row + len(s.draft_ids) + 1], s.draft_ids)
+        else:
+            random_seqs.append(i)
+    if random_seqs:
+        probs = processed_probs(logits, batch)                        # [R, V]
+        draw = _rejection_kernel if use_kernel else _rejection_torch
+        for i, toks in zip(random_seqs, draw(probs, [seqs[i] for i in random_seqs], generators)):
+            emitted[i] = toks
+    logprobs = _logprobs(penalised, batch, seqs, emitted)
+    return [Verified(e, len(s.draft_ids) + 1 - len(e), lp) for s, e, lp in zip(seqs, emitted, logprobs)]
+
+
+def _greedy(argmax: list[int], drafts: list[int]) -> list[int]:
+    accepted = 0
+    while accepted < len(drafts) and drafts[accepted] == argmax[accepted]:
+        accepted += 1
+    return argmax[:accepted + 1]
+
+
+def _draft_q(s: DraftedSeq, vocab: int, device) -> torch.Tensor:
+    """[K, V] the draft distributions; a point mass per token when the proposer gave none."""
+    if s.draft_probs is not None:
+        return s.draft_probs[:len(s.draft_ids)].to(device=device, dtype=torch.float32)
+    ids = torch.tensor(s.draft_ids, dtype=torch.int64, device=device)
+    return torch.zeros(len(s.draft_ids), vocab, device=device).scatter_(1, ids.unsqueeze(1), 1.0)
+
+
+def _rejection_torch(probs: torch.Tensor, seqs: list[DraftedSeq], generators: GeneratorCache) -> list[list[int]]:
+    out = []
+    for s in seqs:
+        k = len(s.draft_ids)
+        p = probs[s.first_row:s.first_row + k + 1]                    # [K + 1, V]
+        q = _draft_q(s, p.shape[-1], p.device)                        # [K, V]
+        gen = generators.get(s.request)
+        ids = torch.tensor(s.draft_ids, dtype=torch.int64, device=p.device)
+        p_d = p[:k].gather(1, ids.unsqueeze(1)).squeeze(1)            # [K]
+        q_d = q.gather(1, ids.unsqueeze(1)).squeeze(1)                # [K]
+        u = torch.rand(k, generator=gen, device=p.device)             # [K]
+        ok = (u * q_d < p_d).tolist()                                 # u < p / q without dividing
+        accepted = ok.index(False) if False in ok else k
+        if accepted < k:
+            dist = (p[accepted] - q[accepted]).clamp_min(0.0)
+            if float(dist.sum()) <= 0.0:   # p == q leaves no residual (and cannot reject)
+                dist = p[accepted]
+        else:
+            dist = p[k]
+        last = int(torch.multinomial(dist, 1, generator=gen)[0])
+        out.append(s.draft_ids[:accepted] + [last])
+    return out
+
+
+def _rejection_kernel(probs: torch.Tensor, seqs: list[DraftedSeq], generators: GeneratorCache) -> list[list[int]]:
+    """``kernels.rejection`` over groups of equal K (it takes one K per launch)."""
+    rejection = importlib.import_module("sluice.kernels.rejection")
+    dev, vocab = probs.device, probs.shape[-1]
+    by_k: dict[int, list[int]] = {}
+    for i, s in enumerate(seqs):
+        by_k.setdefault(len(s.draft_ids), []).append(i)
+    out: list[list[int]] = [None] * len(seqs)
+    for k, members in by_k.items():
+        group = [seqs[i] for i in members]
+        target = torch.stack([probs[s.first_row:s.first_row + k + 1] for s in group])   # [G, K + 1, V]
+        draft = torch.stack([_draft_q(s, vocab, dev) for s in group])                   # [G, K, V]
+        ids = torch.tensor([s.draft_ids for s in group], dtype=torch.int64, device=dev)  # [G, K]
+        seeds = [_philox_seed(s.request, generators) for s in group]
+        offsets = [s.request.num_output_tokens for s in group]
+        toks, emitted = rejection.rejection_sample(
+            ids, draft, target, torch.tensor(seeds, dtype=torch.int64, device=dev),
+            torch.tensor(offsets, dtype=torch.int64, device=dev))
+        for i, row, n in zip(members, toks.tolist(), emitted.tolist()):
+            out[i] = row[:n]
+    return out
+
+
+def _philox_seed(req, generators: GeneratorCache) -> int:
+    seed = request_seed(req)
+    if seed is None:
+        return int(torch.randint(0, (1 << 63) - 1, (), generator=generators.shared, device=generators.device))
+    return ((seed + (1 << 63)) % (1 << 64)) - (1 << 63)
+
+
+def _logprobs(penalised: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
+              emitted: list[list[int]]) -> list[list[TokenLogprob] | None]:
+    """OpenAI semantics, as plain steps: the processed distribution before temperature, per row."""
+    if batch.max_num_logprobs is None:
+        return [None] * len(seqs)
+    lsm = penalised.log_softmax(dim=-1)                               # [R, V]
+    top = lsm.topk(batch.max_num_logprobs, dim=-1) if batch.max_num_logprobs else None
+    out = []
+    for s, toks in zip(seqs, emitted):
+        k = batch.num_logprobs[s.first_row]
+        if k is None:
+            out.append(None)
+            continue
+        rows = range(s.first_row, s.first_row + len(toks))
+        lps = []
+        for r, t in zip(rows, toks):
+            alts = () if top is None or k == 0 else tuple(
+                zip(top.indices[r, :k].tolist(), top.values[r, :k].tolist()))
+            lps.append(TokenLogprob(t, float(lsm[r, t]), alts))
+        out.append(lps)
+    return out
