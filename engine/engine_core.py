@@ -33,7 +33,7 @@ from sluice.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
-from sluice.engine.spec_decode.factory import build_spec_decoder
+from sluice.engine.spec_decode.factory import build_spec_decoder, load_draft, shared_num_blocks
 from sluice.engine.spec_decode.stops import add_tokens_until_stop
 
 log = logging.getLogger("sluice.engine")
@@ -127,7 +127,8 @@ def _encode_continuation(tokenizer, text: str) -> list[int]:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None,
+                 draft_loaded: LoadedModel | None = None) -> None:
         self.config = config
         if config.scheduler.num_speculative_tokens and not config.speculative.enabled:
             raise ValueError("num_speculative_tokens: drafts need a proposer; set speculative_mode "
@@ -139,11 +140,16 @@ class EngineCore:
             torch.set_num_threads(threads)
         attn = get_attention_backend(config.device.attention_backend, device)
         self.loaded = loaded or self._load(config.model, dtype, device, progress)
+        self.draft = load_draft(config.speculative, self.loaded,
+                                lambda name: self._load(name, dtype, device, progress), draft_loaded)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(arch)
         block_size = config.cache.block_size
-        num_blocks = self._num_blocks(arch, dtype, device)
+        # A byte budget is split between the two models' KV; a capacity in tokens holds for both.
+        shared = self.draft if config.cache.max_total_tokens is None else None
+        num_blocks = shared_num_blocks(self._num_blocks(arch, dtype, device), arch, shared,
+                                       torch.tensor([], dtype=dtype).element_size(), block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
         sched_config = replace(config.scheduler, num_speculative_tokens=config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, block_size, self.max_model_len)
@@ -153,7 +159,12 @@ class EngineCore:
             device=device, dtype=dtype, attn=attn, sampler_backend=config.device.sampler_backend,
             seed=config.seed,
         )
-        self.spec = build_spec_decoder(config.speculative, self.runner)   # None when disabled
+        draft_runner = None if self.draft is None else ModelRunner(
+            self.draft.model, num_layers=self.draft.arch.num_hidden_layers,
+            num_kv_heads=self.draft.arch.num_key_value_heads, head_dim=self.draft.arch.head_dim,
+            num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size, device=device,
+            dtype=dtype, attn=attn, sampler_backend="torch", seed=config.seed)
+        self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner)   # None: off
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
         if getattr(self.tokenizer, "fim_tokens", None):
             caps.add("infilling")

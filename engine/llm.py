@@ -38,11 +38,13 @@ def build_config(model: str, **kwargs) -> EngineConfig:
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, config: EngineConfig | None = None, progress: bool = False,
-                 loaded: LoadedModel | None = None, **options) -> None:
+                 loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None, **options) -> None:
         """``options`` are the fields of the per-subsystem configs (block_size, max_num_seqs,
         max_num_batched_tokens, kv_cache_memory_bytes, device, dtype, attention_backend, ...).
-        ``loaded`` reuses weights already in memory (tests build several engines on one model)."""
-        self.engine = EngineCore(config or build_config(model, **options), progress=progress, loaded=loaded)
+        ``loaded`` reuses weights already in memory (tests build several engines on one model);
+        ``draft_loaded`` does the same for small_draft's draft model (``additional_models``)."""
+        self.engine = EngineCore(config or build_config(model, **options), progress=progress, loaded=loaded,
+                                 draft_loaded=draft_loaded)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
@@ -138,5 +140,7 @@ class _Accumulator:
     def result(self, rid: str) -> GenerationResult:
         completion = sum(u.completion_tokens for u in self.usage if u)
         cached = max((u.cached_tokens for u in self.usage if u), default=0)
-        usage = Usage(len(self.prompt_ids), completion, cached)
+        drafts = sum(u.draft_tokens for u in self.usage if u)
+        accepted = sum(u.accepted_tokens for u in self.usage if u)
+        usage = Usage(len(self.prompt_ids), completion, cached, drafts, accepted)
         return GenerationResult(rid, self.prompt, self.prompt_ids, self.outs, usage, self.metrics)
