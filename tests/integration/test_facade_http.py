@@ -195,7 +195,8 @@ def test_auth_cors_and_body_limit(facade, auth):
         "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
         "Access-Control-Request-Headers": "authorization,content-type"})
     assert pre.status_code == 204 and pre.headers["Access-Control-Allow-Origin"] == "*"
-    big = requests.post(facade.url + "/v1/completions", headers=auth, data=b"{" + b" " * BODY_LIMIT + b"}")
+    big = requests.post(facade.url + "/v1/completions", headers={**auth, "Content-Type": "application/json"},
+                        data=b"{" + b" " * BODY_LIMIT + b"}")
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     metrics = requests.get(facade.url + "/metrics", headers=auth).text
     assert "sluice_kv_cache_blocks_total" in metrics and "sluice_engine_up 1.0" in metrics
