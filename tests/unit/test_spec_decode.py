@@ -18,7 +18,7 @@ from sluice.engine.spec_decode.rows import rows_of
 from tests.tiny_model import VOCAB, prompt, write_tiny_folder
 
 pytestmark = pytest.mark.timeout(300)
-OPTS = dict(device="cpu", block_size=4, max_total_tokens=2048)
+OPTS = dict(device="cpu", block_size=4, max_total_tokens=2048, num_threads=1)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,126 @@
+"""Speculative sampling keeps the target distribution: on the tiny random-weight model, the
+per-position distribution of sampled tokens with each proposer equals the one without
+speculation (two-sample chi-square, fixed seeds), and the same test fails when the acceptance
+rule is broken on purpose.
+
+The set-up makes drafts matter: the prompt repeats a run the n-gram proposer copies, logit bias
+makes that run likely (so drafts are accepted about as often as they are rejected), and a
+frequency penalty makes each position's distribution depend on the tokens before it, drafts
+included. With the target as its own draft (small_draft), drafts are the target's argmax.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode import verify as verify_mod
+from tests.tiny_model import write_tiny_folder
+
+pytestmark = pytest.mark.timeout(600)
+PROMPT = "w5 w6 w20 w21 w22 w7 w30 w5 w6"
+POSITIONS = 4
+REQUESTS, CHOICES = 40, 100          # 4000 samples per setting
+# One thread: on a shared 2-core machine two threads contend and every tiny op waits.
+OPTS = dict(device="cpu", block_size=4, max_num_seqs=128, max_total_tokens=8192, num_threads=1)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_tiny_folder(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny(folder):
+    return load_model(str(folder))
+
+
+def _params() -> SamplingParams:
+    return SamplingParams(n=CHOICES, temperature=1.0, top_k=5, max_tokens=POSITIONS, ignore_eos=True,
+                          logit_bias={20: 4.0, 21: 4.0, 22: 4.0}, frequency_penalty=0.8)
+
+
+def _sample(llm: LLM) -> list[Counter]:
+    per_pos = [Counter() for _ in range(POSITIONS)]
+    for res in llm.generate([PROMPT] * REQUESTS, _params()):
+        for out in res.outputs:
+            assert len(out.token_ids) == POSITIONS
+            for j, t in enumerate(out.token_ids):
+                per_pos[j][t] += 1
+    return per_pos
+
+
+def two_sample_pvalue(a: Counter, b: Counter, min_expected: float = 5.0) -> float:
+    """Chi-square test that two samples come from one distribution (a 2 x C table); categories
+    expected fewer than ``min_expected`` times in either sample are pooled into one."""
+    na, nb = sum(a.values()), sum(b.values())
+    share = min(na, nb) / (na + nb)
+    cells, pool = [], [0, 0]
+    for c in set(a) | set(b):
+        if (a[c] + b[c]) * share >= min_expected:
+            cells.append((a[c], b[c]))
+        else:
+            pool[0] += a[c]
+            pool[1] += b[c]
+    if sum(pool) * share >= min_expected:
+        cells.append(tuple(pool))
+    stat = 0.0
+    for x, y in cells:
+        tot = x + y
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += (x - ea) ** 2 / ea + (y - eb) ** 2 / eb
+    dof = len(cells) - 1
+    assert dof >= 1, "too few categories for a chi-square test"
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny):
+    return _sample(LLM(loaded=tiny, seed=1, **OPTS))
+
+
+def _spec(tiny, folder, mode: str) -> LLM:
+    kw = dict(additional_models=str(folder), draft_loaded=tiny) if mode == "small_draft" else {}
+    return LLM(loaded=tiny, seed=2, speculative_mode=mode, spec_draft_length=4,
+               spec_max_batch_size=1024, **OPTS, **kw)
+
+
+@pytest.mark.parametrize("mode", ["ngram", "small_draft"])
+def test_per_position_distribution_unchanged(tiny, folder, baseline, mode):
+    llm = _spec(tiny, folder, mode)
+    got = _sample(llm)
+    stats = llm.engine.spec.stats
+    # Drafts were both accepted and rejected often enough for the test to mean something.
+    assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9
+    pvalues = [two_sample_pvalue(baseline[j], got[j]) for j in range(POSITIONS)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def _broken_rejection(probs, seqs, generators):
+    """The bug this test exists for: after a rejection, draw from p instead of the residual
+    max(0, p - q) (the rejected draft token can come back, so it is emitted too often)."""
+    out = []
+    for s in seqs:
+        k = len(s.draft_ids)
+        p = probs[s.first_row:s.first_row + k + 1]
+        gen = generators.get(s.request)
+        accepted = k
+        for j, d in enumerate(s.draft_ids):
+            if float(torch.rand((), generator=gen)) >= float(p[j, d]):
+                accepted = j
+                break
+        last = int(torch.multinomial(p[accepted], 1, generator=gen)[0])
+        out.append(s.draft_ids[:accepted] + [last])
+    return out
+
+
+def test_the_test_fails_with_a_broken_acceptance_rule(tiny, folder, baseline, monkeypatch):
+    monkeypatch.setattr(verify_mod, "_rejection_torch", _broken_rejection)
+    got = _sample(_spec(tiny, folder, "ngram"))
+    pvalues = [two_sample_pvalue(baseline[j], got[j]) for j in range(POSITIONS)]
+    assert min(pvalues) < 1e-6, pvalues
