@@ -5,7 +5,10 @@ is 256 tokens, so a long generation outgrows it.
 Covers: a generation that outgrows the pool ends with a terminal record and [DONE] (it used to
 hang); n over the cap, hostile JSON and a text/plain body are 400 / 415 and leave the engine
 idle; HTTP/1.0 streaming; SIGTERM drains: a stream in flight runs on for the grace, then gets an
-error event, and serve exits 0.
+error event, and serve exits 0; an engine killed mid-stream: the stream ends with an error event,
+serve exits non-zero and the port is free. The other cases of the suite sit in the sibling
+modules (one server each); ``_wait_idle`` used to read gauges /metrics does not have, and so
+never waited: it now asserts the real ones (tests/reliability/serve.py).
 """
 from __future__ import annotations
 
@@ -13,56 +16,16 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
+from tests.reliability.serve import GRACE_S, Serve, sse, wait_idle
 from tests.tiny_model import prompt, write_tiny_folder
 
 pytestmark = pytest.mark.timeout(300)
-REPO = Path(__file__).resolve().parents[2]
-GRACE_S = 3.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serve:
-    def __init__(self, folder: Path, log: Path, overrides: str = "max_total_seq_length=256;max_num_sequence=4") -> None:
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "SLUICE_DEBUG_INVARIANTS": "1"}
-        self.log = log
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "sluice.engine.cli", "serve", str(folder), "--device", "cpu",
-                 "--port", str(self.port), "--embedding-model", "none", "--grace", str(GRACE_S),
-                 "--overrides", overrides],
-                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float = 180) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log.read_text()[-3000:]
-            try:
-                if requests.get(self.url + "/ready", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        raise AssertionError("serve not ready:\n" + self.log.read_text()[-3000:])
-
-    def load(self) -> dict:
-        text = requests.get(self.url + "/metrics", timeout=5).text
-        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                if line and not line.startswith("#") and len(line.split()) == 2}
 
 
 @pytest.fixture(scope="module")
@@ -70,36 +33,9 @@ def serve(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve")
     s = Serve(write_tiny_folder(tmp / "tiny"), tmp / "serve.log")
     try:
-        s.wait_ready()
-        yield s
+        yield s.wait_ready()
     finally:
-        if s.proc.poll() is None:
-            s.proc.send_signal(signal.SIGTERM)
-            try:
-                s.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                s.proc.kill()
-
-
-def _sse(resp) -> list:
-    out = []
-    for line in resp.iter_lines():
-        if line.startswith(b"data: "):
-            data = line[6:].decode()
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-def _wait_idle(serve: Serve, timeout: float = 20) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        load = serve.load()
-        if all(v == 0 for k, v in load.items() if k.startswith(("sluice_engine_requests_running",
-                                                                   "sluice_engine_kv_blocks_used",
-                                                                   "sluice_engine_in_flight"))):
-            return load
-        time.sleep(0.1)
-    return serve.load()
+        s.stop()
 
 
 def test_a_generation_that_outgrows_the_kv_pool_ends_with_a_terminal_record(serve):
@@ -109,13 +45,13 @@ def test_a_generation_that_outgrows_the_kv_pool_ends_with_a_terminal_record(serv
     body["model"] = models[0]["id"]
     with requests.post(serve.url + "/v1/completions", json=body, stream=True, timeout=60) as resp:
         assert resp.status_code == 200
-        events = _sse(resp)
+        events = sse(resp)
     assert events[-1] == "[DONE]"
     finals = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"][0]["finish_reason"]]
     assert finals == ["length"]
     text = "".join(e["choices"][0]["text"] for e in events[:-1])
     assert 0 < len(text.split()) < 150           # ended by the pool, not by max_tokens
-    _wait_idle(serve)
+    wait_idle(serve)
 
 
 @pytest.mark.parametrize(("data", "headers", "status"), [
@@ -130,7 +66,7 @@ def test_hostile_requests_are_refused_and_leave_nothing(serve, data, headers, st
     resp = requests.post(serve.url + "/v1/completions", data=data, headers=headers, timeout=30)
     assert resp.status_code == status, resp.text[:300]
     assert time.monotonic() - t0 < 5 and "Traceback" not in resp.text
-    _wait_idle(serve)
+    wait_idle(serve)
 
 
 def test_http10_streaming(serve):
@@ -169,6 +105,41 @@ def test_sigterm_drains_then_ends_the_open_stream_with_an_error_event(tmp_path):
         assert "error" in last, rest[-3:]
         assert len(rest) > 10 and GRACE_S - 0.5 <= ended < GRACE_S + 10, ended   # it ran on for the grace
         assert s.proc.wait(60) == 0
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def _engine_pid(serve_pid: int) -> int:
+    children = Path(f"/proc/{serve_pid}/task/{serve_pid}/children").read_text().split()
+    return next(int(c) for c in children
+                if b"sluice.engine.cli\x00engine\x00" in Path(f"/proc/{c}/cmdline").read_bytes())
+
+
+def test_engine_killed_mid_stream_ends_the_stream_with_an_error_and_serve_exits_nonzero(tmp_path):
+    """SIGKILL the engine while a long stream is open: the stream gets an error event (not a
+    silent cut, not [DONE]), ``serve`` exits non-zero, and the HTTP port is free again."""
+    s = Serve(write_tiny_folder(tmp_path / "long", context=65536), tmp_path / "serve.log",
+              overrides="max_total_seq_length=65536;max_num_sequence=2").wait_ready()
+    try:
+        body = {"model": s.model, "prompt": prompt(4), "max_tokens": 60000, "ignore_eos": True, "stream": True}
+        with s.post("/v1/completions", json=body, stream=True) as resp:
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith(b"data: "))
+            assert json.loads(first[6:])["choices"]
+            os.kill(_engine_pid(s.proc.pid), signal.SIGKILL)
+            rest = [line[6:].decode() for line in lines if line.startswith(b"data: ")]
+        assert rest and rest[-1] != "[DONE]"
+        assert "error" in json.loads(rest[-1]), rest[-3:]
+        assert s.proc.wait(60) != 0
+        with pytest.raises(requests.ConnectionError):
+            requests.get(s.url + "/health", timeout=2)
+        with socket.socket() as sock:
+            # SO_REUSEADDR, as a restarted server sets it: connections in TIME_WAIT do not count,
+            # a socket still listening (a hung facade) would.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", s.port))
+            sock.listen()
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
