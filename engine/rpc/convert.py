@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Callable
 
+from sluice.engine.config import LimitsConfig
+from sluice.engine.limits import over_cap
 from sluice.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc.convert_embed import embedding_info
@@ -28,7 +30,30 @@ FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENG
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 
 
-def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+def check_sampling_caps(msg: pb.SamplingParams, limits: LimitsConfig) -> None:
+    """The request caps read off the message itself, before anything is copied out of it: a
+    million stop strings cost one ``len()`` on the event loop, not a list and a dataclass built
+    only to be refused. Same messages as ``limits.check_params`` (which the engine still runs)."""
+    if msg.HasField("n") and msg.n > limits.max_n:
+        raise over_cap("n", "choices per request", msg.n, limits.max_n, "max_n")
+    if len(msg.stop) > limits.max_stop_strings:
+        raise over_cap("stop", "stop strings", len(msg.stop), limits.max_stop_strings, "max_stop_strings")
+    for s in msg.stop:      # at most max_stop_strings of them now
+        if len(s) > limits.max_stop_length:
+            raise over_cap("stop", "characters per stop string", len(s), limits.max_stop_length, "max_stop_length")
+    if len(msg.stop_token_ids) > limits.max_stop_strings:
+        raise over_cap("stop_token_ids", "stop tokens", len(msg.stop_token_ids), limits.max_stop_strings,
+                       "max_stop_strings")
+    if len(msg.logit_bias) > limits.max_logit_bias:
+        raise over_cap("logit_bias", "entries", len(msg.logit_bias), limits.max_logit_bias, "max_logit_bias")
+    if msg.HasField("top_logprobs") and msg.top_logprobs > limits.max_logprobs:
+        raise over_cap("logprobs", "alternatives per token", msg.top_logprobs, limits.max_logprobs, "max_logprobs")
+
+
+def sampling_from_proto(msg: pb.SamplingParams, limits: LimitsConfig | None = None) -> SamplingParams:
+    """``limits``: checked on the message first (``check_sampling_caps``)."""
+    if limits is not None:
+        check_sampling_caps(msg, limits)
     kwargs: dict = {name: getattr(msg, name) for name in _OPTIONAL_SCALARS if msg.HasField(name)}
     if msg.max_tokens_unlimited:
         if msg.HasField("max_tokens"):

@@ -29,7 +29,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
     # ---- Generate -------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
-        params = convert.sampling_from_proto(request.sampling)
+        params = convert.sampling_from_proto(request.sampling, self.engine.core.config.limits)
         if request.WhichOneof("input") == "infill":
             prompt, add_special, params = await self._infill(request.infill, params)
         else:

@@ -98,3 +98,49 @@ def test_text_prompts_are_tokenized_off_the_step_thread(folder):
     outs = asyncio.run(asyncio.wait_for(main(), 60))
     assert outs[-1].finished
     assert threads and "sluice-engine" not in threads
+
+
+# ---- gRPC: the caps are read off the protobuf message, before it is converted -------------------
+def _no_conversion(monkeypatch):
+    from sluice.engine.rpc import convert
+
+    def refuse(**kwargs):
+        raise AssertionError(f"SamplingParams built from an over-cap message ({len(kwargs.get('stop', []))} stops)")
+
+    monkeypatch.setattr(convert, "SamplingParams", refuse)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"stop": ["w1"] * 300_000}, "stop: at most 16 stop strings, got 300000"),
+    ({"stop": ["x" * 257]}, "stop: at most 256 characters per stop string, got 257"),
+    ({"stop_token_ids": [1] * 10_000}, "stop_token_ids: at most 16 stop tokens, got 10000"),
+    ({"logit_bias": {i: 1.0 for i in range(2000)}}, "logit_bias: at most 1024 entries, got 2000"),
+    ({"n": 2_000_000}, "n: at most 128 choices per request, got 2000000"),
+    ({"logprobs": True, "top_logprobs": 50}, "logprobs: at most 20 alternatives per token, got 50"),
+])
+def test_grpc_caps_are_checked_on_the_message_before_conversion(monkeypatch, fields, message):
+    from sluice.engine.config import LimitsConfig
+    from sluice.engine.rpc import convert
+    from sluice.engine.rpc import engine_pb2 as pb
+
+    _no_conversion(monkeypatch)
+    with pytest.raises(ValueError, match="^" + message):
+        convert.sampling_from_proto(pb.SamplingParams(**fields), LimitsConfig())
+
+
+def test_the_servicer_passes_the_engine_limits(monkeypatch, core):
+    """Generate refuses 300k stop strings without copying them out of the message."""
+    from types import SimpleNamespace
+
+    from sluice.engine.rpc import engine_pb2 as pb
+    from sluice.engine.rpc.servicer import EngineServicer
+
+    _no_conversion(monkeypatch)
+    servicer = EngineServicer(SimpleNamespace(core=core))
+    request = pb.GenerateRequest(text="w1", sampling=pb.SamplingParams(stop=["w1"] * 300_000))
+
+    async def first():
+        return await servicer.Generate(request, None).__anext__()
+
+    with pytest.raises(ValueError, match="^stop: at most 16 stop strings"):
+        asyncio.run(first())
