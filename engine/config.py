@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 from sluice.engine.spec_decode.config import SpeculativeConfig
+from sluice.engine.structured.spec import StructuredOutputConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -106,6 +107,7 @@ class EngineConfig:
     device: DeviceConfig = field(default_factory=DeviceConfig)
     limits: LimitsConfig = field(default_factory=LimitsConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    structured: StructuredOutputConfig = field(default_factory=StructuredOutputConfig)
 
     def __post_init__(self) -> None:
         if not self.model:

@@ -33,6 +33,7 @@ from sluice.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
+from sluice.engine.structured.manager import StructuredOutputManager
 from sluice.engine.spec_decode.factory import build_spec_decoder, load_draft, shared_num_blocks
 from sluice.engine.spec_decode.stops import add_tokens_until_stop
 
@@ -153,11 +154,12 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
         sched_config = replace(config.scheduler, num_speculative_tokens=config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, block_size, self.max_model_len)
+        self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, config.structured)
         self.runner = ModelRunner(
             self.loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim, num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size,
             device=device, dtype=dtype, attn=attn, sampler_backend=config.device.sampler_backend,
-            seed=config.seed,
+            seed=config.seed, grammar=self.structured,
         )
         draft_runner = None if self.draft is None else ModelRunner(
             self.draft.model, num_layers=self.draft.arch.num_hidden_layers,
@@ -166,6 +168,7 @@ class EngineCore:
             dtype=dtype, attn=attn, sampler_backend="torch", seed=config.seed)
         self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner)   # None: off
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
+        caps.add("structured_output")
         if getattr(self.tokenizer, "fim_tokens", None):
             caps.add("infilling")
         self.model_info = ModelInfo(
@@ -251,6 +254,8 @@ class EngineCore:
         params.check_vocab(self.model_info.vocab_size)
         ids = self.encode_prompt(prompt, add_special_tokens)
         self.check_length(len(ids), params)
+        if params.structured is not None:   # waits up to compile_timeout_s; cached for add_request
+            self.structured.compile(params.structured)
         return ids
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -274,9 +279,13 @@ class EngineCore:
                 seed=None if params.seed is None else params.seed + i,
             )
             try:
+                if params.structured is not None:
+                    self.structured.add(req.request_id, params.structured)
                 sched.add_request(req)
             except Exception:
                 sched.finish_requests([c.request.request_id for c in group.choices], RequestStatus.FINISHED_ABORTED)
+                for rid in [c.request.request_id for c in group.choices] + [req.request_id]:
+                    self.structured.drop(rid)
                 raise
             detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
                                            include_stop_str_in_output=params.include_stop_str_in_output,
@@ -356,6 +365,8 @@ class EngineCore:
             if used < len(new):   # a stop string ended inside a run of accepted drafts: cut there
                 del req.output_token_ids[used - len(new):]
                 new = new[:used]
+            if not self.structured.accept(req.request_id, new):
+                raise RuntimeError(f"grammar: the sampled tokens {new} do not follow the request's grammar")
             d = choice.delta or CompletionDelta(index=choice.request.index)
             d.token_ids.extend(new)
             lps = res.logprobs.get(req.request_id)
@@ -408,6 +419,7 @@ class EngineCore:
                 del self._groups[rid]
                 for c in group.choices:
                     self._choice_of.pop(c.request.request_id, None)
+                    self.structured.drop(c.request.request_id)
         self._dirty.clear()
         return outputs
 
@@ -444,6 +456,9 @@ class EngineCore:
                 raise AssertionError(
                     f"request {group.request_id!r} choice {c.request.index}: {c.request.status.name}, "
                     "tracked by the core but neither scheduled, waiting nor reported")
+        stray = self.structured.request_ids() - self._choice_of.keys()
+        if stray:
+            raise AssertionError(f"grammar matchers of requests unknown to the core: {sorted(stray)[:8]}")
         orphans = (running | waiting) - self._choice_of.keys()
         if orphans:
             raise AssertionError(f"scheduler requests unknown to the core: {sorted(orphans)[:8]}")

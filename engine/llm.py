@@ -16,6 +16,7 @@ from sluice.engine.loaders import LoadedModel
 from sluice.engine.outputs import CompletionOutput, GenerationResult, RequestOutput, Usage
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.spec_decode.config import SpeculativeConfig
+from sluice.engine.structured.spec import StructuredOutputConfig
 
 Prompt = str | list[int]
 Messages = list[dict]
@@ -24,16 +25,16 @@ Messages = list[dict]
 def build_config(model: str, **kwargs) -> EngineConfig:
     """Split flat keyword options into the per-subsystem configs; unknown keys are an error."""
     parts = {}
-    for cls in (CacheConfig, SchedulerConfig, DeviceConfig, LimitsConfig, SpeculativeConfig):
+    for cls in (CacheConfig, SchedulerConfig, DeviceConfig, LimitsConfig, SpeculativeConfig, StructuredOutputConfig):
         names = {f.name for f in fields(cls)}
         parts[cls] = cls(**{k: kwargs.pop(k) for k in list(kwargs) if k in names})
-    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "limits", "speculative", "model"}
+    top = {f.name for f in fields(EngineConfig)} - {"cache", "scheduler", "device", "limits", "speculative", "structured", "model"}
     unknown = set(kwargs) - top
     if unknown:
         raise ValueError(f"{sorted(unknown)[0]}: unknown engine option")
     return EngineConfig(model=model, cache=parts[CacheConfig], scheduler=parts[SchedulerConfig],
                         device=parts[DeviceConfig], limits=parts[LimitsConfig],
-                        speculative=parts[SpeculativeConfig], **kwargs)
+                        speculative=parts[SpeculativeConfig], structured=parts[StructuredOutputConfig], **kwargs)
 
 
 class LLM:

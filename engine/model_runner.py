@@ -48,6 +48,7 @@ class ModelRunner:
         attn: AttentionBackend,
         sampler_backend: str = "auto",
         seed: int = 0,
+        grammar=None,
     ) -> None:
         self.model = model
         self.device = device
@@ -61,6 +62,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler(backend=sampler_backend, device=device)
         self.generators = GeneratorCache(seed=seed, device=device)
+        # engine.structured's manager (owned by the engine core): fills the grammar bitmask rows.
+        self.grammar = grammar
         # request id -> [K, V] draft distributions for the drafts it carries into the next step,
         # set by proposers that have them (absent: a point mass per draft token).
         self.draft_probs: dict[str, torch.Tensor] = {}
@@ -98,7 +101,8 @@ class ModelRunner:
                     plain_logits = logits[idx]                                    # [num_plain, vocab]
                 else:
                     plain_logits = logits
-                sb = SamplingBatch.from_requests(reqs, self.vocab_size, self.device, self.generators)
+                sb = SamplingBatch.from_requests(reqs, self.vocab_size, self.device, self.generators,
+                                                 self._bitmask([(r, ()) for r in reqs]))
                 self._to_output(reqs, self.sampler(plain_logits, sb), res)
             if plan.drafted:
                 self._verify(plan, logits, res)
@@ -112,13 +116,18 @@ class ModelRunner:
             rows.extend(rows_of(req, drafts))
         idx = torch.tensor([plan.first_row[i] + j for i in plan.drafted
                             for j in range(len(plan.seqs[i][1]) + 1)], device=self.device)
-        sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+        sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
+                                         self._bitmask([(s.request, s.draft_ids) for s in seqs]))
         for s, v in zip(seqs, verify(logits[idx], sb, seqs, self.generators, self.sampler.backend == "triton")):
             rid = s.request.request_id
             res.sampled_token_ids[rid] = v.token_ids
             res.num_rejected_tokens[rid] = v.num_rejected
             if v.logprobs is not None:
                 res.logprobs[rid] = v.logprobs
+
+    def _bitmask(self, rows) -> torch.Tensor | None:
+        """[num_rows, ceil(V / 32)] grammar bitmask for (request, drafts) rows, or None."""
+        return None if self.grammar is None else self.grammar.fill_bitmask(rows, self.device)
 
     def prepare(self, scheduled) -> BatchInputs:
         bs = self.block_size

@@ -37,6 +37,7 @@ from sluice.engine import envs
 from sluice.engine.devices import triton_unavailable_reason
 from sluice.engine.outputs import TokenLogprob
 from sluice.engine.request import Request
+from sluice.engine.structured.bitmask import apply_bitmask
 
 _NEG_INF = float("-inf")
 SAMPLER_BACKENDS = ("auto", "torch", "triton")
@@ -112,6 +113,8 @@ class SamplingBatch:
     philox_offsets: torch.Tensor | None         # [B] int64: each row's number of output tokens
     num_logprobs: tuple[int | None, ...]        # per row: None, or k top alternatives wanted
     max_num_logprobs: int | None                # None: no row wants logprobs
+    # [B, ceil(V / 32)] int32 from engine.structured; all ones on unconstrained rows.
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -124,6 +127,7 @@ class SamplingBatch:
         vocab_size: int,
         device: torch.device | str,
         generators: GeneratorCache | None = None,
+        grammar_bitmask: torch.Tensor | None = None,
     ) -> SamplingBatch:
         if not requests:
             raise ValueError("requests: a sampling batch needs at least one request")
@@ -161,6 +165,7 @@ class SamplingBatch:
             **_philox_rows(requests, random_rows, device),
             num_logprobs=lp,
             max_num_logprobs=max(wanted) if wanted else None,
+            grammar_bitmask=grammar_bitmask,
         )
 
 
@@ -377,7 +382,8 @@ class SamplerOutput:
 
 
 def penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """Repetition penalty, presence/frequency penalties, logit bias, then the min_tokens mask.
+    """Repetition penalty, presence/frequency penalties, logit bias, the min_tokens mask, then
+    the grammar mask.
 
     logits: [B, V] float32. Returns a new tensor; the caller's is left alone.
     """
@@ -391,6 +397,8 @@ def penalize(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         logits = logits.scatter_add(-1, batch.bias_ids.long(), batch.bias_values)
     if batch.forbidden is not None:
         logits = logits.masked_fill(batch.forbidden, _NEG_INF)
+    if batch.grammar_bitmask is not None:
+        logits = apply_bitmask(logits, batch.grammar_bitmask)
     return logits
 
 
@@ -479,6 +487,8 @@ def _penalize_triton(penalties, logits: torch.Tensor, batch: SamplingBatch) -> t
         penalties.apply_penalties(out, counts, seen, presence, frequency, repetition, bias_ids, bias_values)
     if batch.forbidden is not None:
         out.masked_fill_(batch.forbidden, _NEG_INF)
+    if batch.grammar_bitmask is not None:
+        out = apply_bitmask(out, batch.grammar_bitmask)
     return out
 
 

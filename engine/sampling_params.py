@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sluice.engine.structured.spec import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -30,6 +32,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None   # reserved; rejected until implemented
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # a grammar the output must follow (engine.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,20 @@ class SamplingParams:
             _int("logprobs", self.logprobs, lo=0, hi=20)
         if self.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs: not supported yet")
+        if self.structured is not None:
+            self._validate_structured()
+
+    def _validate_structured(self) -> None:
+        if not isinstance(self.structured, GrammarSpec):
+            raise ValueError(f"structured: must be a GrammarSpec, got {type(self.structured).__name__}")
+        # The grammar decides where the output may end (EOS only when it is complete): a floor on
+        # the length or an EOS that does not end would contradict it, so neither is accepted.
+        if self.min_tokens:
+            raise ValueError(f"min_tokens: cannot be combined with {self.structured.field} (the grammar "
+                             "decides where the output ends)")
+        if self.ignore_eos:
+            raise ValueError(f"ignore_eos: cannot be combined with {self.structured.field} (the grammar "
+                             "decides where the output ends)")
 
     @property
     def greedy(self) -> bool:

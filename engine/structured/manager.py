@@ -1,0 +1,181 @@
+"""The structured-output manager, owned by the engine core (the scheduler never sees it).
+
+Life of a constrained request:
+  1. ``compile(spec)`` (thread-safe; ``EngineCore.prepare_prompt`` calls it off the step thread)
+     hands the grammar to a small compile pool and waits at most ``compile_timeout_s``. Compiled
+     grammars, and compile errors, are cached by ``spec.key`` (LRU), so a repeated schema costs
+     nothing. A compile that times out is refused (``ValueError`` naming the parameter, a 400)
+     but goes on in the pool and lands in the cache. Because the wait happens before the request
+     reaches the engine thread, a slow grammar delays only its own request: nothing is queued
+     behind it, and the scheduler only ever sees requests whose grammar is ready.
+  2. ``add(request_id, spec)`` (step thread) gives the request its own matcher.
+  3. Each step the runner asks ``fill_bitmask(rows)`` for the rows it samples: one bitmask row per
+     sampled row, all ones for unconstrained rows; a request with K drafts has K + 1 rows, filled
+     by advancing its matcher through the drafts and rolling it back.
+  4. ``accept(request_id, tokens)`` advances the matcher by the tokens the step appended (after
+     the stop checks cut them). A token the grammar rejects fails that request.
+  5. ``drop(request_id)`` when the request has reported its end.
+
+EOS: the tokenizer's stop ids are xgrammar's stop tokens, which the matcher allows exactly when
+the grammar can end (and then, at a complete grammar, only them). Preemption by recompute keeps
+the output tokens, so the matcher stays where it was; drafts are the only tokens rolled back.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import logging
+import threading
+from collections import OrderedDict
+
+import torch
+
+from sluice.engine.structured.bitmask import bitmask_words
+from sluice.engine.structured.spec import GrammarSpec, StructuredOutputConfig
+from sluice.engine.structured.vocab import build_tokenizer_info
+
+log = logging.getLogger("sluice.structured")
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer, vocab_size: int, config: StructuredOutputConfig | None = None) -> None:
+        self.config = config or StructuredOutputConfig()
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._compiler = None                  # built on first use: most servers never need it
+        self._compiler_lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.config.compile_workers,
+                                                           thread_name_prefix="sluice-grammar")
+        self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._matchers: dict[str, object] = {}  # request id -> xgrammar.GrammarMatcher
+
+    # ---- compiling (any thread) ---------------------------------------------------------------
+    def compile(self, spec: GrammarSpec):
+        """The compiled grammar, waiting at most ``compile_timeout_s``; ``ValueError`` naming
+        ``spec.field`` when it does not compile or not in time."""
+        if spec.size > self.config.max_grammar_chars:
+            raise ValueError(f"{spec.field}: {spec.size} characters of grammar exceed the limit of "
+                             f"{self.config.max_grammar_chars} (max_grammar_chars)")
+        future = self._future(spec)
+        timeout = self.config.compile_timeout_s
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise ValueError(f"{spec.field}: the grammar did not compile within {timeout:g} s "
+                             "(compile_timeout_s)") from None
+        except ValueError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - xgrammar raises RuntimeError with its message
+            raise ValueError(f"{spec.field}: {_compile_message(spec, exc)}") from None
+
+    def _future(self, spec: GrammarSpec) -> concurrent.futures.Future:
+        with self._cache_lock:
+            future = self._cache.get(spec.key)
+            if future is not None:
+                self._cache.move_to_end(spec.key)
+                return future
+            future = self._pool.submit(self._compile_now, spec)
+            self._cache[spec.key] = future
+            while len(self._cache) > self.config.cache_size:
+                self._cache.popitem(last=False)
+            return future
+
+    def _compile_now(self, spec: GrammarSpec):
+        compiler = self._get_compiler()
+        if spec.kind == "json_object":
+            return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+        if spec.kind == "json_schema":
+            return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.text)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(choice_ebnf(spec.choices))
+        return compiler.compile_grammar(spec.text)
+
+    def warm_up(self) -> concurrent.futures.Future:
+        """Import xgrammar and build the tokenizer info and the compiler in the pool (2-3 s for
+        SmolLM2's 49k tokens on this CPU). Otherwise the first constrained request does that
+        inside its compile time limit; engines are not warmed up by default, since most never
+        see a grammar."""
+        return self._pool.submit(self._get_compiler)
+
+    def _get_compiler(self):
+        with self._compiler_lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = build_tokenizer_info(self._tokenizer, self.vocab_size)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.config.compile_threads)
+            return self._compiler
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- matchers (step thread) ---------------------------------------------------------------
+    def add(self, request_id: str, spec: GrammarSpec) -> None:
+        import xgrammar as xgr
+
+        self._matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
+
+    def is_constrained(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def drop(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def request_ids(self) -> set[str]:
+        return set(self._matchers)
+
+    def accept(self, request_id: str, token_ids) -> bool:
+        """Advance by the tokens a step appended; False when the grammar rejects one (the
+        matcher then stays before that token)."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return True
+        return all(matcher.accept_token(int(t)) for t in token_ids)
+
+    def is_finished(self, request_id: str) -> bool:
+        matcher = self._matchers.get(request_id)
+        return matcher is not None and matcher.is_terminated()
+
+    def fill_bitmask(self, rows, device: torch.device | str = "cpu") -> torch.Tensor | None:
+        """[num_rows, ceil(V / 32)] int32 for ``rows`` = [(request, drafts), ...] in sampling
+        order, K + 1 rows for K drafts; None when no request among them is constrained."""
+        if not any(req.request_id in self._matchers for req, _ in rows):
+            return None
+        num_rows = sum(len(drafts) + 1 for _, drafts in rows)
+        bitmask = torch.full((num_rows, bitmask_words(self.vocab_size)), -1, dtype=torch.int32)
+        row = 0
+        for req, drafts in rows:
+            matcher = self._matchers.get(req.request_id)
+            if matcher is None:
+                row += len(drafts) + 1
+                continue
+            advanced = 0
+            for j in range(len(drafts) + 1):
+                if advanced == j and not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(bitmask, row + j)
+                    if j < len(drafts) and matcher.accept_token(int(drafts[j])):
+                        advanced += 1
+                # Rows past a draft the grammar rejects stay all ones: that draft's own row
+                # forbids it, so verification stops there and never samples from them.
+            if advanced:
+                matcher.rollback(advanced)
+            row += len(drafts) + 1
+        return bitmask.to(device, non_blocking=True)
+
+
+def choice_ebnf(choices: tuple[str, ...]) -> str:
+    """``root ::= "a" | "b"``: JSON string escapes are valid EBNF string-literal escapes."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _compile_message(spec: GrammarSpec, exc: Exception) -> str:
+    """xgrammar's message without its source location prefix ("[time] file.cc:94: ")."""
+    text = str(exc).strip()
+    if "] " in text[:40] and ".cc:" in text:
+        text = text.split(": ", 1)[-1] if ": " in text else text
+    what = {"json_schema": "invalid JSON schema", "json_object": "invalid JSON schema", "regex": "invalid regex",
+            "choice": "invalid choice", "ebnf": "invalid grammar"}[spec.kind]
+    return f"{what}: {text}"

@@ -1,0 +1,93 @@
+"""What a request's output is constrained to, and the manager's configuration. Pure Python:
+``SamplingParams`` carries a ``GrammarSpec`` and neither imports xgrammar.
+
+Kinds (``GrammarSpec.kind``):
+  * ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``);
+  * ``json_schema``: a JSON Schema, as JSON text; ``strict`` forbids properties and items the
+    schema does not name (OpenAI's ``strict: true``; not strict: ``additionalProperties`` is open
+    unless the schema closes it);
+  * ``regex``: the whole output matches the regular expression;
+  * ``choice``: the output is exactly one of the strings;
+  * ``ebnf``: an EBNF grammar in xgrammar's (GBNF-like) dialect, with a ``root`` rule.
+
+Bad values raise ``ValueError`` naming the field (``structured_output.regex: ...``). Whether a
+schema, regex or grammar compiles is known only to the compiler: the manager reports that.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf")
+FIELD = "structured_output"
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str
+    text: str = ""                     # json_schema: the schema's JSON; regex; ebnf
+    choices: tuple[str, ...] = ()      # choice
+    strict: bool = False               # json_schema
+    # Where errors point: the facade's parameter name (response_format, guided_regex, tools ...).
+    field: str = FIELD
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"{self.field}: kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.text, str):
+            raise ValueError(f"{self.field}: must be a string, got {type(self.text).__name__}")
+        if self.kind in ("regex", "ebnf") and not self.text:
+            raise ValueError(f"{self.field}: the {self.kind} must not be empty")
+        if self.kind == "json_schema":
+            _check_schema_text(self.text, self.field)
+        if self.kind == "choice":
+            object.__setattr__(self, "choices", tuple(self.choices))
+            if not self.choices:
+                raise ValueError(f"{self.field}: needs at least one choice")
+            for c in self.choices:
+                if not isinstance(c, str) or not c:
+                    raise ValueError(f"{self.field}: every choice must be a non-empty string, got {c!r}")
+
+    @property
+    def key(self) -> tuple:
+        """The compile cache's key: equal specs compile to the same grammar."""
+        return (self.kind, self.text, self.choices, self.strict)
+
+    @property
+    def size(self) -> int:
+        """Characters of grammar text, for the request caps."""
+        return len(self.text) + sum(len(c) for c in self.choices)
+
+
+def _check_schema_text(text: str, field: str) -> None:
+    try:
+        schema = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ValueError(f"{field}: the JSON schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"{field}: a JSON schema must be an object (or true/false), got {type(schema).__name__}")
+
+
+def _no_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+@dataclass(frozen=True)
+class StructuredOutputConfig:
+    # A grammar that does not compile within this many seconds is refused (a 400); its compile
+    # goes on in the background and lands in the cache, so other requests never wait on it.
+    compile_timeout_s: float = 10.0
+    compile_workers: int = 2               # grammars compiled at once
+    compile_threads: int = 1               # xgrammar's own threads per compile
+    cache_size: int = 256                  # compiled grammars kept (LRU)
+    max_grammar_chars: int = 1 << 20       # schema / regex / grammar text per request
+
+    def __post_init__(self) -> None:
+        t = self.compile_timeout_s
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ValueError(f"compile_timeout_s: must be a positive number of seconds, got {t!r}")
+        for name in ("compile_workers", "compile_threads", "cache_size", "max_grammar_chars"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {value!r}")
