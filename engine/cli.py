@@ -29,7 +29,7 @@ import sys
 from collections.abc import Sequence
 
 from sluice.engine.errors import EngineError
-from sluice.engine.overrides import MODES, check_mode, parse_overrides
+from sluice.engine.overrides import MODES, check_mode, check_speculative, parse_overrides
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none
@@ -42,7 +42,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="local", choices=MODES,
                    help="picks the defaults of batch size, KV capacity and prefill chunk (default: local)")
     p.add_argument("--overrides", default="",
-                   help='"key=value;..." e.g. "max_num_sequence=32;max_total_seq_length=4096"')
+                   help='"key=value;..." e.g. "max_num_sequence=32;max_total_seq_length=4096;spec_draft_length=4"')
+    p.add_argument("--speculative-mode", default="disable", metavar="MODE",
+                   help="disable | ngram | small_draft (eagle, medusa: not supported yet) (default: disable)")
+    p.add_argument("--additional-models", default=None, metavar="PATH",
+                   help="small_draft: the draft model (a .gguf, a Hugging Face folder or a short name) "
+                        "with the target's tokenizer vocabulary")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -105,7 +110,8 @@ def _build_parser() -> argparse.ArgumentParser:
 def _engine_config(args: argparse.Namespace):
     from sluice.engine.overrides import build_engine_config
 
-    return build_engine_config(args.model, mode=args.mode, overrides=args.overrides, device=args.device)
+    return build_engine_config(args.model, mode=args.mode, overrides=args.overrides, device=args.device,
+                               speculative_mode=args.speculative_mode, additional_models=args.additional_models)
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
@@ -217,7 +223,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if hasattr(args, "mode"):
             check_mode(args.mode)
-            parse_overrides(args.overrides)   # fail on a bad key or value before anything loads
+            given = parse_overrides(args.overrides)   # fail on a bad key or value before anything loads
+            check_speculative(args.speculative_mode, args.additional_models, given)
         return args.func(args)
     except ValueError as exc:
         parser.exit(2, f"sluice {args.command}: error: {exc}\n")

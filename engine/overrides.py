@@ -78,6 +78,11 @@ KEYS: dict[str, _Key] = {
     "dtype": _Key("dtype", str, "auto | float32 | float16 | bfloat16"),
     "num_threads": _Key("num_threads", _int, "torch intra-op threads on CPU"),
     "num_speculative_tokens": _Key("num_speculative_tokens", _int, "draft tokens per step"),
+    # Speculative decoding (--speculative-mode); MLC's spec_draft_length, then sluice's own.
+    "spec_draft_length": _Key("spec_draft_length", _int, "draft tokens proposed per request and step (K)"),
+    "spec_ngram_max": _Key("spec_ngram_max", _int, "ngram mode: longest suffix matched"),
+    "spec_ngram_min": _Key("spec_ngram_min", _int, "ngram mode: shortest suffix matched"),
+    "spec_max_batch_size": _Key("spec_max_batch_size", _int, "no drafts above this many running requests"),
     "seed": _Key("seed", _int, "the engine's base random seed"),
     # Request caps (engine.config.LimitsConfig); over a cap a request is INVALID_ARGUMENT.
     "max_n": _Key("max_n", _int, "choices per request"),
@@ -91,7 +96,7 @@ KEYS: dict[str, _Key] = {
 }
 # MLC options with no sluice equivalent: named, so the error says so rather than "unknown".
 _UNSUPPORTED_MLC = ("tensor_parallel_shards", "pipeline_parallel_stages", "max_history_size",
-                    "spec_draft_length", "prefix_cache_max_num_recycling_seqs", "sliding_window_size",
+                    "prefix_cache_max_num_recycling_seqs", "sliding_window_size",
                     "attention_sink_size", "max_single_sequence_length")
 
 
@@ -132,6 +137,16 @@ def mode_defaults(mode: str, context_window: int) -> dict[str, Any]:
     raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
 
 
+def check_speculative(speculative_mode: str | None, additional_models: str | None,
+                      overrides: dict[str, Any]) -> None:
+    """``--speculative-mode``, ``--additional-models`` and the spec_* overrides, checked before
+    the model's metadata is read (``SpeculativeConfig`` raises ValueError naming the field)."""
+    from sluice.engine.spec_decode.config import SpeculativeConfig
+
+    spec = {KEYS[k].option: v for k, v in overrides.items() if KEYS[k].option.startswith("spec_")}
+    SpeculativeConfig(speculative_mode=speculative_mode or "disable", additional_models=additional_models, **spec)
+
+
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode: must be one of {', '.join(MODES)}, got {mode!r}")
@@ -139,6 +154,7 @@ def check_mode(mode: str) -> None:
 
 def build_engine_config(model: str, *, mode: str = "local", overrides: str | dict[str, Any] | None = None,
                         device: str = "auto", context_window: Callable[[str], int] | None = None,
+                        speculative_mode: str = "disable", additional_models: str | None = None,
                         ) -> EngineConfig:
     """Mode defaults, then overrides, into a validated ``EngineConfig``.
 
@@ -149,6 +165,7 @@ def build_engine_config(model: str, *, mode: str = "local", overrides: str | dic
 
     check_mode(mode)
     given = parse_overrides(overrides) if not isinstance(overrides, dict) else dict(overrides)
+    check_speculative(speculative_mode, additional_models, given)
     window = given.get("context_window_size")
     if window is None:
         window = (context_window or model_context_window)(model)
@@ -157,6 +174,7 @@ def build_engine_config(model: str, *, mode: str = "local", overrides: str | dic
         defaults.pop("max_total_seq_length", None)   # an explicit memory budget sizes the pool
     values = {**defaults, **given}
     options = {KEYS[k].option: v for k, v in values.items()}
+    options |= {"speculative_mode": speculative_mode or "disable", "additional_models": additional_models}
     try:
         return build_config(model, device=device, **options)
     except (ValueError, TypeError) as exc:

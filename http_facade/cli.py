@@ -72,8 +72,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (default: auto)")
     parser.add_argument("--mode", default="local", choices=_MODES, help="engine preset (default: local)")
     parser.add_argument("--overrides", default="", help='engine options "key=value;..." as mlc_llm serve')
-    parser.add_argument("--speculative-mode", default=None, help="not supported yet")
-    parser.add_argument("--additional-models", default=None, help="not supported yet")
+    parser.add_argument("--speculative-mode", default=None, metavar="MODE",
+                        help="the engine's speculative decoding: disable | ngram | small_draft (default: disable)")
+    parser.add_argument("--additional-models", default=None, metavar="PATH",
+                        help="small_draft: the draft model, with the target's tokenizer vocabulary")
     parser.add_argument("--engine-port", type=int, default=0, help="the engine's gRPC port (default: a free one)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default: 30)")

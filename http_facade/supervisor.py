@@ -166,10 +166,7 @@ class Supervisor:
 
 def build_plan(args: argparse.Namespace) -> ServePlan:
     """Raises ValueError naming the flag for anything wrong, before a process starts."""
-    if args.speculative_mode not in (None, "disable"):
-        raise ValueError("--speculative-mode: speculative decoding is not supported by sluice serve yet")
-    if args.additional_models:
-        raise ValueError("--additional-models: additional (draft) models are not supported yet")
+    _check_speculative(args.speculative_mode, args.additional_models)
     engine_port = args.engine_port or free_port()
     engine_addr = f"127.0.0.1:{engine_port}"
     config = facade_config(args, engine_addr)   # validates CORS lists, key file, body limit
@@ -179,7 +176,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     engine_cmd = (*python_module_cmd("sluice.engine.cli"), "engine", args.model, "--host", "127.0.0.1",
                   "--port", str(engine_port), "--device", args.device, "--mode", args.mode,
                   "--overrides", _with_engine_limits(args.overrides, config.limits), "--grace", str(args.grace))
-    for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model)):
+    for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model),
+                        ("--speculative-mode", args.speculative_mode), ("--additional-models", args.additional_models)):
         if value is not None:   # unset: the engine's own default
             engine_cmd += (flag, value)
     facade_cmd = [*python_module_cmd("sluice.http_facade.cli"), "facade", "--engine", engine_addr,
@@ -196,6 +194,22 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return ServePlan(engine_cmd, tuple(facade_cmd), engine_addr, f"http://{host}:{args.port}",
                      {ENV_KEYS: ",".join(config.auth.keys)}, args.ready_timeout, args.grace + 10.0)
+
+
+# The engine's speculative modes (its CLI checks the rest: spec_* overrides, the draft's vocabulary).
+_SPEC_MODES = ("disable", "ngram", "small_draft")
+
+
+def _check_speculative(mode: str | None, additional_models: str | None) -> None:
+    if mode in ("eagle", "medusa"):
+        raise ValueError(f"--speculative-mode: {mode} is not supported yet (it needs trained draft heads; "
+                         "see the issue \"Speculative decoding II\"); use ngram or small_draft")
+    if mode is not None and mode not in _SPEC_MODES:
+        raise ValueError(f"--speculative-mode: must be one of {', '.join(_SPEC_MODES)}, got {mode!r}")
+    if mode == "small_draft" and not additional_models:
+        raise ValueError("--additional-models: --speculative-mode small_draft needs a draft model")
+    if additional_models and mode != "small_draft":
+        raise ValueError("--additional-models: a draft model is only used with --speculative-mode small_draft")
 
 
 def _with_engine_limits(overrides: str, limits: RequestLimits) -> str:
