@@ -83,6 +83,8 @@ class SamplingOptions:
     top_logprobs: int | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
+    # e.g. pb.StructuredOutput(regex="[0-9]+") or (json_schema=pb.JsonSchemaConstraint(...))
+    structured_output: pb.StructuredOutput | None = None
 
     def to_proto(self) -> pb.SamplingParams:
         msg = pb.SamplingParams(max_tokens_unlimited=self.max_tokens_unlimited, logprobs=self.logprobs,
@@ -93,6 +95,8 @@ class SamplingOptions:
                 continue
             if f.name == "logit_bias":
                 msg.logit_bias.update({int(k): float(v) for k, v in value.items()})
+            elif f.name == "structured_output":
+                msg.structured_output.CopyFrom(value)
             else:
                 setattr(msg, f.name, value)
         return msg

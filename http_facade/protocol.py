@@ -3,7 +3,7 @@
 The facade checks types and the parameters only it understands (content parts, prompt shapes,
 logit_bias keys, unsupported features); value ranges (top_p in (0, 1], ...) are the engine's
 to check, and its INVALID_ARGUMENT comes back as a 400 naming the parameter. Unknown fields are
-ignored, as OpenAI does; features we cannot honour (tools, response_format json, suffix, ...)
+ignored, as OpenAI does; features we cannot honour (tools, suffix, ...)
 are refused with a 400 naming the parameter, never silently dropped.
 """
 from __future__ import annotations
@@ -17,6 +17,7 @@ from sluice.engine.rpc.client_tools import tool_calls
 from sluice.http_facade.errors import bad_request
 from sluice.http_facade.json_body import decode_json
 from sluice.http_facade.limits import RequestLimits, over, utf8_len
+from sluice.http_facade.structured import structured_output
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "developer": pb.ROLE_SYSTEM, "user": pb.ROLE_USER,
           "assistant": pb.ROLE_ASSISTANT, "tool": pb.ROLE_TOOL}
@@ -201,6 +202,9 @@ def _sampling(body: dict, max_tokens: int | None) -> pb.SamplingParams:
     sp.stop.extend(_stop(body.get("stop")))
     for tok, bias in _logit_bias(body.get("logit_bias")).items():
         sp.logit_bias[tok] = bias
+    constraint = structured_output(body)
+    if constraint is not None:
+        sp.structured_output.CopyFrom(constraint)
     return sp
 
 
@@ -266,11 +270,6 @@ def _refuse_tools(body: dict) -> None:
     choice = body.get("tool_choice")
     if choice not in (None, "none"):
         raise bad_request("tool_choice: only \"none\" is supported until tool calling exists", "tool_choice")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") != "text":
-            raise bad_request("response_format: only {\"type\": \"text\"} is supported until structured "
-                              "decoding exists", "response_format")
 
 
 # ---------------------------------------------------------------------------------- chat

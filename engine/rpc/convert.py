@@ -6,6 +6,7 @@ in the request (``sampling.top_logprobs: ...``, ``chat.messages[1].role: ...``).
 from __future__ import annotations
 
 import json
+import re
 from typing import TYPE_CHECKING, Callable
 
 from sluice.engine.config import LimitsConfig
@@ -14,6 +15,7 @@ from sluice.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc.convert_embed import embedding_info
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.structured.spec import GrammarSpec
 
 if TYPE_CHECKING:
     from sluice.engine.embedding import EmbeddingEngine
@@ -26,6 +28,7 @@ _OPTIONAL_SCALARS = (
     "skip_special_tokens",
 )
 ROLE_NAMES = {pb.ROLE_SYSTEM: "system", pb.ROLE_USER: "user", pb.ROLE_ASSISTANT: "assistant", pb.ROLE_TOOL: "tool"}
+_FIELD_NAME = re.compile(r"[A-Za-z_][\w.\[\]]{0,63}")
 FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH,
                   "abort": pb.FINISH_REASON_ABORT, "error": pb.FINISH_REASON_ERROR}
 
@@ -70,9 +73,39 @@ def sampling_from_proto(msg: pb.SamplingParams, limits: LimitsConfig | None = No
     if msg.logprobs:
         kwargs["logprobs"] = msg.top_logprobs if msg.HasField("top_logprobs") else 0
     try:
+        if msg.HasField("structured_output"):
+            kwargs["structured"] = structured_from_proto(msg.structured_output)
         return SamplingParams(**kwargs)
     except ValueError as exc:
         raise ValueError(f"sampling.{exc}") from None
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> GrammarSpec:
+    """The typed constraint as a ``GrammarSpec``; errors name ``msg.param`` (or structured_output)."""
+    param = msg.param or "structured_output"
+    if not _FIELD_NAME.fullmatch(param):
+        raise ValueError(f"structured_output.param: must be a parameter name, got {param!r}")
+    kind = msg.WhichOneof("constraint")
+    if kind is None:
+        raise ValueError(f"{param}: a constraint (json_object, json_schema, regex, choice or ebnf) is required")
+    if kind == "json_schema":
+        return GrammarSpec("json_schema", msg.json_schema.schema_json, strict=msg.json_schema.strict, field=param)
+    if kind == "choice":
+        return GrammarSpec("choice", choices=tuple(msg.choice.choices), field=param)
+    return GrammarSpec(kind, "" if kind == "json_object" else getattr(msg, kind), field=param)
+
+
+def structured_to_proto(spec: GrammarSpec) -> pb.StructuredOutput:
+    msg = pb.StructuredOutput(param=spec.field)
+    if spec.kind == "json_object":
+        msg.json_object.SetInParent()
+    elif spec.kind == "json_schema":
+        msg.json_schema.schema_json, msg.json_schema.strict = spec.text, spec.strict
+    elif spec.kind == "choice":
+        msg.choice.choices.extend(spec.choices)
+    else:
+        setattr(msg, spec.kind, spec.text)
+    return msg
 
 
 def chat_from_proto(msg: pb.ChatInput, field: str = "chat") -> tuple[list[dict], list[dict] | None, bool]:
