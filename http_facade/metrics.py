@@ -6,13 +6,23 @@ them.
 """
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import asyncio
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector,
+                               generate_latest)
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.generation import RequestTimer
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+def _live_tasks() -> int:
+    try:
+        return len(asyncio.all_tasks())
+    except RuntimeError:     # no running loop (rendered outside the app)
+        return 0
 
 
 class FacadeMetrics:
@@ -38,6 +48,12 @@ class FacadeMetrics:
         self.generation_tokens = Counter("sluice_generation_tokens", "tokens generated", registry=r)
         self.requests = Counter("sluice_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
+        # The facade process itself (RSS, open fds, CPU) and its event loop's live tasks: what a
+        # leak shows in first. Read at scrape time, inside the loop's own thread.
+        ProcessCollector(registry=r)
+        self.tasks = Gauge("sluice_facade_asyncio_tasks", "asyncio tasks alive in the facade's event loop",
+                           registry=r)
+        self.tasks.set_function(_live_tasks)
 
     def set_load(self, load: pb.GetLoadResponse | None) -> None:
         if load is None:
