@@ -34,6 +34,7 @@ from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.structured.manager import StructuredOutputManager
+from sluice.engine.tool_prompt import fallback_messages, template_renders_tools
 from sluice.engine.spec_decode.factory import build_spec_decoder, load_draft, shared_num_blocks
 from sluice.engine.spec_decode.stops import add_tokens_until_stop
 
@@ -219,6 +220,9 @@ class EngineCore:
         if not messages:
             raise ValueError("messages: must hold at least one message")
         limits.check_chat(messages, tools, self.config.limits)
+        has_tool_turns = any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+        if (tools or has_tool_turns) and not template_renders_tools(self.tokenizer.chat_template):
+            messages, tools = fallback_messages(messages, tools), None   # engine.tool_prompt's format
         return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
 
     def render_infill(self, prefix: str, suffix: str) -> InfillPrompt:

@@ -18,6 +18,7 @@ from sluice.http_facade.errors import bad_request
 from sluice.http_facade.json_body import decode_json
 from sluice.http_facade.limits import RequestLimits, over, utf8_len
 from sluice.http_facade.structured import structured_output
+from sluice.http_facade.tools import tool_plan
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "developer": pb.ROLE_SYSTEM, "user": pb.ROLE_USER,
           "assistant": pb.ROLE_ASSISTANT, "tool": pb.ROLE_TOOL}
@@ -46,6 +47,7 @@ class GenerationPlan:
     top_logprobs: int
     echo: bool
     user: str | None
+    tool_calls: bool = False               # the output is a constrained list of tool calls
 
 
 # ------------------------------------------------------------------------------- primitives
@@ -261,15 +263,9 @@ def _stream_options(body: dict, stream: bool) -> bool:
 def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
     for name in names:
         if body.get(name) not in (None, [], {}):
-            raise bad_request(f"{name}: not supported by this server yet (no structured decoding / tool calling)",
-                              name)
+            raise bad_request(f"{name}: not supported by this server yet", name)
 
 
-def _refuse_tools(body: dict) -> None:
-    _refuse_unsupported(body, ("tools", "functions", "function_call"))
-    choice = body.get("tool_choice")
-    if choice not in (None, "none"):
-        raise bad_request("tool_choice: only \"none\" is supported until tool calling exists", "tool_choice")
 
 
 # ---------------------------------------------------------------------------------- chat
@@ -323,11 +319,13 @@ def parse_chat(body: dict, default_max_tokens: int | None = None,
     """``default_max_tokens``: used when the client sets none (None: until the context window is full)."""
     check_caps(body, limits)
     model = get_model(body)
-    _refuse_tools(body)
+    tools = tool_plan(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: must be a non-empty list of messages", "messages")
     chat = pb.ChatInput(messages=[_message(m, i) for i, m in enumerate(messages)])
+    if tools is not None:
+        chat.tools.extend(tools.tools)
     stream = get_bool(body, "stream")
     logprobs = get_bool(body, "logprobs")
     top = get_int(body, "top_logprobs", (0, _MAX_TOP_LOGPROBS))
@@ -337,9 +335,15 @@ def parse_chat(body: dict, default_max_tokens: int | None = None,
     if logprobs:
         sp.logprobs = True
         sp.top_logprobs = top or 0
+    if tools is not None and tools.constraint is not None:
+        if sp.HasField("structured_output"):
+            raise bad_request(f"tools: a forced tool call cannot be combined with {sp.structured_output.param}",
+                              "tools")
+        sp.structured_output.CopyFrom(tools.constraint)
     req = pb.GenerateRequest(chat=chat, sampling=sp)
     return GenerationPlan("chat", model, (req,), sp.n if sp.HasField("n") else 1, stream,
-                          _stream_options(body, stream), logprobs, top or 0, False, get_str(body, "user"))
+                          _stream_options(body, stream), logprobs, top or 0, False, get_str(body, "user"),
+                          tool_calls=tools is not None and tools.constraint is not None)
 
 
 # ---------------------------------------------------------------------------- completions

@@ -24,6 +24,7 @@ from sluice.http_facade.errors import ApiError
 from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.sse import SSEWriter
+from sluice.http_facade.tools import call_deltas as tool_call_deltas, parse_calls
 from sluice.http_facade.state import FacadeState, state_of
 
 log = logging.getLogger("sluice.facade")
@@ -128,7 +129,7 @@ async def _collect(run: _Run, stream) -> web.Response:
         raise ApiError(502, "the engine ended the stream before every choice finished", "server_error")
     usage = run.usage()
     if run.plan.kind == "chat":
-        body = shapes.chat_response(run.env, run.choices, usage, run.plan.logprobs)
+        body = shapes.chat_response(run.env, run.choices, usage, run.plan.logprobs, run.plan.tool_calls)
     else:
         body = shapes.completion_response(run.env, run.choices, usage, run.plan.logprobs, run.echo)
     return web.json_response(body)
@@ -175,6 +176,8 @@ def _chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta) -> lis
     first = not choice.started
     choice.started = True
     out = []
+    if plan.kind == "chat" and plan.tool_calls:
+        return _tool_chunks(run, choice, delta, first)
     if plan.kind == "chat":
         lp = shapes.chat_logprobs(list(delta.logprobs)) if plan.logprobs else None
         if first or delta.text or delta.logprobs:
@@ -192,4 +195,24 @@ def _chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta) -> lis
     choice.offset += len(delta.text)
     if delta.HasField("final"):
         out.append(shapes.completion_chunk(env, choice.index, "", shapes.finish_reason(delta.final), None, with_usage))
+    return out
+
+
+def _tool_chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta, first: bool) -> list[dict]:
+    """A forced tool call: its text is held back (``choice`` accumulates it) and, once the choice
+    finished, sent as tool_calls deltas; a call cut by ``length`` is sent as its text."""
+    env, with_usage = run.env, run.plan.include_usage
+    out = [shapes.chat_chunk(env, choice.index, {"role": "assistant", "content": None}, None, None, with_usage)] \
+        if first else []
+    if not delta.HasField("final"):
+        return out
+    reason = shapes.finish_reason(delta.final)
+    text = "".join(choice.text)
+    if reason != "stop":
+        out.append(shapes.chat_chunk(env, choice.index, {"content": text}, None, None, with_usage))
+    else:
+        reason = "tool_calls"
+        for body in tool_call_deltas(parse_calls(text)):
+            out.append(shapes.chat_chunk(env, choice.index, body, None, None, with_usage))
+    out.append(shapes.chat_chunk(env, choice.index, {}, reason, None, with_usage))
     return out

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.errors import ApiError, internal, unavailable
+from sluice.http_facade.tools import parse_calls
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _MIN_LOGPROB = -9999.0   # JSON has no -Infinity
@@ -93,14 +94,20 @@ class Envelope:
                 "system_fingerprint": self.system_fingerprint}
 
 
-def chat_response(env: Envelope, choices: list[ChoiceState], usage: dict, logprobs: bool) -> dict:
+def chat_response(env: Envelope, choices: list[ChoiceState], usage: dict, logprobs: bool,
+                  tool_calls: bool = False) -> dict:
+    """``tool_calls``: each choice's text is a constrained list of calls (``http_facade.tools``);
+    one that finished is returned as ``tool_calls``, one cut by ``length`` as its text."""
     out = env.base("chat.completion")
-    out["choices"] = [{
-        "index": c.index,
-        "message": {"role": "assistant", "content": "".join(c.text), "refusal": None, "tool_calls": None},
-        "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
-        "finish_reason": finish_reason(c.final),
-    } for c in choices]
+    out["choices"] = []
+    for c in choices:
+        text, reason = "".join(c.text), finish_reason(c.final)
+        message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": None}
+        if tool_calls and reason == "stop":
+            message["content"], message["tool_calls"], reason = None, parse_calls(text), "tool_calls"
+        out["choices"].append({"index": c.index, "message": message,
+                               "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
+                               "finish_reason": reason})
     out["usage"] = usage
     return out
 

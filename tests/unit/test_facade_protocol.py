@@ -63,7 +63,11 @@ def test_completion_prompt_shapes(prompt, kinds):
 
 
 @pytest.mark.parametrize("body, param", [
-    (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+    (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),   # auto: not yet
+    (_chat(tools=[{"type": "function", "function": {"name": ""}}], tool_choice="required"), "tools[0].function.name"),
+    (_chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function",
+                                                                          "function": {"name": "g"}}), "tool_choice"),
+    (_chat(functions=[{"name": "f"}]), "functions"),
     (_chat(tool_choice="auto"), "tool_choice"),
     (_chat(response_format={"type": "yaml"}), "response_format"),
     (_chat(temperature="hot"), "temperature"),
