@@ -154,7 +154,7 @@ async def test_error_statuses(http):
     await _error(resp, 405, None, "method_not_allowed")
     await _error(await client.post("/v1/chat/completions", data=b"x" * 5000, headers=JSON), 413, None,
                  "request_too_large")
-    await _error(await client.post("/v1/chat/completions", json=_chat(tools=[{"type": "function"}])), 400, "tools")
+    await _error(await client.post("/v1/chat/completions", json=_chat(tools=[{"type": "function"}])), 400, "tools[0].function")
 
 
 async def test_engine_status_codes_become_http(http):
