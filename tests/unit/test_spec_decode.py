@@ -39,7 +39,7 @@ def base(tiny):
 def _spec(tiny, mode: str, folder, **kw) -> LLM:
     if mode == "small_draft":
         kw = dict(additional_models=str(folder), draft_loaded=tiny) | kw
-    return LLM(loaded=tiny, speculative_mode=mode, **(OPTS | kw))
+    return LLM(loaded=tiny, speculative_mode=mode, **(OPTS | dict(spec_max_batch_size=8) | kw))
 
 
 # ---- the n-gram lookup ------------------------------------------------------------------------
