@@ -6,7 +6,8 @@ in one batch together with unconstrained requests that stay unconstrained; regex
 outputs match; a request ends with EOS only when its grammar is complete (finish "stop", and the
 grammar's matcher accepts the text as whole); the engine keeps no matcher after a request ends;
 a grammar that does not compile is refused by ``add_request`` with the parameter named and
-nothing allocated; n = 2 gives each choice its own matcher.
+nothing allocated; n = 2 gives each choice its own matcher; with n-gram speculative decoding
+the outputs still validate, greedy and sampled, while drafts are verified.
 """
 from __future__ import annotations
 
@@ -123,3 +124,23 @@ def test_each_choice_has_its_own_matcher(llm):
     res = llm.chat([[{"role": "user", "content": "Name a fruit."}]],
                    SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=5, structured=spec))
     assert [o.text in spec.choices for o in res[0].outputs] == [True, True]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_schemas_validate_with_speculative_decoding(smollm2, temperature):
+    """n-gram drafts (the prompt holds the schema's JSON, so they are plentiful): drafted rows are
+    masked through their drafts, a draft the grammar forbids is rejected, and the matcher ends
+    where the accepted tokens end."""
+    spec_llm = LLM(loaded=smollm2, speculative_mode="ngram", spec_draft_length=4)
+    names = ["nested_object", "ref_defs", "array_of_objects", "person_full"]
+    params = [SamplingParams(max_tokens=160, temperature=temperature, seed=21,
+                             structured=GrammarSpec("json_schema", json.dumps(SCHEMAS[n]), strict=True))
+              for n in names]
+    results = spec_llm.chat([_chat(SCHEMAS[n]) for n in names], params)
+    for name, res in zip(names, results):
+        out = res.outputs[0]
+        assert out.finish_reason == "stop", (name, out.text)
+        jsonschema.Draft202012Validator(SCHEMAS[name], format_checker=jsonschema.FormatChecker()).validate(
+            json.loads(out.text))
+    assert sum(r.usage.draft_tokens for r in results) > 0           # drafts were verified
+    assert not spec_llm.engine.structured.request_ids()
