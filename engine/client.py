@@ -122,6 +122,8 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int = 0
+    draft_tokens: int = 0                  # speculative decoding: drafts verified ...
+    accepted_tokens: int = 0               # ... and accepted (both 0 without it)
 
 
 @dataclass(frozen=True)
@@ -190,6 +192,8 @@ class ModelInfo:
     embedding_document_prefix: str = ""
     rerank_method: str = ""                # "cross-encoder" | "embedding-cosine"; empty: no rerank
     rerank_model: str = ""
+    speculative_mode: str = "disable"
+    spec_draft_length: int = 0             # K; 0 when speculation is off
 
 
 @dataclass(frozen=True)
@@ -200,6 +204,10 @@ class LoadStats:
     kv_blocks_total: int
     prefix_cache_hit_rate: float
     num_in_flight: int
+    spec_num_drafts: int = 0               # speculative decoding since start-up
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -279,7 +287,8 @@ def _delta(request_id: str, c: pb.ChoiceDelta) -> Delta:
         **base,
         finish_reason=_FINISH.get(f.finish_reason, "unknown"),
         stop_reason=getattr(f, kind) if kind else None,
-        usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_prompt_tokens),
+        usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_prompt_tokens,
+                    f.usage.draft_tokens, f.usage.accepted_tokens),
         timings=Timings(*(getattr(t, n) if t.HasField(n) else None for n in ("queued_s", "ttft_s", "total_s"))),
         error=f.error or None,
     )
@@ -289,12 +298,14 @@ def _model_info(m: pb.ModelInfo) -> ModelInfo:   # GetModelInfoResponse.model, L
     return ModelInfo(m.name, m.path, m.architecture, m.max_model_len, m.vocab_size, m.dtype, m.device,
                      m.attention_backend, frozenset(m.capabilities), m.embedding_model, m.embedding_dimension,
                      m.embedding_max_length, m.embedding_normalize, m.embedding_query_prefix,
-                     m.embedding_document_prefix, m.rerank_method, m.rerank_model)
+                     m.embedding_document_prefix, m.rerank_method, m.rerank_model, m.speculative_mode,
+                     m.spec_draft_length)
 
 
 def _load(m: pb.GetLoadResponse) -> LoadStats:
     return LoadStats(m.num_running, m.num_waiting, m.kv_blocks_used, m.kv_blocks_total,
-                     m.prefix_cache_hit_rate, m.num_in_flight)
+                     m.prefix_cache_hit_rate, m.num_in_flight, m.spec_num_drafts, m.spec_draft_tokens,
+                     m.spec_accepted_tokens, tuple(m.spec_accepted_per_position))
 
 
 def _tokenize_request(text: str | None, messages, tools, add_special_tokens) -> pb.TokenizeRequest:

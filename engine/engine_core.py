@@ -58,6 +58,8 @@ class ModelInfo:
     block_size: int
     num_kv_blocks: int
     capabilities: frozenset[str]
+    speculative_mode: str = "disable"
+    spec_draft_length: int = 0             # K; 0 when speculation is off
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class LoadStats:
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_cache_hit_rate: float
+    # Speculative decoding since start-up (all 0 when it is off).
+    spec_num_drafts: int = 0                        # request-steps that carried drafts
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()   # [K]: drafts accepted at position j
 
 
 @dataclass
@@ -176,7 +183,8 @@ class EngineCore:
             name=self.loaded.name, path=str(self.loaded.path), architecture=arch.architecture,
             max_model_len=self.max_model_len, vocab_size=arch.vocab_size, dtype=str(dtype).removeprefix("torch."),
             device=str(device), attention_backend=attn.name, block_size=block_size, num_kv_blocks=num_blocks,
-            capabilities=frozenset(caps),
+            capabilities=frozenset(caps), speculative_mode=config.speculative.speculative_mode,
+            spec_draft_length=config.speculative.spec_draft_length if self.spec is not None else 0,
         )
         self._groups: dict[str, _Group] = {}
         self._choice_of: dict[str, tuple[_Group, _Choice]] = {}   # scheduler request id -> its choice
@@ -506,4 +514,13 @@ class EngineCore:
             kv_blocks_used=st.kv_blocks_used,
             kv_blocks_total=st.kv_blocks_total,
             prefix_cache_hit_rate=st.prefix_cache_hit_rate,
+            **self._spec_load(),
         )
+
+    def _spec_load(self) -> dict:
+        if self.spec is None:
+            return {}
+        s = self.spec.stats
+        return dict(spec_num_drafts=s.num_drafts, spec_draft_tokens=s.num_draft_tokens,
+                    spec_accepted_tokens=s.num_accepted_tokens,
+                    spec_accepted_per_position=tuple(s.accepted_per_position))

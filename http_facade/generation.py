@@ -166,9 +166,17 @@ def usage_of(finals: dict[int, pb.ChoiceFinal], n: int) -> tuple[int, int, int]:
     return prompt, completion, cached
 
 
-def usage_body(prompt: int, completion: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+def usage_body(prompt: int, completion: int, cached: int, finals: dict[int, pb.ChoiceFinal] | None = None) -> dict:
+    body = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
+    drafts = sum(f.usage.draft_tokens for f in (finals or {}).values())
+    if drafts:
+        # Speculative decoding, in the fields OpenAI's predicted outputs report: draft tokens the
+        # target accepted and rejected (summed over choices).
+        accepted = sum(f.usage.accepted_tokens for f in finals.values())
+        body["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                             "rejected_prediction_tokens": drafts - accepted}
+    return body
 
 
 def trace(timer: RequestTimer, finals: dict[int, pb.ChoiceFinal], outcome: str) -> dict:

@@ -38,6 +38,14 @@ class FacadeMetrics:
         self.kv_used = Gauge("sluice_kv_cache_blocks_used", "KV blocks in use", registry=r)
         self.kv_total = Gauge("sluice_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.prefix_hit = Gauge("sluice_prefix_cache_hit_rate", "prefix-cache hit rate", registry=r)
+        # Speculative decoding: the engine's running totals since start-up, read at scrape time
+        # (gauges that only grow while the engine lives; they restart with it).
+        self.spec_drafts = Gauge("sluice_spec_decode_drafts", "request-steps that carried draft tokens", registry=r)
+        self.spec_draft_tokens = Gauge("sluice_spec_decode_draft_tokens", "draft tokens verified", registry=r)
+        self.spec_accepted = Gauge("sluice_spec_decode_accepted_tokens", "draft tokens accepted", registry=r)
+        self.spec_accepted_at = Gauge("sluice_spec_decode_accepted_tokens_per_position",
+                                      "draft tokens accepted at each draft position (0-based)", ["position"],
+                                      registry=r)
         self.ttft = Histogram("sluice_time_to_first_token_seconds", "request arrival to first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("sluice_inter_token_latency_seconds", "time between generated tokens",
@@ -67,6 +75,11 @@ class FacadeMetrics:
         self.kv_total.set(load.kv_blocks_total)
         self.kv_usage.set(load.kv_blocks_used / load.kv_blocks_total if load.kv_blocks_total else 0.0)
         self.prefix_hit.set(load.prefix_cache_hit_rate)
+        self.spec_drafts.set(load.spec_num_drafts)
+        self.spec_draft_tokens.set(load.spec_draft_tokens)
+        self.spec_accepted.set(load.spec_accepted_tokens)
+        for position, accepted in enumerate(load.spec_accepted_per_position):
+            self.spec_accepted_at.labels(position=str(position)).set(accepted)
 
     def observe(self, timer: RequestTimer) -> None:
         if timer.ttft is not None:

@@ -75,9 +75,10 @@ class _Run:
         return {c.index: c.final for c in self.choices if c.final is not None}
 
     def usage(self) -> dict:
-        prompt, completion, cached = usage_of(self.finals(), self.plan.n)
+        finals = self.finals()
+        prompt, completion, cached = usage_of(finals, self.plan.n)
         self.timer.prompt_tokens, self.timer.completion_tokens, self.timer.cached_tokens = prompt, completion, cached
-        return usage_body(prompt, completion, cached)
+        return usage_body(prompt, completion, cached, finals)
 
     async def prepare_echo(self, prompt_index: int, msg: pb.GenerateResponse) -> None:
         if not self.plan.echo:

@@ -195,6 +195,8 @@ def _delta_to_proto(d: CompletionDelta, c: pb.ChoiceDelta, token_text: Callable[
         f.usage.prompt_tokens = d.usage.prompt_tokens
         f.usage.completion_tokens = d.usage.completion_tokens
         f.usage.cached_prompt_tokens = d.usage.cached_tokens
+        f.usage.draft_tokens = d.usage.draft_tokens
+        f.usage.accepted_tokens = d.usage.accepted_tokens
     m = d.metrics
     if m is not None:
         for name in ("queued_s", "ttft_s", "total_s"):
@@ -220,6 +222,7 @@ def model_info_to_proto(info: ModelInfo, embedding: EmbeddingEngine | None = Non
         name=info.name, path=info.path, architecture=info.architecture, max_model_len=info.max_model_len,
         vocab_size=info.vocab_size, dtype=info.dtype, device=info.device,
         attention_backend=info.attention_backend, capabilities=sorted(info.capabilities | caps), **extra,
+        speculative_mode=info.speculative_mode, spec_draft_length=info.spec_draft_length,
     )
 
 
@@ -227,5 +230,7 @@ def load_to_proto(load: LoadStats, num_in_flight: int) -> pb.GetLoadResponse:
     return pb.GetLoadResponse(
         num_running=load.num_running, num_waiting=load.num_waiting, kv_blocks_used=load.kv_blocks_used,
         kv_blocks_total=load.kv_blocks_total, prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-        num_in_flight=num_in_flight,
+        num_in_flight=num_in_flight, spec_num_drafts=load.spec_num_drafts,
+        spec_draft_tokens=load.spec_draft_tokens, spec_accepted_tokens=load.spec_accepted_tokens,
+        spec_accepted_per_position=load.spec_accepted_per_position,
     )

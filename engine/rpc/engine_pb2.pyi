@@ -250,14 +250,18 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., token: _Optional[str] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "draft_tokens", "accepted_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    draft_tokens: int
+    accepted_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., draft_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queued_s", "ttft_s", "total_s")
@@ -366,7 +370,7 @@ class GetModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[_Union[ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("name", "path", "architecture", "max_model_len", "vocab_size", "dtype", "device", "attention_backend", "capabilities", "embedding_model", "embedding_dimension", "embedding_max_length", "embedding_normalize", "embedding_query_prefix", "embedding_document_prefix", "rerank_method", "rerank_model")
+    __slots__ = ("name", "path", "architecture", "max_model_len", "vocab_size", "dtype", "device", "attention_backend", "capabilities", "embedding_model", "embedding_dimension", "embedding_max_length", "embedding_normalize", "embedding_query_prefix", "embedding_document_prefix", "rerank_method", "rerank_model", "speculative_mode", "spec_draft_length")
     NAME_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +388,8 @@ class ModelInfo(_message.Message):
     EMBEDDING_DOCUMENT_PREFIX_FIELD_NUMBER: _ClassVar[int]
     RERANK_METHOD_FIELD_NUMBER: _ClassVar[int]
     RERANK_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SPECULATIVE_MODE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     name: str
     path: str
     architecture: str
@@ -401,7 +407,9 @@ class ModelInfo(_message.Message):
     embedding_document_prefix: str
     rerank_method: str
     rerank_model: str
-    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., embedding_model: _Optional[str] = ..., embedding_dimension: _Optional[int] = ..., embedding_max_length: _Optional[int] = ..., embedding_normalize: bool = ..., embedding_query_prefix: _Optional[str] = ..., embedding_document_prefix: _Optional[str] = ..., rerank_method: _Optional[str] = ..., rerank_model: _Optional[str] = ...) -> None: ...
+    speculative_mode: str
+    spec_draft_length: int
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., architecture: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., attention_backend: _Optional[str] = ..., capabilities: _Optional[_Iterable[str]] = ..., embedding_model: _Optional[str] = ..., embedding_dimension: _Optional[int] = ..., embedding_max_length: _Optional[int] = ..., embedding_normalize: bool = ..., embedding_query_prefix: _Optional[str] = ..., embedding_document_prefix: _Optional[str] = ..., rerank_method: _Optional[str] = ..., rerank_model: _Optional[str] = ..., speculative_mode: _Optional[str] = ..., spec_draft_length: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()
@@ -418,20 +426,28 @@ class GetLoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetLoadResponse(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_rate", "num_in_flight")
+    __slots__ = ("num_running", "num_waiting", "kv_blocks_used", "kv_blocks_total", "prefix_cache_hit_rate", "num_in_flight", "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens", "spec_accepted_per_position")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_PER_POSITION_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
     prefix_cache_hit_rate: float
     num_in_flight: int
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_in_flight: _Optional[int] = ...) -> None: ...
+    spec_num_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_position: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., num_in_flight: _Optional[int] = ..., spec_num_drafts: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_accepted_per_position: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EmbedRequest(_message.Message):
     __slots__ = ("texts", "normalize", "token_ids", "dimensions", "input_type", "prefix", "truncate")
