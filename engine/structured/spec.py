@@ -67,6 +67,42 @@ def _check_schema_text(text: str, field: str) -> None:
         raise ValueError(f"{field}: the JSON schema is not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{field}: a JSON schema must be an object (or true/false), got {type(schema).__name__}")
+    _check_keywords(schema, "", field, 0)
+
+
+# Keywords xgrammar 0.2 compiles without enforcing them (checked here: an instance that breaks
+# the keyword is accepted by the compiled grammar). Refused, so that a schema never promises
+# what the output does not keep. ``then``/``else`` go with ``if``, min/maxContains with contains.
+_UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "dependentRequired", "contains",
+               "minContains", "maxContains")
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def _check_keywords(schema, path: str, field: str, depth: int) -> None:
+    if not isinstance(schema, dict) or depth > 64:
+        return
+    for kw in _UNENFORCED:
+        if kw in schema and not (kw == "uniqueItems" and schema[kw] is False):
+            raise ValueError(f"{field}: JSON Schema keyword {kw!r} at {path or '/'} is not supported "
+                             "(the grammar could not enforce it)")
+    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
+        raise ValueError(f"{field}: JSON Schema keyword 'allOf' with more than one schema at {path or '/'} is "
+                         "not supported (the grammar could not enforce it); merge them into one schema")
+    if "format" in schema and ("minLength" in schema or "maxLength" in schema):
+        raise ValueError(f"{field}: JSON Schema 'format' together with minLength/maxLength at {path or '/'} is "
+                         "not supported (the lengths would not be enforced)")
+    for kw in _SCHEMA_MAPS:
+        if isinstance(schema.get(kw), dict):
+            for name, sub in schema[kw].items():
+                _check_keywords(sub, f"{path}/{kw}/{name}", field, depth + 1)
+    for kw in _SCHEMA_LISTS:
+        if isinstance(schema.get(kw), list):
+            for i, sub in enumerate(schema[kw]):
+                _check_keywords(sub, f"{path}/{kw}/{i}", field, depth + 1)
+    for kw in _SCHEMA_ONE:
+        _check_keywords(schema.get(kw), f"{path}/{kw}", field, depth + 1)
 
 
 def _no_constant(name: str) -> float:

@@ -132,12 +132,26 @@ def test_compile_errors_name_the_parameter(manager, spec, message):
      r"^response_format: the JSON schema is not valid JSON"),
     ({"kind": "json_schema", "text": "[1]"}, r"^structured_output: a JSON schema must be an object"),
     ({"kind": "json_schema", "text": '{"minimum": NaN}'}, r"the JSON schema is not valid JSON"),
+    ({"kind": "json_schema", "text": '{"type": "array", "uniqueItems": true}', "field": "response_format"},
+     r"^response_format: JSON Schema keyword 'uniqueItems' at / is not supported"),
+    ({"kind": "json_schema", "text": '{"properties": {"a": {"items": {"not": {"type": "string"}}}}}'},
+     r"keyword 'not' at /properties/a/items is not supported"),
+    ({"kind": "json_schema", "text": '{"$defs": {"x": {"if": {}, "then": {}}}}'}, r"'if' at /\$defs/x"),
+    ({"kind": "json_schema", "text": '{"allOf": [{"type": "object"}, {"required": ["a"]}]}'},
+     r"'allOf' with more than one schema at /"),
+    ({"kind": "json_schema", "text": '{"type": "string", "format": "email", "maxLength": 9}'},
+     r"'format' together with minLength/maxLength at /"),
     ({"kind": "choice"}, r"^structured_output: needs at least one choice"),
     ({"kind": "choice", "choices": ("a", "")}, r"every choice must be a non-empty string"),
 ])
 def test_bad_specs_are_refused_before_compiling(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GrammarSpec(**kwargs)
+
+
+def test_keywords_named_like_unsupported_ones_are_fine_as_property_names():
+    GrammarSpec("json_schema", '{"type": "object", "properties": {"not": {"type": "integer"}, '
+                               '"contains": {"type": "string"}}, "required": ["not"]}')
 
 
 def test_sampling_params_refuse_a_grammar_with_min_tokens_or_ignore_eos():
