@@ -170,6 +170,20 @@ class Tokenizer:
         )
         return cls(backend, specials)
 
+    def save_folder(self, folder: str | Path) -> Path:
+        """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``generation_config.json`` so
+        that ``from_folder(folder)`` gives this tokenizer back: the same ids both ways, special
+        tokens, stop ids and chat template (e.g. a GGUF's tokenizer beside safetensors weights).
+        FIM tokens are found again by their spelling."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tok.save(str(folder / "tokenizer.json"))   # carries the BOS/EOS post-processor
+        config = {"bos_token": self.bos_token, "eos_token": self.eos_token, "chat_template": self.chat_template}
+        (folder / "tokenizer_config.json").write_text(
+            json.dumps({k: v for k, v in config.items() if v is not None}, ensure_ascii=False), encoding="utf-8")
+        (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": sorted(self.eos_token_ids)}))
+        return folder
+
     def _id_or_none(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 

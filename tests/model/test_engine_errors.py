@@ -6,20 +6,17 @@ empty and every KV block is free, and the engine still serves a good request.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sluice.engine.errors import ContextLengthError, QueueFullError
 from sluice.engine.llm import LLM
-from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm():
-    loaded = load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
-    return LLM(loaded=loaded, max_model_len=64, max_waiting=2)
+def llm(smollm2):
+    return LLM(loaded=smollm2, max_model_len=64, max_waiting=2)
 
 
 def _assert_nothing_allocated(llm: LLM) -> None:

@@ -6,18 +6,16 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from sluice.engine.llm import LLM
-from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(loaded=load_model("smollm2", dtype=torch.float32, device=torch.device("cpu")))
+def llm(smollm2):
+    return LLM(loaded=smollm2)
 
 
 def test_seeded_request_same_alone_and_in_a_mixed_batch(llm):

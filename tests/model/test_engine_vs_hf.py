@@ -9,11 +9,8 @@ back in the pool.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from sluice.engine.llm import LLM
-from sluice.engine.loaders import load_model
-from sluice.engine.models.registry import resolve_short_name
 from sluice.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -32,30 +29,14 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model("smollm2", dtype=torch.float32, device=torch.device("cpu"))
+def loaded(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module")
-def hf_greedy(loaded):
-    """transformers' greedy continuation of each prompt (no EOS stop). Each step re-runs the whole
-    sequence without a KV cache: slower, but it leans on no cache API (which transformers keeps
-    renaming) and shares no cache logic with the engine under test."""
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_short_name("smollm2")
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for p in PROMPTS:
-            ids = loaded.tokenizer.encode(p)
-            toks = []
-            for _ in range(NEW_TOKENS):
-                logits = model(torch.tensor([ids + toks]), use_cache=False).logits
-                toks.append(int(logits[0, -1].argmax()))
-            outs.append(toks)
-    return outs
+def hf_greedy(smollm2, hf_smollm2):
+    """transformers' greedy continuation of each prompt (no EOS stop); see tests/model/conftest.py."""
+    return [hf_smollm2.greedy(smollm2.tokenizer.encode(p), NEW_TOKENS) for p in PROMPTS]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)

