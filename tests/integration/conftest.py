@@ -3,7 +3,8 @@
 ``engine_server`` (session): ``python -m sluice.engine.cli engine smollm2 --port <free port>`` with room
 for 16 concurrent sequences and the debug fault-injection switch on (prompts containing
 ``<<sluice-fault>>`` fail inside the engine step; off by default, see ``engine.envs``).
-``start_engine`` starts further processes (the small engine the shutdown tests SIGTERM).
+``launch_engine`` starts further processes (the small engine the shutdown tests SIGTERM), on the
+tiny random-weight SmolLM2 (``tiny_smollm2``, tests/conftest.py) where only the plumbing is tested.
 """
 from __future__ import annotations
 
@@ -55,14 +56,24 @@ class EngineProcess:
             return self.proc.wait(10)
 
 
-def launch_engine(log_path: Path, *args: str, fault_injection: bool = False) -> EngineProcess:
-    """Start an engine process; returns at once (it is still loading)."""
+def engine_threads(model: str | Path) -> str:
+    """OMP_NUM_THREADS for an engine process: one for the tiny model, whose matmuls are too small
+    to split (on this 2-core machine two threads made its steps ~8x slower whenever another
+    process ran); the real model's default otherwise."""
+    return "1" if str(model) != "smollm2" else os.environ.get("OMP_NUM_THREADS", "2")
+
+
+def launch_engine(log_path: Path, *args: str, model: str | Path = "smollm2",
+                  fault_injection: bool = False) -> EngineProcess:
+    """Start an engine process on ``model`` (a short name or a path, e.g. the ``tiny_smollm2``
+    fixture's); returns at once (it is still loading)."""
     port = free_port()
     env = {**os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+           "OMP_NUM_THREADS": engine_threads(model),
            "SLUICE_DEBUG_FAULT_INJECTION": "1" if fault_injection else "0"}
-    cmd = [sys.executable, "-m", "sluice.engine.cli", "engine", "smollm2", "--device", "cpu", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", "sluice.engine.cli", "engine", str(model), "--device", "cpu", "--port", str(port),
+           *args]
     log = open(log_path, "wb")   # noqa: SIM115 - the child owns it until it exits
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     log.close()

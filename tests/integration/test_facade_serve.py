@@ -2,7 +2,8 @@
 answers, refuses with 429 + Retry-After when the engine's waiting queue (made tiny with
 ``--overrides``) is full, and exits 0 on SIGTERM leaving no child behind; when the engine dies the
 command exits non-zero and the HTTP port is released instead of hanging; unsupported flags fail
-at once with a clear message."""
+at once with a clear message. The served model is the tiny random-weight SmolLM2
+(tests/model_files.py): these tests are about processes and queues, not answers."""
 from __future__ import annotations
 
 import os
@@ -16,18 +17,22 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.integration.conftest import REPO, free_port
-
-pytestmark = pytest.mark.slow
+from tests.integration.conftest import REPO, engine_threads, free_port
 
 START_S = 240
 
 
-def _serve(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, str, Path]:
+@pytest.fixture(scope="module")
+def model(tiny_smollm2) -> str:
+    return str(tiny_smollm2)
+
+
+def _serve(tmp_path: Path, model: str, *args: str) -> tuple[subprocess.Popen, str, Path]:
     port = free_port()
     log = tmp_path / "serve.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
-    cmd = [sys.executable, "-m", "sluice.http_facade.cli", "serve", "smollm2", "--device", "cpu", "--port", str(port), *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": engine_threads(model)}
+    cmd = [sys.executable, "-m", "sluice.http_facade.cli", "serve", model, "--device", "cpu", "--port", str(port),
+           "--embedding-model", "none", *args]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=fh, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -55,20 +60,22 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
 
 
-def _chat(url: str, max_tokens: int) -> requests.Response:
+def _chat(url: str, model: str, max_tokens: int) -> requests.Response:
     return requests.post(url + "/v1/chat/completions", timeout=300, json={
-        "model": "smollm2", "messages": [{"role": "user", "content": "Count to one hundred."}],
+        "model": model, "messages": [{"role": "user", "content": "Count to one hundred."}],
         "max_tokens": max_tokens, "ignore_eos": True})
 
 
-def test_serve_answers_429_on_a_full_queue_and_exits_0_on_sigterm(tmp_path):
-    proc, url, log = _serve(tmp_path, "--overrides", "max_num_sequence=1;max_waiting=1")
+def test_serve_answers_429_on_a_full_queue_and_exits_0_on_sigterm(tmp_path, model):
+    proc, url, log = _serve(tmp_path, model, "--overrides", "max_num_sequence=1;max_waiting=1")
     children = _children(proc.pid)
     try:
         assert len(children) == 2
-        assert _chat(url, 4).status_code == 200
+        assert _chat(url, model, 4).status_code == 200
+        # 200 tokens keep a request running for half a second or more on the tiny model, so the six
+        # sent together find one running, one waiting and no room.
         with ThreadPoolExecutor(6) as pool:
-            statuses = list(pool.map(lambda _: _chat(url, 24), range(6)))
+            statuses = list(pool.map(lambda _: _chat(url, model, 200), range(6)))
         codes = sorted(r.status_code for r in statuses)
         assert 200 in codes and 429 in codes, codes
         refused = next(r for r in statuses if r.status_code == 429)
@@ -81,8 +88,8 @@ def test_serve_answers_429_on_a_full_queue_and_exits_0_on_sigterm(tmp_path):
     assert not any(_alive(c) for c in children)
 
 
-def test_serve_exits_nonzero_when_the_engine_dies(tmp_path):
-    proc, url, log = _serve(tmp_path)
+def test_serve_exits_nonzero_when_the_engine_dies(tmp_path, model):
+    proc, url, log = _serve(tmp_path, model)
     try:
         engine = next(c for c in _children(proc.pid)
                       if b"sluice.engine.cli" in Path(f"/proc/{c}/cmdline").read_bytes())

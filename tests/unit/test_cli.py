@@ -98,12 +98,18 @@ def test_serve_and_facade_are_registered(capsys) -> None:
     assert code == 2 and "--engine" in err
 
 
-# ---- the offline commands, on the real default model (loaded once) -------------------------
+# ---- the offline commands, on the tiny random-weight SmolLM2 (tests/model_files.py) ----------
+# They check the CLI's plumbing: arguments → engine config → the offline API → what is printed.
 @pytest.fixture(scope="module")
-def shared_llm():
+def model(tiny_smollm2) -> str:
+    return str(tiny_smollm2)
+
+
+@pytest.fixture(scope="module")
+def shared_llm(model):
     from sluice.engine.llm import LLM
 
-    return LLM(config=overrides.build_engine_config("smollm2", device="cpu"))
+    return LLM(config=overrides.build_engine_config(model, device="cpu"))
 
 
 @pytest.fixture
@@ -119,22 +125,20 @@ def cli_llm(shared_llm, monkeypatch):
     return shared_llm
 
 
-@pytest.mark.slow
-def test_generate_prints_the_offline_completion(cli_llm, capsys) -> None:
+def test_generate_prints_the_offline_completion(cli_llm, model, capsys) -> None:
     from sluice.engine.sampling_params import SamplingParams
 
-    assert cli.main(["generate", "smollm2", "The capital of France is", "--device", "cpu",
+    assert cli.main(["generate", model, "The capital of France is", "--device", "cpu",
                      "--max-tokens", "6", "--temperature", "0"]) == 0
     printed = capsys.readouterr().out
     ref = cli_llm.generate("The capital of France is", SamplingParams(max_tokens=6, temperature=0.0))[0]
     assert printed == ref.outputs[0].text + "\n"
 
 
-@pytest.mark.slow
-def test_chat_one_shot_and_repl(cli_llm, capsys, monkeypatch) -> None:
+def test_chat_one_shot_and_repl(cli_llm, model, capsys, monkeypatch) -> None:
     from sluice.engine.sampling_params import SamplingParams
 
-    assert cli.main(["chat", "smollm2", "--device", "cpu", "--message", "Say hi.", "--max-tokens", "8",
+    assert cli.main(["chat", model, "--device", "cpu", "--message", "Say hi.", "--max-tokens", "8",
                      "--temperature", "0"]) == 0
     one_shot = capsys.readouterr().out
     ref = cli_llm.chat([{"role": "user", "content": "Say hi."}], SamplingParams(max_tokens=8, temperature=0.0))[0]
@@ -142,5 +146,5 @@ def test_chat_one_shot_and_repl(cli_llm, capsys, monkeypatch) -> None:
 
     lines = iter(["Say hi.", ""])
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
-    assert cli.main(["chat", "smollm2", "--device", "cpu", "--max-tokens", "8", "--temperature", "0"]) == 0
+    assert cli.main(["chat", model, "--device", "cpu", "--max-tokens", "8", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == one_shot
