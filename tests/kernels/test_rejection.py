@@ -24,18 +24,37 @@ def _fixed_draft_case(rows, vocab, k, device):
     return drafts.to(device), q.to(device), p.to(device)
 
 
+def _assert_first_token_law(out, emitted, drafts, q, p) -> None:
+    """The first emitted token follows the target p (chi-square). Also exactly: a row that kept its
+    first draft emitted it, and a row that emitted one token rejected it and resampled from the
+    residual max(0, p - q), so never a token outside that residual's support."""
+    first = out[:, 0].cpu()
+    assert chi_square_pvalue(torch.bincount(first, minlength=p.shape[-1]), p[0, 0].cpu()) > P_MIN
+    rejected = (emitted == 1).cpu()
+    kept = ~rejected
+    assert torch.equal(first[kept], drafts[:, 0].cpu()[kept])
+    residual = (p[0, 0] - q[0, 0]).clamp(min=0).cpu()
+    assert rejected.sum() > len(first) // 2, "the case must reject most first drafts to test the residual"
+    assert (residual[first[rejected]] > 0).all(), "a rejected draft was resampled outside max(0, p - q)"
+
+
 def test_first_token_follows_target_distribution(device):
-    rows, vocab = 600, 6
+    # 200 rows (the interpreter runs one ~20 ms program per row). The subtlest bug, resampling a
+    # rejected draft from p instead of the residual, leaves the first token's marginal close to p
+    # (chi-square power 0.91 at 200 rows, 1.0 at 600) but puts 18% of the ~160 rejected rows
+    # outside the residual's support, which the exact check catches with probability 1 - 2e-14.
+    # Always accepting, or an inverted ratio q/p, fail the chi-square alone (power 1.0).
+    rows, vocab = 200, 6
     drafts, q, p = _fixed_draft_case(rows, vocab, 2, device)
     out, emitted = rejection_sample(drafts, q, p, torch.arange(rows, device=device),
                                     torch.zeros(rows, dtype=torch.int64, device=device))
-    assert chi_square_pvalue(torch.bincount(out[:, 0], minlength=vocab), p[0, 0]) > P_MIN
     assert ((emitted >= 1) & (emitted <= 3)).all()
     pos = torch.arange(3, device=device)[None, :]
     assert torch.equal(out >= 0, pos < emitted[:, None].long()), "tokens then -1 padding"
+    _assert_first_token_law(out, emitted, drafts, q, p)
     # The reference sampler satisfies the same law.
-    ref, _ = rejection_sample_ref(drafts.cpu(), q.cpu(), p.cpu(), torch.Generator().manual_seed(0))
-    assert chi_square_pvalue(torch.bincount(ref[:, 0], minlength=vocab), p[0, 0].cpu()) > P_MIN
+    ref, ref_emitted = rejection_sample_ref(drafts.cpu(), q.cpu(), p.cpu(), torch.Generator().manual_seed(0))
+    _assert_first_token_law(ref, ref_emitted, drafts.cpu(), q.cpu(), p.cpu())
 
 
 def test_equal_distributions_accept_all_and_add_bonus(device):

@@ -49,13 +49,25 @@ def test_seeded_rows_repeat_and_offsets_change_draws(device):
     assert not torch.equal(a, sample(logits, **_params(8, device, offset=1)))
 
 
+# Draws per case. The interpreter runs one program per row (~15 ms each here), so rows are the
+# cost. The distribution logic is the same for every dtype (each pass converts the tile it loads
+# to fp32), so fp32 keeps the 400 draws whose chi-square catches the distribution bugs: a
+# one-place shift of the inverse CDF (power 1.0 in both cases), uniform draws over the right
+# survivors (0.996 / 0.85), ignoring temperature (1.0 in the second case), any filter dropped or
+# off by one (the zero-count check, 1.0). What can go wrong for fp16/bf16 alone is the loads
+# (conversion, masking, addressing), and a wrong load moves the distribution grossly: 100 draws
+# still catch the shift (0.93 / 0.80) and every filtered token drawn (1.0). (Power at
+# p = 1e-3 from the non-central chi-square, against each bug's own distribution.)
+ROWS = {torch.float32: 400, torch.float16: 100, torch.bfloat16: 100}
+
+
 @pytest.mark.parametrize("filters", [
     {"temperature": 0.7, "top_k": 4},
     {"temperature": 1.5, "min_p": 0.1, "top_k": 6, "top_p": 0.8},
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_draws_follow_reference_distribution(device, filters, dtype):
-    rows, vocab = 400, 12
+    rows, vocab = ROWS[dtype], 12
     base = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3)) * 1.5
     base = (base * 8).round() / 8                      # exact in fp16 and bf16 too
     logits = base.repeat(rows, 1).to(device=device, dtype=dtype)
@@ -86,8 +98,9 @@ def test_reference_filters_on_a_known_distribution():
 
 def test_top_p_is_judged_on_the_top_k_survivors_renormalised(device):
     # weights ∝ [8, 4, 2, 1, 1]; top-k 3 keeps mass 14. Token 2's heavier mass is 12/14 = 0.857 >= 0.8:
-    # dropped. (Judged on the full softmax it would be 12/16 = 0.75 < 0.8 and kept.)
-    rows = 240
+    # dropped. (Judged on the full softmax it would be 12/16 = 0.75 < 0.8 and kept.) That bug draws
+    # token 2 with probability 2/14: 100 rows all miss it with probability (6/7)^100 = 2e-7.
+    rows = 100
     logits = torch.log(torch.tensor([[8.0, 4.0, 2.0, 1.0, 1.0]])).repeat(rows, 1).to(device)
     p = _params(rows, device, top_k=3, top_p=0.8)
     probs = sampling_probs_ref(logits[:1], p["temperature"][:1], p["top_k"][:1], p["top_p"][:1], p["min_p"][:1])
