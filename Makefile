@@ -51,8 +51,10 @@ generate: setup
 chat: setup
 	$(BIN)/sluice chat smollm2
 
+# The 25 slowest tests and the whole run's duration close the report; -rs says why anything
+# skipped (only GPU tests may, on a machine without CUDA).
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -rs --durations=25 tests
 
 # The declared dependency floors: the unit tests on the lowest versions pyproject.toml allows.
 test-floors:
