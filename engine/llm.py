@@ -134,7 +134,7 @@ class _Accumulator:
             if d.logprobs:
                 o.logprobs = (o.logprobs or []) + d.logprobs
             if d.finished:
-                o.finish_reason, o.stop_reason = d.finish_reason, d.stop_reason
+                o.finish_reason, o.stop_reason, o.error = d.finish_reason, d.stop_reason, d.error
                 self.usage[d.index] = d.usage
                 self.metrics = self.metrics or d.metrics
 

@@ -79,6 +79,7 @@ class CompletionOutput:
     finish_reason: str | None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
+    error: str | None = None               # why, when finish_reason is "error"
 
 
 @dataclass

@@ -49,6 +49,11 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple, concurrent.futures.Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._matchers: dict[str, object] = {}  # request id -> xgrammar.GrammarMatcher
+        # Requests whose grammar reached a state that no token of the vocabulary continues (a
+        # grammar needing text this tokenizer cannot spell): their row is left unmasked, so that
+        # it cannot turn into an all -inf row (NaN probabilities for the whole batch's sampler),
+        # and ``accept`` fails them with this reason.
+        self._dead_ends: set[str] = set()
 
     # ---- compiling (any thread) ---------------------------------------------------------------
     def compile(self, spec: GrammarSpec):
@@ -123,6 +128,7 @@ class StructuredOutputManager:
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._dead_ends.discard(request_id)
 
     def request_ids(self) -> set[str]:
         return set(self._matchers)
@@ -133,6 +139,9 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request_id)
         if matcher is None:
             return True
+        if request_id in self._dead_ends:
+            raise ValueError("grammar: no token of the model's vocabulary can continue the output here "
+                             "(the constraint needs text that this tokenizer cannot produce)")
         return all(matcher.accept_token(int(t)) for t in token_ids)
 
     def is_finished(self, request_id: str) -> bool:
@@ -156,6 +165,13 @@ class StructuredOutputManager:
             for j in range(len(drafts) + 1):
                 if advanced == j and not matcher.is_terminated():
                     matcher.fill_next_token_bitmask(bitmask, row + j)
+                    if not bool(bitmask[row + j].any()):
+                        # A dead end now fails the request; one behind a draft only if the target
+                        # accepts that draft (the next step's first row finds it then).
+                        if j == 0:
+                            self._dead_ends.add(req.request_id)
+                        bitmask[row + j] = -1
+                        break
                     if j < len(drafts) and matcher.accept_token(int(drafts[j])):
                         advanced += 1
                 # Rows past a draft the grammar rejects stay all ones: that draft's own row
