@@ -36,21 +36,22 @@ FINISH_REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENG
 def check_sampling_caps(msg: pb.SamplingParams, limits: LimitsConfig) -> None:
     """The request caps read off the message itself, before anything is copied out of it: a
     million stop strings cost one ``len()`` on the event loop, not a list and a dataclass built
-    only to be refused. Same messages as ``limits.check_params`` (which the engine still runs)."""
+    only to be refused. The messages of ``limits.check_params`` (which the engine still runs),
+    named by the message's own fields (``sampling.top_logprobs``), as every gRPC error is."""
     if msg.HasField("n") and msg.n > limits.max_n:
-        raise over_cap("n", "choices per request", msg.n, limits.max_n, "max_n")
+        raise over_cap("sampling.n", "choices per request", msg.n, limits.max_n, "max_n")
     if len(msg.stop) > limits.max_stop_strings:
-        raise over_cap("stop", "stop strings", len(msg.stop), limits.max_stop_strings, "max_stop_strings")
+        raise over_cap("sampling.stop", "stop strings", len(msg.stop), limits.max_stop_strings, "max_stop_strings")
     for s in msg.stop:      # at most max_stop_strings of them now
         if len(s) > limits.max_stop_length:
-            raise over_cap("stop", "characters per stop string", len(s), limits.max_stop_length, "max_stop_length")
+            raise over_cap("sampling.stop", "characters per stop string", len(s), limits.max_stop_length, "max_stop_length")
     if len(msg.stop_token_ids) > limits.max_stop_strings:
-        raise over_cap("stop_token_ids", "stop tokens", len(msg.stop_token_ids), limits.max_stop_strings,
+        raise over_cap("sampling.stop_token_ids", "stop tokens", len(msg.stop_token_ids), limits.max_stop_strings,
                        "max_stop_strings")
     if len(msg.logit_bias) > limits.max_logit_bias:
-        raise over_cap("logit_bias", "entries", len(msg.logit_bias), limits.max_logit_bias, "max_logit_bias")
+        raise over_cap("sampling.logit_bias", "entries", len(msg.logit_bias), limits.max_logit_bias, "max_logit_bias")
     if msg.HasField("top_logprobs") and msg.top_logprobs > limits.max_logprobs:
-        raise over_cap("logprobs", "alternatives per token", msg.top_logprobs, limits.max_logprobs, "max_logprobs")
+        raise over_cap("sampling.top_logprobs", "alternatives per token", msg.top_logprobs, limits.max_logprobs, "max_logprobs")
 
 
 def sampling_from_proto(msg: pb.SamplingParams, limits: LimitsConfig | None = None) -> SamplingParams:

@@ -34,7 +34,7 @@ def _assert_idle(client: EngineClient) -> None:
     (dict(temperature=-1.0), "sampling.temperature"),
     (dict(n=0), "sampling.n"),
     (dict(top_logprobs=2), "sampling.top_logprobs"),
-    (dict(logprobs=True, top_logprobs=50), "sampling.logprobs"),
+    (dict(logprobs=True, top_logprobs=50), "sampling.top_logprobs"),    # over the cap (max_logprobs)
     (dict(stop_token_ids=[10**6]), "stop_token_ids"),
     (dict(max_tokens=4, max_tokens_unlimited=True), "sampling.max_tokens"),
 ])

@@ -96,7 +96,7 @@ def test_the_triton_floor_matches_pyproject():
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     floor = "triton>=" + ".".join(map(str, MIN_TRITON))
     extras = project["optional-dependencies"]
-    assert [d for d in extras["triton"] + extras["gpu"] + extras["dev"] if d.startswith("triton")] == [floor] * 3
+    assert [d for d in extras["triton"] + extras["gpu"] + extras["test"] if d.startswith("triton")] == [floor] * 3
 
 
 def _fake_flash_attn(monkeypatch, calls: list | None):

@@ -204,7 +204,7 @@ def test_api_keys_on_every_route_and_cors_preflight(serve, idle):
     ({"stop": ["w" * 257]}, "stop"),
     ({"stop_token_ids": [1] * 17}, "stop_token_ids"),
     ({"logit_bias": {i: 1.0 for i in range(1025)}}, "logit_bias"),
-    ({"logprobs": True, "top_logprobs": 21}, "logprobs"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
 ])
 def test_grpc_caps_are_invalid_argument_naming_the_parameter(serve, idle, sampling, param):
     with EngineClient(serve.engine_target, timeout=30) as client:

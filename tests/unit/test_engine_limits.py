@@ -111,12 +111,12 @@ def _no_conversion(monkeypatch):
 
 
 @pytest.mark.parametrize(("fields", "message"), [
-    ({"stop": ["w1"] * 300_000}, "stop: at most 16 stop strings, got 300000"),
-    ({"stop": ["x" * 257]}, "stop: at most 256 characters per stop string, got 257"),
-    ({"stop_token_ids": [1] * 10_000}, "stop_token_ids: at most 16 stop tokens, got 10000"),
-    ({"logit_bias": {i: 1.0 for i in range(2000)}}, "logit_bias: at most 1024 entries, got 2000"),
-    ({"n": 2_000_000}, "n: at most 128 choices per request, got 2000000"),
-    ({"logprobs": True, "top_logprobs": 50}, "logprobs: at most 20 alternatives per token, got 50"),
+    ({"stop": ["w1"] * 300_000}, "sampling.stop: at most 16 stop strings, got 300000"),
+    ({"stop": ["x" * 257]}, "sampling.stop: at most 256 characters per stop string, got 257"),
+    ({"stop_token_ids": [1] * 10_000}, "sampling.stop_token_ids: at most 16 stop tokens, got 10000"),
+    ({"logit_bias": {i: 1.0 for i in range(2000)}}, "sampling.logit_bias: at most 1024 entries, got 2000"),
+    ({"n": 2_000_000}, "sampling.n: at most 128 choices per request, got 2000000"),
+    ({"logprobs": True, "top_logprobs": 50}, "sampling.top_logprobs: at most 20 alternatives per token, got 50"),
 ])
 def test_grpc_caps_are_checked_on_the_message_before_conversion(monkeypatch, fields, message):
     from sluice.engine.config import LimitsConfig
@@ -142,5 +142,5 @@ def test_the_servicer_passes_the_engine_limits(monkeypatch, core):
     async def first():
         return await servicer.Generate(request, None).__anext__()
 
-    with pytest.raises(ValueError, match="^stop: at most 16 stop strings"):
+    with pytest.raises(ValueError, match="^sampling.stop: at most 16 stop strings"):
         asyncio.run(first())
