@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,10 +97,37 @@ def wait_serving(engine: EngineProcess, timeout: float = START_TIMEOUT_S) -> Non
     pytest.fail(f"engine not SERVING after {timeout}s:\n{engine.log_tail()}")
 
 
+# The session engine takes ~12 s to come up (imports, SmolLM2, MiniLM); collecting the whole suite
+# takes about as long. So it is started as soon as collection meets a test that needs it, and
+# loads while the rest is collected; if deselection (-k, -m) leaves no such test it is stopped.
+_early: dict[str, EngineProcess] = {}
+
+
+def _launch_session_engine() -> EngineProcess:
+    log = Path(tempfile.mkdtemp(prefix="sluice-session-engine-")) / "engine.log"
+    return launch_engine(log, "--mode", "local", "--overrides", MAIN_OVERRIDES, fault_injection=True)
+
+
+def pytest_itemcollected(item) -> None:
+    if ("engine_server" in getattr(item, "fixturenames", ()) and not _early
+            and not item.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ):
+        _early["engine"] = _launch_session_engine()
+
+
+@pytest.hookimpl(trylast=True)   # after -k / -m deselected what they deselect
+def pytest_collection_modifyitems(items) -> None:
+    if _early and not any("engine_server" in getattr(i, "fixturenames", ()) for i in items):
+        _early.pop("engine").stop()
+
+
+def pytest_sessionfinish() -> None:
+    if _early:   # started, never used (an interrupted or failed collection)
+        _early.pop("engine").stop()
+
+
 @pytest.fixture(scope="session")
-def engine_server(tmp_path_factory) -> EngineProcess:
-    engine = launch_engine(tmp_path_factory.mktemp("engine") / "engine.log",
-                           "--mode", "local", "--overrides", MAIN_OVERRIDES, fault_injection=True)
+def engine_server() -> EngineProcess:
+    engine = _early.pop("engine", None) or _launch_session_engine()
     try:
         wait_serving(engine)
         yield engine
