@@ -30,9 +30,9 @@ from triton.compiler import ASTSource
 
 from sluice.kernels._checks import FP_FUSION
 
-# The modules themselves: ``kernels`` re-exports functions under some of the same names.
+# The modules themselves: ``sluice.kernels`` re-exports functions under some of the same names.
 kv_store, paged_decode, paged_prefill, penalties, rejection, sampling = (
-    import_module(f"kernels.{m}") for m in ("kv_store", "paged_decode", "paged_prefill", "penalties", "rejection", "sampling"))
+    import_module(f"sluice.kernels.{m}") for m in ("kv_store", "paged_decode", "paged_prefill", "penalties", "rejection", "sampling"))
 
 # The most shared memory one block may use (opt-in maximum): A100 163 KB, H100/H200 227 KB. A
 # kernel over it compiles, then fails at launch with "out of resources".
