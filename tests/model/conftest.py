@@ -7,6 +7,8 @@ by several tests costs one forward.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 
 import pytest
@@ -56,6 +58,31 @@ def _cache_keyword(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses the GGUF twice (for the config, then for the weights) and rebuilds
+    gguf's tensor-name map for each of the model's ~400 submodules: ~15 of the ~20 s its load
+    takes here. Both are pure functions of their arguments, so while the oracle loads each
+    answer is computed once and reused. The weights are still those transformers dequantizes
+    itself (test_gguf_weights_bit_identical_to_transformers compares them with ours)."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict = {}
+
+    def reader(path, *args, **kwargs):
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in readers:
+            readers[key] = reader_cls(path, *args, **kwargs)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
 @pytest.fixture(scope="session")
 def hf_smollm2() -> SmolLM2Oracle:
     from transformers import AutoModelForCausalLM
@@ -63,5 +90,6 @@ def hf_smollm2() -> SmolLM2Oracle:
     from tests.model_files import SMOLLM2_GGUF, smollm2_gguf
 
     folder = smollm2_gguf().parent
-    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
     return SmolLM2Oracle(model.eval())
