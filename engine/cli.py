@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from sluice.engine.errors import EngineError
 from sluice.engine.overrides import MODES, check_mode, check_speculative, parse_overrides
 
+QUANTIZATIONS = ("none", "bf16", "int8", "int4", "auto")   # engine.config's; no torch import here
+
 DEFAULT_MODEL = "smollm2"
 DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none
 
@@ -43,6 +45,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="picks the defaults of batch size, KV capacity and prefill chunk (default: local)")
     p.add_argument("--overrides", default="",
                    help='"key=value;..." e.g. "max_num_sequence=32;max_total_seq_length=4096;spec_draft_length=4"')
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="weights in memory: none (float32) | bf16 | int8 | int4 | auto, CPU only "
+                        "(default: none, or the quantization override)")
     p.add_argument("--speculative-mode", default="disable", metavar="MODE",
                    help="disable | ngram | small_draft (eagle, medusa: not supported yet) (default: disable)")
     p.add_argument("--additional-models", default=None, metavar="PATH",
@@ -107,10 +112,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def with_quantization(args: argparse.Namespace) -> dict:
+    """The parsed overrides with ``--quantization`` folded in (it and the override must agree)."""
+    given = parse_overrides(args.overrides)
+    flag = getattr(args, "quantization", None)
+    if flag is not None:
+        if given.get("quantization", flag) != flag:
+            raise ValueError(f"--quantization {flag} disagrees with the override quantization={given['quantization']}")
+        given["quantization"] = flag
+    return given
+
+
 def _engine_config(args: argparse.Namespace):
     from sluice.engine.overrides import build_engine_config
 
-    return build_engine_config(args.model, mode=args.mode, overrides=args.overrides, device=args.device,
+    return build_engine_config(args.model, mode=args.mode, overrides=with_quantization(args), device=args.device,
                                speculative_mode=args.speculative_mode, additional_models=args.additional_models)
 
 
@@ -223,7 +239,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if hasattr(args, "mode"):
             check_mode(args.mode)
-            given = parse_overrides(args.overrides)   # fail on a bad key or value before anything loads
+            given = with_quantization(args)   # fail on a bad key or value before anything loads
             check_speculative(args.speculative_mode, args.additional_models, given)
         return args.func(args)
     except ValueError as exc:

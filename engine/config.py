@@ -12,6 +12,8 @@ from sluice.engine.structured.spec import StructuredOutputConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
+# Weight formats (engine.models.quant): none = float32; the others are CPU-only.
+_QUANTIZATIONS = ("none", "bf16", "int8", "int4", "auto")
 
 
 def _positive(name: str, value: int) -> None:
@@ -62,6 +64,9 @@ class DeviceConfig:
     attention_backend: str = "auto"        # auto: triton (+ flash-attn prefill if installed) on CUDA, torch on CPU
     sampler_backend: str = "auto"          # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None         # torch intra-op threads on CPU
+    # Weights as stored in memory: none (float32) | bf16 | int8 | int4 | auto (CPU only, but
+    # auto: the fastest format that keeps the file's precision; engine.loaders.quantized).
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         d = self.device
@@ -75,6 +80,11 @@ class DeviceConfig:
             raise ValueError(f"sampler_backend: must be auto, torch or triton, got {self.sampler_backend!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(_QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization not in ("none", "auto") and d.startswith("cuda"):
+            raise ValueError(f"quantization: {self.quantization} runs on CPU only; use none (or auto) "
+                             f"with device {d}")
 
 
 @dataclass(frozen=True)

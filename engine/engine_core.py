@@ -148,9 +148,13 @@ class EngineCore:
         if device.type == "cpu" and threads:
             torch.set_num_threads(threads)
         attn = get_attention_backend(config.device.attention_backend, device)
-        self.loaded = loaded or self._load(config.model, dtype, device, progress)
+        quantization = config.device.quantization
+        if loaded is not None and quantization not in ("auto", loaded.quantization):
+            raise ValueError(f"quantization: the model given was loaded as {loaded.quantization}, "
+                             f"the config asks for {quantization}")
+        self.loaded = loaded or self._load(config.model, dtype, device, progress, quantization)
         self.draft = load_draft(config.speculative, self.loaded,
-                                lambda name: self._load(name, dtype, device, progress), draft_loaded)
+                                lambda name: self._load(name, dtype, device, progress, quantization), draft_loaded)
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(arch)
@@ -193,13 +197,14 @@ class EngineCore:
 
     # ---- set-up -------------------------------------------------------------------------
     @staticmethod
-    def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool) -> LoadedModel:
+    def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool,
+              quantization: str = "none") -> LoadedModel:
         if not progress:
-            return load_model(model, dtype=dtype, device=device)
+            return load_model(model, dtype=dtype, device=device, quantization=quantization)
         from tqdm import tqdm
 
         with tqdm(desc=f"loading {model}", unit="tensor", leave=False) as bar:
-            return load_model(model, dtype=dtype, device=device, progress=bar)
+            return load_model(model, dtype=dtype, device=device, progress=bar, quantization=quantization)
 
     def _max_model_len(self, arch) -> int:
         own = arch.max_position_embeddings

@@ -177,7 +177,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
                   "--port", str(engine_port), "--device", args.device, "--mode", args.mode,
                   "--overrides", _with_engine_limits(args.overrides, config.limits), "--grace", str(args.grace))
     for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model),
-                        ("--speculative-mode", args.speculative_mode), ("--additional-models", args.additional_models)):
+                        ("--speculative-mode", args.speculative_mode), ("--additional-models", args.additional_models),
+                        ("--quantization", getattr(args, "quantization", None))):
         if value is not None:   # unset: the engine's own default
             engine_cmd += (flag, value)
     facade_cmd = [*python_module_cmd("sluice.http_facade.cli"), "facade", "--engine", engine_addr,

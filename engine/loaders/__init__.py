@@ -32,6 +32,7 @@ class LoadedModel:
     path: Path                # the file or folder actually read
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"   # the weight format in use (models.quant); never "auto"
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -71,13 +72,19 @@ def _progress_fn(progress) -> ProgressFn | None:
 
 
 def build_model(
-    arch: ModelArchConfig, weights, dtype: torch.dtype, device: torch.device, max_seq_len: int | None = None
+    arch: ModelArchConfig, weights, dtype: torch.dtype, device: torch.device, max_seq_len: int | None = None,
+    quantization: str = "none",
 ) -> LlamaForCausalLM:
-    """Allocate uninitialised parameters (no random init), copy the HF-named weights in, eval mode."""
+    """Allocate uninitialised parameters (no random init), copy the HF-named weights in, eval mode.
+
+    ``quantization`` is a concrete format (``resolve_quantization`` decides ``auto``): ``none``
+    packs float32 for oneDNN; the others build ``models.quant`` weights instead."""
+    from sluice.engine.loaders.quantized import Quantizer
+
     model = LlamaForCausalLM(arch, max_seq_len, dtype=dtype, device=device)
-    model.load_hf_weights(weights)
+    model.load_hf_weights(weights, quantizer=None if quantization == "none" else Quantizer(quantization))
     model = model.eval().requires_grad_(False)
-    if envs.cpu_packed_weights():
+    if quantization == "none" and envs.cpu_packed_weights():
         model.pack_for_cpu()
     return model
 
@@ -88,9 +95,14 @@ def load_model(
     device: str | torch.device = "cpu",
     progress=None,
     max_seq_len: int | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
+    """``quantization``: none | bf16 | int8 | int4 | auto (``loaders.quantized`` says what auto picks)."""
+    from sluice.engine.loaders.quantized import check_quantization, resolve_quantization
+
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    check_quantization(quantization, device, dtype)
     path = resolve_path(path_or_name)
     report = _progress_fn(progress)
     if path.is_file():
@@ -105,12 +117,13 @@ def load_model(
 
         arch, weights = load_hf_folder(path, report)
         tokenizer = Tokenizer.from_folder(path)
+    fmt = resolve_quantization(quantization, weights, device)
     try:
-        model = build_model(arch, weights, dtype, device, max_seq_len)
+        model = build_model(arch, weights, dtype, device, max_seq_len, quantization=fmt)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, name=str(path_or_name),
-                       path=path, dtype=dtype, device=device)
+                       path=path, dtype=dtype, device=device, quantization=fmt)
 
 
 __all__ = ["LoadedModel", "ModelLoadError", "build_model", "load_model", "resolve_dtype", "resolve_path"]

@@ -175,6 +175,22 @@ def _dequantized(tensor, arch: ModelArchConfig, path: Path) -> np.ndarray:
     return w if w.flags.writeable else w.copy()
 
 
+# GGUF block types that models.quant reads as stored (no float32 round trip).
+RAW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _raw_blocks(tensor, arch: ModelArchConfig) -> torch.Tensor:
+    """[rows, bytes per row] uint8 copy of a block-quantized tensor, Q/K rows unpermuted: a
+    row's blocks run along the input, so undoing the row permutation moves whole rows of blocks."""
+    data = np.asarray(tensor.data)
+    if arch.architecture in _PERMUTED_QK:
+        if ".attn_q." in tensor.name:
+            data = unpermute_qk(data, arch.num_attention_heads)
+        elif ".attn_k." in tensor.name:
+            data = unpermute_qk(data, arch.num_key_value_heads)
+    return torch.from_numpy(np.ascontiguousarray(data).copy())
+
+
 def _check_size(tensor, path: Path) -> None:
     """A truncated file maps fewer bytes than the header promises; say so by name."""
     expected = int(tensor.n_bytes)
@@ -199,10 +215,32 @@ class GGUFWeights(Mapping):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = torch.from_numpy(_dequantized(self._tensors[name], self._arch, self._path))
+        self._advance()
+        return w
+
+    def _advance(self) -> None:
         self._done += 1
         if self._progress is not None:
             self._progress(min(self._done, len(self._tensors)), len(self._tensors))
-        return w
+
+    def tensor_type(self, name: str) -> str:
+        """The GGML type name of a tensor as stored (``Q4_1``, ``Q8_0``, ``F32``...)."""
+        return self._tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """PyTorch-order shape ([out, in] for a weight)."""
+        return tuple(int(d) for d in reversed(self._tensors[name].shape))
+
+    def blocks(self, name: str) -> tuple[str, torch.Tensor] | None:
+        """``(type, raw blocks [rows, bytes per row] uint8)`` for a ``RAW_BLOCK_TYPES`` tensor, None
+        for any other type (read it dequantized through ``self[name]``)."""
+        tensor = self._tensors[name]
+        kind = tensor.tensor_type.name
+        if kind not in RAW_BLOCK_TYPES:
+            return None
+        raw = _raw_blocks(tensor, self._arch)
+        self._advance()
+        return kind, raw
 
     def __contains__(self, name: object) -> bool:
         # Mapping's default would read (dequantize) the tensor just to test membership.

@@ -90,6 +90,11 @@ class SafetensorsWeights(Mapping):
         # Mapping's default would read (dequantize) the tensor just to test membership.
         return name in self._where
 
+    def tensor_type(self, name: str) -> str:
+        """The stored dtype as safetensors names it (``F32``, ``F16``, ``BF16``...), read from the header."""
+        handle, _path = self._where[name]
+        return handle.get_slice(name).get_dtype()
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)
 

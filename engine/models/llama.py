@@ -70,10 +70,12 @@ class _Linear(torch.nn.Linear):
     On CPU in float32, ``pack_for_cpu`` swaps the weight for oneDNN's packed layout: MKL's sgemv/
     small-M sgemm behind ``F.linear`` streams a row-major weight at about a third of the memory
     bandwidth, oneDNN's packed inner product at about two thirds. The dense weight is then
-    released (no second copy); ``dense_weight()`` rebuilds it for inspection.
+    released (no second copy); ``dense_weight()`` rebuilds it for inspection. ``set_quantized``
+    swaps it instead for one of ``models.quant``'s formats (the bias stays float32).
     """
 
     packed: torch.Tensor | None = None
+    quantized = None              # a models.quant *Linear, or None
 
     def reset_parameters(self) -> None:
         pass
@@ -82,10 +84,22 @@ class _Linear(torch.nn.Linear):
         self.packed = pack_cpu_weight(self.weight)
         self.weight = None
 
+    def set_quantized(self, weight) -> None:
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ModelLoadError(f"quantized weight is {weight.out_features}x{weight.in_features}, "
+                                 f"expected {self.out_features}x{self.in_features}")
+        self.quantized = weight
+        self.weight = None
+
     def dense_weight(self) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.dequantize()
         return self.weight if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            out = self.quantized(x)
+            return out if self.bias is None else out + self.bias
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -180,6 +194,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else _Linear(
             arch.hidden_size, arch.vocab_size, bias=False, **factory)
         self._packed_lm_head: torch.Tensor | None = None
+        # Set by load_hf_weights with a quantizer (models.quant formats), in place of the float ones.
+        self.quant_embedding = None
+        self.quant_lm_head = None
 
     def forward(
         self,
@@ -189,7 +206,8 @@ class LlamaForCausalLM(torch.nn.Module):
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:                 # [T, hidden]
-        h = self.embed_tokens(input_ids)                       # [T, hidden]
+        embed = self.embed_tokens if self.quant_embedding is None else self.quant_embedding
+        h = embed(input_ids)                                   # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)     # [T, 1, D/2] each, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, attn)
@@ -197,6 +215,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] float32."""
+        if self.quant_lm_head is not None:
+            return self.quant_lm_head(hidden.float())
         if self._packed_lm_head is not None:
             return packed_linear(hidden, self._packed_lm_head, None).float()
         if self.lm_head is not None:
@@ -207,6 +227,8 @@ class LlamaForCausalLM(torch.nn.Module):
         """Pack every projection (and the LM head) for oneDNN when on CPU in float32; a no-op
         returning False elsewhere. Call after the weights are loaded."""
         weight = self.embed_tokens.weight
+        if self.quant_lm_head is not None or weight is None:
+            return False   # quantized (models.quant): nothing float32 left to pack
         if weight.device.type != "cpu" or weight.dtype != torch.float32 or not cpu_packing_available():
             return False
         for module in self.modules():
@@ -218,16 +240,30 @@ class LlamaForCausalLM(torch.nn.Module):
             self._packed_lm_head = pack_cpu_weight(weight)
         return True
 
-    def load_hf_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up; ModelLoadError names a missing/misshapen one."""
+    def load_hf_weights(self, weights: Mapping[str, torch.Tensor], quantizer=None) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up; ModelLoadError names a missing/misshapen one.
+
+        With a ``quantizer`` (``loaders.quantized.Quantizer``) the projections, the LM head and,
+        where the checkpoint stores it quantized, the embedding are built in its format instead,
+        and the float32 parameters they replace are released without ever being written (so they
+        never become resident)."""
         arch = self.arch
+        vocab_shape = self.embed_tokens.weight.shape
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(_take(weights, "model.embed_tokens.weight", self.embed_tokens.weight.shape))
             self.norm.weight.copy_(_take(weights, "model.norm.weight", self.norm.weight.shape))
+            if quantizer is not None:
+                head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+                self.quant_lm_head = quantizer.head(weights, head, tuple(vocab_shape))
+                self.lm_head = None
+                self.quant_embedding = quantizer.embedding(weights, "model.embed_tokens.weight", tuple(vocab_shape))
+            if self.quant_embedding is None:
+                self.embed_tokens.weight.copy_(_take(weights, "model.embed_tokens.weight", vocab_shape))
+            else:
+                self.embed_tokens.weight = None
             if self.lm_head is not None:
                 self.lm_head.weight.copy_(_take(weights, "lm_head.weight", self.lm_head.weight.shape))
             for i, layer in enumerate(self.layers):
-                _load_layer(layer, weights, f"model.layers.{i}.", arch)
+                _load_layer(layer, weights, f"model.layers.{i}.", arch, quantizer)
 
 
 def _take(weights: Mapping[str, torch.Tensor], name: str, shape) -> torch.Tensor:
@@ -239,19 +275,30 @@ def _take(weights: Mapping[str, torch.Tensor], name: str, shape) -> torch.Tensor
     return t
 
 
-def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchConfig) -> None:
+def _fill(linear: _Linear, weights, parts: list[tuple[str, tuple[int, int]]], quantizer) -> None:
+    """The fused weight of ``linear`` from its HF parts (stacked by rows, in order)."""
+    if quantizer is not None:
+        linear.set_quantized(quantizer.linear(weights, parts))
+        return
+    start = 0
+    for name, shape in parts:   # copy_ into row slices avoids a concatenated temporary
+        linear.weight[start:start + shape[0]].copy_(_take(weights, name, shape))
+        start += shape[0]
+
+
+def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchConfig, quantizer=None) -> None:
     h, q, kv, inter = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
     a, m = prefix + "self_attn.", prefix + "mlp."
     layer.input_layernorm.weight.copy_(_take(weights, prefix + "input_layernorm.weight", (h,)))
     layer.post_attention_layernorm.weight.copy_(_take(weights, prefix + "post_attention_layernorm.weight", (h,)))
     qkv = layer.self_attn.qkv_proj
-    # Rows of the fused weight: [q | k | v]; copy_ into slices avoids a concatenated temporary.
-    for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-        qkv.weight[start:start + rows].copy_(_take(weights, f"{a}{name}.weight", (rows, h)))
-        if qkv.bias is not None:
+    # Rows of the fused weight: [q | k | v].
+    _fill(qkv, weights, [(f"{a}q_proj.weight", (q, h)), (f"{a}k_proj.weight", (kv, h)),
+                         (f"{a}v_proj.weight", (kv, h))], quantizer)
+    if qkv.bias is not None:
+        for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
             qkv.bias[start:start + rows].copy_(_take(weights, f"{a}{name}.bias", (rows,)))
-    layer.self_attn.o_proj.weight.copy_(_take(weights, a + "o_proj.weight", (h, q)))
-    gate_up = layer.mlp.gate_up_proj.weight
-    gate_up[:inter].copy_(_take(weights, m + "gate_proj.weight", (inter, h)))
-    gate_up[inter:].copy_(_take(weights, m + "up_proj.weight", (inter, h)))
-    layer.mlp.down_proj.weight.copy_(_take(weights, m + "down_proj.weight", (h, inter)))
+    _fill(layer.self_attn.o_proj, weights, [(a + "o_proj.weight", (h, q))], quantizer)
+    _fill(layer.mlp.gate_up_proj, weights, [(m + "gate_proj.weight", (inter, h)),
+                                            (m + "up_proj.weight", (inter, h))], quantizer)
+    _fill(layer.mlp.down_proj, weights, [(m + "down_proj.weight", (h, inter))], quantizer)

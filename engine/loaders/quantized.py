@@ -1,0 +1,109 @@
+"""A checkpoint's tensors into one of ``models.quant``'s weight formats, at load time.
+
+GGUF Q4_0 / Q4_1 projections go straight from their blocks into the int4 layout, and a Q8_0
+embedding is kept as stored; every other tensor is read one at a time as float32 (dequantized by
+gguf, or from safetensors) and quantized, so the load never holds a float32 copy of the model.
+
+``auto`` (``resolve_quantization``) picks the fastest format that keeps the precision the file
+has, judged by the types of its projection weights:
+
+* not on CPU: ``none`` (these formats have CPU kernels only);
+* every projection Q4_0 / Q4_1: ``int4`` (the file's own 4-bit values and its float16 scales
+  rounded to bfloat16);
+* anything else (Q8_0, the K-quants, float16, bfloat16, float32): ``none``. int8 re-rounds each
+  weight and every activation row, and measured on SmolLM2-135M that costs more than the
+  rounding a Q8_0 file already has (bench/README.md: perplexity +1.5%; a Q8_0 file's own error
+  is an order of magnitude smaller), so it is not taken silently; ask for ``int8`` by name.
+"""
+from __future__ import annotations
+
+import torch
+
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models import quant
+from sluice.engine.models.llama import _take
+
+QUANTIZED = ("bf16", "int8", "int4")
+_LOSSLESS_INT4 = frozenset({"Q4_0", "Q4_1"})
+_PROJECTIONS = ("_proj.weight",)
+
+
+def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
+    """ValueError naming ``quantization`` when the format cannot run here."""
+    if quantization not in quant.QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {', '.join(quant.QUANTIZATIONS)}, got {quantization!r}")
+    if quantization in QUANTIZED and device.type != "cpu":
+        raise ValueError(f"quantization: {quantization} runs on CPU only (device is {device}); "
+                         "use quantization=none on CUDA")
+    if quantization in QUANTIZED and dtype != torch.float32:
+        raise ValueError(f"quantization: {quantization} keeps activations in float32; "
+                         f"it needs dtype float32 (or auto), got {str(dtype).removeprefix('torch.')}")
+
+
+def projection_types(weights) -> set[str]:
+    """Storage types of a checkpoint's projection weights (``Q4_1``, ``Q8_0``, ``F16``, ``BF16``...)."""
+    kind = getattr(weights, "tensor_type", None)
+    if kind is None:
+        return {"unknown"}
+    return {kind(name) for name in weights if name.endswith(_PROJECTIONS)}
+
+
+def resolve_quantization(quantization: str, weights, device: torch.device) -> str:
+    """The concrete format for ``quantization`` (``auto`` decided by the rule in this module's doc)."""
+    if quantization != "auto":
+        return quantization
+    if device.type != "cpu":
+        return "none"
+    types = projection_types(weights)
+    return "int4" if types and types <= _LOSSLESS_INT4 else "none"
+
+
+class Quantizer:
+    """What ``LlamaForCausalLM.load_hf_weights`` asks for to build its weights in ``fmt``."""
+
+    def __init__(self, fmt: str) -> None:
+        if fmt not in QUANTIZED:
+            raise ValueError(f"quantization: no quantized format {fmt!r}")
+        self.fmt = fmt
+
+    def linear(self, weights, parts: list[tuple[str, tuple[int, int]]]):
+        """One projection from its HF parts, stacked by rows (fused q/k/v, gate/up)."""
+        if self.fmt == "int4":
+            pieces = [self._int4(weights, name, shape) for name, shape in parts]
+            return quant.Int4Linear(*(torch.cat(p) for p in zip(*pieces)))
+        if self.fmt == "int8":
+            # Per-row scales: quantizing each part is quantizing the stacked matrix.
+            pieces = [quant.quantize_rows_int8(_float(weights, name, shape)) for name, shape in parts]
+            return quant.Int8Linear(torch.cat([q for q, _ in pieces]), torch.cat([s for _, s in pieces]))
+        return quant.Bf16Linear(torch.cat([_float(weights, name, shape).to(torch.bfloat16) for name, shape in parts]))
+
+    def head(self, weights, name: str, shape: tuple[int, int]):
+        return quant.HEAD_CLASSES[self.fmt].from_float(_float(weights, name, shape))
+
+    def embedding(self, weights, name: str, shape: tuple[int, int]):
+        """The token embedding as stored when the file holds it as Q8_0; None: keep float32 rows."""
+        raw = _raw(weights, name, shape)
+        if raw is None or raw[0] != "Q8_0":
+            return None
+        return quant.embedding_from_q8_0(raw[1], shape)
+
+    def _int4(self, weights, name: str, shape: tuple[int, int]) -> quant.Int4Parts:
+        raw = _raw(weights, name, shape)
+        if raw is not None and raw[0] in quant.RAW_INT4:
+            return quant.RAW_INT4[raw[0]](raw[1], shape)
+        return quant.float_to_int4(_float(weights, name, shape))
+
+
+def _float(weights, name: str, shape) -> torch.Tensor:
+    return _take(weights, name, shape).to(torch.float32)
+
+
+def _raw(weights, name: str, shape) -> tuple[str, torch.Tensor] | None:
+    """(type, blocks) of a GGUF tensor stored in one of the block types read as stored, else None."""
+    blocks = getattr(weights, "blocks", None)
+    if blocks is None or name not in weights:
+        return None
+    got = weights.shape(name)
+    if tuple(got) != tuple(shape):
+        raise ModelLoadError(f"tensor {name!r} has shape {tuple(got)}, expected {tuple(shape)}")
+    return blocks(name)
