@@ -2,22 +2,24 @@
 
 Decoding on a CPU streams every weight once per step, so bytes per weight set the speed. The
 float32 path (``none``) keeps oneDNN-packed float32 (``llama.packed_linear``). The others keep
-the weights smaller and multiply with torch's CPU kernels:
+the weights smaller and multiply with torch's CPU weight-only kernels; activations, norms,
+attention and the KV cache stay float32, and each projection's input is rounded to bfloat16:
 
-* ``bf16``: bfloat16 weights in oneDNN's packed layout; each projection's input is rounded to
-  bfloat16 and its output widened back to float32.
-* ``int8``: one int8 per weight with a float32 scale per output row (symmetric). Activations are
-  quantized per row to int8 too (dynamic, symmetric, scale = row max / 127) and multiplied by
-  ``torch._int_mm`` with int32 accumulation (VNNI), then rescaled. Integer sums are exact, so a
-  row's result cannot depend on the other rows in the batch, and one kernel serves every row
-  count: measured faster than the float32 path from 1 row to prefill sizes (bench/README.md).
+* ``bf16``: bfloat16 weights in oneDNN's packed layout.
+* ``int8``: one int8 per weight with a float32 scale per output row (symmetric), multiplied by
+  ``torch._weight_int8pack_mm``.
 * ``int4``: 4-bit weights in groups of 32 along the input with a bfloat16 scale and zero per
   group (asymmetric; the tinygemm convention ``w = (q - 8) * scale + zero``), multiplied by
-  ``torch._weight_int4pack_mm_for_cpu`` with bfloat16 activations. GGUF Q4_0 / Q4_1 blocks map
-  onto it directly (``int4_from_q4_0`` / ``int4_from_q4_1``). Fast at a few rows, 1.5-3x
-  slower than float32 at prefill sizes; the same kernel runs at every row count, because its
-  rows are computed independently (a row's bits do not change with M, measured) while switching
-  to another kernel above some M would change them.
+  ``torch._weight_int4pack_mm_for_cpu``. GGUF Q4_0 / Q4_1 blocks map onto it directly
+  (``q4_0_to_int4`` / ``q4_1_to_int4``). The LM head is int8 (``HEAD_CLASSES``).
+
+The int8 and int4 kernels compute every row on its own: a row's bits are the same alone and
+among any number of rows (tests/unit/test_quant_kernels.py), so one kernel serves every row
+count and batching cannot change a token. They are fast at a few rows and slower than float32
+at prefill sizes; switching to another kernel above some row count would make a row's bits
+depend on the batch, so they do not (bench/README.md has the costs, and what was tried: int8
+activations through ``torch._int_mm`` are faster at every row count but cost 2% perplexity).
+oneDNN's float32 and bfloat16 products are not row-independent at every shape.
 
 Each format is a small class with ``__call__(x [.., K] float32) -> [.., N] float32``,
 ``dequantize() -> [N, K] float32`` (the weight it multiplies by, for tests and inspection) and a
@@ -29,6 +31,7 @@ import torch
 
 QUANTIZATIONS = ("none", "bf16", "int8", "int4", "auto")
 GROUP = 32                      # int4 group size along the input (= the GGUF block size)
+_INT8_K_MULTIPLE = 16           # _weight_int8pack_mm's row length granule (see Int8Linear)
 _INT4_ROW_TILE = 64             # the CPU int4 layout interleaves rows in tiles of 64 (see _unpack_int4)
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -42,43 +45,51 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-# ---- int8: per-channel int8 weights, per-row dynamic int8 activations --------------------------
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (int8 [M, K], float32 scale [M]) with x ~ q * scale, symmetric per row."""
-    scale = (x.abs().amax(dim=-1) / 127.0).clamp_min(_TINY)          # [M]; an all-zero row gets q = 0
-    q = torch.round(x / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+# ---- int8: per-channel int8 weights ----------------------------------------------------------------
+def quantize_rows_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (int8 [N, K], float32 scale [N]) with w ~ q * scale, symmetric per row."""
+    scale = (w.abs().amax(dim=-1) / 127.0).clamp_min(_TINY)          # [N]; an all-zero row gets q = 0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
 
 
 class Int8Linear:
-    """``qweight`` [N, K] int8 and ``scale`` [N] float32: the weight is ``qweight * scale[:, None]``."""
+    """``qweight`` [N, K] int8 and ``scale`` [N] float32: the weight is ``qweight * scale[:, None]``.
+
+    ``torch._weight_int8pack_mm`` multiplies bfloat16 activations by the int8 weight. It is given
+    unit scales and the float32 scales are applied to its output, so that they are not rounded
+    to bfloat16 (a per-channel gain error that every token would share). The kernel reads past
+    the end of a row whose length is not a multiple of 16 (it crashed at K=33 and K=40), so such
+    weights are zero-padded along K, and inputs with them.
+    """
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
         _check(qweight.dtype == torch.int8 and qweight.dim() == 2, f"int8 weight: expected a 2-D int8 tensor, "
                f"got {qweight.dtype} {tuple(qweight.shape)}")
         _check(tuple(scale.shape) == (qweight.shape[0],), f"int8 weight: scale shape {tuple(scale.shape)}, "
                f"expected ({qweight.shape[0]},)")
-        self.qweight = qweight.contiguous()
-        self.scale = scale.to(torch.float32).contiguous()
         self.out_features, self.in_features = qweight.shape
+        self._pad_k = -self.in_features % _INT8_K_MULTIPLE
+        self.qweight = torch.nn.functional.pad(qweight, (0, self._pad_k)).contiguous()     # [N, K + pad]
+        self.scale = scale.to(torch.float32).contiguous()
+        self._ones = torch.ones(self.out_features, dtype=torch.bfloat16)
 
     @classmethod
     def from_float(cls, weight: torch.Tensor) -> "Int8Linear":
         """Symmetric per-output-row int8 (scale = row max / 127)."""
-        q, scale = quantize_rows_int8(weight.to(torch.float32))
-        return cls(q, scale)
+        return cls(*quantize_rows_int8(weight.to(torch.float32)))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         _check(x.shape[-1] == self.in_features, f"int8 linear: input has {x.shape[-1]} features, "
                f"expected {self.in_features}")
-        flat = _rows(x.to(torch.float32))                                 # [M, K]
-        xq, xscale = quantize_rows_int8(flat)
-        acc = torch._int_mm(xq, self.qweight.t())                        # [M, N] int32, exact
-        out = acc.to(torch.float32).mul_(xscale[:, None]).mul_(self.scale)
+        flat = _rows(x).to(torch.bfloat16)                                              # [M, K]
+        if self._pad_k:
+            flat = torch.nn.functional.pad(flat, (0, self._pad_k))
+        out = torch._weight_int8pack_mm(flat, self.qweight, self._ones).float().mul_(self.scale)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self) -> torch.Tensor:
-        return self.qweight.to(torch.float32) * self.scale[:, None]
+        return self.qweight[:, :self.in_features].to(torch.float32) * self.scale[:, None]
 
     @property
     def nbytes(self) -> int:
@@ -86,11 +97,10 @@ class Int8Linear:
 
 
 def int8_linear_ref(x: torch.Tensor, weight: Int8Linear) -> torch.Tensor:
-    """What ``Int8Linear`` computes, in float64: both operands rounded to int8 per row, then rescaled."""
-    xq, xscale = quantize_rows_int8(_rows(x.to(torch.float32)))
-    acc = xq.double() @ weight.qweight.double().t()
-    out = acc * xscale.double()[:, None] * weight.scale.double()
-    return out.float().reshape(*x.shape[:-1], weight.out_features)
+    """x rounded to bfloat16 times the int8 values in float64, rounded to bfloat16, then scaled."""
+    xb = _rows(x).to(torch.bfloat16).double()
+    acc = (xb @ weight.qweight[:, :weight.in_features].double().t()).to(torch.bfloat16).float()
+    return (acc * weight.scale).reshape(*x.shape[:-1], weight.out_features)
 
 
 # ---- int4: group-32 asymmetric weights for torch's CPU tinygemm kernel ---------------------------
@@ -293,7 +303,6 @@ def embedding_from_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> BlockIn
 
 
 # Per format: the class that holds the transformer's projections, and the one for the LM head.
-# The LM head is int8 under int4 too: a Q8_0 head (the usual one) would lose bits as int4, and
-# int8 is the faster kernel at that shape from 1 row up (bench/README.md).
+# The LM head is int8 under int4 too: a Q8_0 head (the usual one) would lose more bits as int4.
 LINEAR_CLASSES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}
 HEAD_CLASSES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Linear}

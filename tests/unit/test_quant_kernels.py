@@ -95,8 +95,8 @@ def test_int8_kernel_matches_reference(n, k):
     dense = torch.randn(n, k) * 0.05
     w = quant.Int8Linear.from_float(dense)
     x = torch.randn(9, k)
-    torch.testing.assert_close(w(x), quant.int8_linear_ref(x, w), rtol=1e-5, atol=1e-6)
-    # Against the unquantized product: int8 weights and activations, ~1% of the output scale.
+    torch.testing.assert_close(w(x), quant.int8_linear_ref(x, w), rtol=1e-2, atol=1e-3)
+    # Against the unquantized product: int8 weights, bfloat16 activations, ~1% of the output scale.
     ref = x @ dense.t()
     assert (w(x) - ref).abs().max() <= 0.02 * ref.abs().max()
     assert ((w.dequantize() - dense).abs() <= w.scale[:, None] / 2 + 1e-7).all()
@@ -118,8 +118,7 @@ def test_bf16_kernel_matches_reference():
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("n,k", [(192, 576), (576, 1536)])
 def test_rows_do_not_depend_on_the_batch(fmt, n, k):
-    """Every row's bits are the same alone and among M rows: the token-identical rule holds by
-    construction. (oneDNN's float32 and bfloat16 products do not pass this: at K=1536 a row
+    """Every row's bits are the same alone and among M rows, so batching cannot change a token. (oneDNN's float32 and bfloat16 products do not pass this: at K=1536 a row
     alone and the same row among 2 differ in the last bits; see bench/README.md.)"""
     torch.manual_seed(3)
     cls = {"int8": quant.Int8Linear, "int4": quant.Int4Linear}[fmt]
