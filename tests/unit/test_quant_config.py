@@ -1,0 +1,121 @@
+"""``quantization``: validated in DeviceConfig, settable as an override and as ``--quantization``
+on the CLI (``sluice serve`` passes it to the engine), refused where it cannot run before any
+weights load, and ``auto`` decided by the projections' storage types. A tiny random-weight HF
+folder (float32 safetensors) runs in every format."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from sluice.engine import cli, overrides
+from sluice.engine.config import DeviceConfig
+from sluice.engine.loaders import load_model
+from sluice.engine.loaders.quantized import resolve_quantization
+
+
+def test_device_config_validates_quantization():
+    assert DeviceConfig().quantization == "none"
+    for fmt in ("none", "bf16", "int8", "int4", "auto"):
+        assert DeviceConfig(device="cpu", quantization=fmt).quantization == fmt
+    with pytest.raises(ValueError, match="quantization: must be one of none, bf16, int8, int4, auto, got 'int3'"):
+        DeviceConfig(quantization="int3")
+    with pytest.raises(ValueError, match="quantization: int4 runs on CPU only; use none \\(or auto\\) with device cuda:1"):
+        DeviceConfig(device="cuda:1", quantization="int4")
+    assert DeviceConfig(device="cuda", quantization="auto").quantization == "auto"
+
+
+def test_override_sets_it_and_a_bad_value_names_it():
+    config = overrides.build_engine_config("m.gguf", overrides="quantization=int8", device="cpu",
+                                           context_window=lambda model: 2048)
+    assert config.device.quantization == "int8"
+    with pytest.raises(ValueError, match="overrides: quantization: must be one of"):
+        overrides.build_engine_config("m.gguf", overrides="quantization=fp8", context_window=lambda m: 2048)
+
+
+def test_cli_flag_folds_into_the_overrides_and_must_agree_with_them():
+    args = argparse.Namespace(overrides="max_num_sequence=2", quantization="int4")
+    assert cli.with_quantization(args) == {"max_num_sequence": 2, "quantization": "int4"}
+    assert cli.with_quantization(argparse.Namespace(overrides="quantization=int8", quantization=None)) == \
+        {"quantization": "int8"}
+    with pytest.raises(ValueError, match="--quantization int4 disagrees with the override quantization=int8"):
+        cli.with_quantization(argparse.Namespace(overrides="quantization=int8", quantization="int4"))
+
+
+def test_cli_rejects_an_unknown_format_and_a_conflict_before_loading(capsys, monkeypatch):
+    import sluice.engine.engine_core
+
+    monkeypatch.setattr(sluice.engine.engine_core, "EngineCore", lambda *a, **k: pytest.fail("loaded"))
+    with pytest.raises(SystemExit) as info:
+        cli.main(["engine", "smollm2", "--quantization", "int2"])
+    assert info.value.code == 2 and "invalid choice: 'int2'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["engine", "smollm2", "--quantization", "int4", "--overrides", "quantization=none"])
+    assert info.value.code == 2 and "disagrees" in capsys.readouterr().err
+
+
+def test_serve_passes_the_flag_to_the_engine():
+    from sluice.http_facade.cli import add_serve_arguments
+    from sluice.http_facade.supervisor import build_plan
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    plan = build_plan(parser.parse_args(["smollm2", "--quantization", "int8", "--engine-port", "1"]))
+    cmd = list(plan.engine_cmd)
+    assert cmd[cmd.index("--quantization") + 1] == "int8"
+    plain = list(build_plan(parser.parse_args(["smollm2", "--engine-port", "1"])).engine_cmd)
+    assert "--quantization" not in plain
+
+
+@pytest.mark.parametrize("device, dtype, words", [
+    ("cuda", "auto", "quantization: int8 runs on CPU only (device is cuda)"),
+    ("cpu", "bfloat16", "quantization: int8 keeps activations in float32; it needs dtype float32"),
+])
+def test_refused_before_any_file_is_read(device, dtype, words):
+    with pytest.raises(ValueError) as info:
+        load_model("/no/such/model.gguf", device=device, dtype=dtype, quantization="int8")
+    assert words in str(info.value)
+
+
+class _Typed(dict):
+    """A checkpoint mapping that reports storage types, as GGUFWeights and SafetensorsWeights do."""
+
+    def __init__(self, types: dict[str, str]) -> None:
+        super().__init__({name: None for name in types})
+        self._types = types
+
+    def tensor_type(self, name: str) -> str:
+        return self._types[name]
+
+
+@pytest.mark.parametrize("types, picked", [
+    ({"a.q_proj.weight": "Q4_0", "a.down_proj.weight": "Q4_1", "norm.weight": "F32"}, "int4"),
+    ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q6_K"}, "none"),
+    ({"a.q_proj.weight": "Q8_0", "a.down_proj.weight": "Q8_0"}, "none"),
+    ({"a.q_proj.weight": "BF16"}, "none"),
+])
+def test_auto_rule(types, picked):
+    assert resolve_quantization("auto", _Typed(types), torch.device("cpu")) == picked
+    assert resolve_quantization("auto", _Typed(types), torch.device("cuda")) == "none"
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from tests.tiny_model import write_tiny_folder
+
+    return write_tiny_folder(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "auto"])
+def test_a_float_safetensors_folder_runs_in_every_format(tiny_folder, fmt):
+    from sluice.engine.llm import LLM
+    from sluice.engine.sampling_params import SamplingParams
+    from tests.tiny_model import prompt
+
+    llm = LLM(str(tiny_folder), device="cpu", quantization=fmt, kv_cache_memory_bytes=4 << 20)
+    assert llm.engine.loaded.quantization == ("none" if fmt == "auto" else fmt)   # F32 file: auto keeps it
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    alone = llm.generate(prompt(5), params)[0].outputs[0].token_ids
+    batch = llm.generate([prompt(9), prompt(5), prompt(3)], params)
+    assert len(alone) == 6 and batch[1].outputs[0].token_ids == alone
