@@ -5,8 +5,8 @@
     python bench/quant.py --model /path/to/folder --quick  # plumbing only (seconds)
 
 Per format, in a fresh process (so that the resident memory is that format's alone):
-* ``rss_load_mib``: VmRSS after ``load_model`` (weights, tokenizer, interpreter) and
-  ``weights_mib``, the bytes of the weights as held;
+* ``rss_load_mib``: VmRSS after ``load_model`` (weights, tokenizer, interpreter), its peak
+  during the load (VmHWM), and ``weights_mib``, the bytes of the weights as held;
 * ``decode_tok_s``: single-stream greedy decode (EOS ignored), tokens after the first ÷ time
   after the first, from a short prompt;
 * ``prefill_tok_s``: a ``--prefill-len``-token prompt's tokens ÷ its time to first token;
@@ -37,10 +37,11 @@ FILLER = ("the river carried stone and sand past the old mill while the village 
           "harbour burned low over boats that waited for morning tide").split()
 
 
-def _rss_mib() -> float:
+def _rss_mib(field: str = "VmRSS") -> float:
+    """Resident memory (``VmRSS``) or its peak so far (``VmHWM``) of this process, MiB."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -152,7 +153,7 @@ def run_one(fmt: str, args) -> dict:
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype="float32", device="cpu", quantization=fmt)
     out = {"format": loaded.quantization, "load_s": time.perf_counter() - t0,
-           "rss_load_mib": _rss_mib(), "weights_mib": _weight_bytes(loaded.model) / 2**20}
+           "rss_load_mib": _rss_mib(), "peak_load_mib": _rss_mib("VmHWM"), "weights_mib": _weight_bytes(loaded.model) / 2**20}
     llm = LLM(args.model, loaded=loaded, device="cpu", quantization=loaded.quantization,
               kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
     out["rss_engine_mib"] = _rss_mib()
@@ -183,10 +184,10 @@ def run_one(fmt: str, args) -> dict:
 
 def _table(results: list[dict]) -> str:
     base = next((r for r in results if r["format"] == "none"), results[0])
-    head = "| format | weights MiB | RSS after load MiB | decode tok/s | x none | prefill tok/s | x none | batch-8 tok/s | x none |"
-    rows = [head, "|" + " --- |" * 9]
+    head = "| format | weights MiB | RSS after load MiB | peak MiB | decode tok/s | x none | prefill tok/s | x none | batch-8 tok/s | x none |"
+    rows = [head, "|" + " --- |" * 10]
     for r in results:
-        rows.append(f"| {r['format']} | {r['weights_mib']:.0f} | {r['rss_load_mib']:.0f} | {r['decode_tok_s']:.1f} | "
+        rows.append(f"| {r['format']} | {r['weights_mib']:.0f} | {r['rss_load_mib']:.0f} | {r['peak_load_mib']:.0f} | {r['decode_tok_s']:.1f} | "
                     f"{r['decode_tok_s'] / base['decode_tok_s']:.2f} | {r['prefill_tok_s']:.0f} | "
                     f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f} | {r['batch8_tok_s']:.1f} | "
                     f"{r['batch8_tok_s'] / base['batch8_tok_s']:.2f} |")

@@ -1,0 +1,31 @@
+"""``bench/quant.py --quick`` runs end to end (one child process per format) on the tiny
+random-weight model and writes one row per format with every field of its table. Nothing is
+measured here."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_quant_bench_runs_on_the_tiny_model(tmp_path):
+    from tests.tiny_model import write_tiny_folder
+
+    folder = write_tiny_folder(tmp_path / "tiny")
+    out = tmp_path / "quant.json"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "bench/quant.py", "--quick", "--model", str(folder),
+                           "--formats", "none,int4", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["results"]
+    assert [r["format"] for r in rows] == ["none", "int4"]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 and r["batch8_tok_s"] > 0
+        assert set(r["profile_ms"]) >= {"step", "projections", "attention", "lm_head", "sampling"}
+    assert rows[1]["weights_mib"] < rows[0]["weights_mib"]
+    assert "| int4 |" in proc.stdout
