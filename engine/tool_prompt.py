@@ -11,12 +11,14 @@ ChatML template, for one), ``fallback_messages`` rewrites the conversation into 
         [{"name": "get_weather", "description": "...", "parameters": {...}}]
         To call tools, answer with only a JSON list of calls, and nothing else:
         [{"name": "<tool name>", "arguments": {<the arguments>}}]
+        If no tool is needed, answer the user directly.
 
   * an assistant message that made calls: its content followed by that same JSON list;
   * a ``tool`` message: ``Result of call <tool_call_id>: <content>`` in the tool role.
 
 The list of calls is also the shape the facade constrains a forced call to (``tool_choice``
-``required`` or a named function) and parses back into ``tool_calls``.
+``required`` or a named function); with ``auto`` each ``{"name": ...}`` call the model starts is
+constrained, and the facade parses the calls back into ``tool_calls``.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ import json
 
 HEADER = "You can call these tools. Each one's arguments follow its JSON Schema:"
 FOOTER = ('To call tools, answer with only a JSON list of calls, and nothing else:\n'
-          '[{"name": "<tool name>", "arguments": {<the arguments>}}]')
+          '[{"name": "<tool name>", "arguments": {<the arguments>}}]\n'
+          'If no tool is needed, answer the user directly.')
 
 
 def template_renders_tools(template: str | None) -> bool:

@@ -1,5 +1,5 @@
-"""AFS function calling, for any chat model: the functions go into the system prompt as text and
-a JSON call in the model's answer is parsed back.
+"""AFS function calling, for any chat model: the functions go into the system prompt as text, the
+call the model starts is grammar-constrained, and it is parsed back from the answer.
 
 Chat templates disagree on tools (SmolLM2's has none), so the facade does not rely on them.
 The prompt format, appended to the conversation's system message (or sent as one when there is
@@ -15,6 +15,11 @@ none)::
 History: an assistant message's ``function_call`` is shown to the model in that same JSON form
 (so the model sees its earlier calls as it was asked to write them); a ``role: function``
 message becomes an engine tool-result message (role TOOL, ``name`` = the function).
+
+Constraint: the answer is free text until the model writes ``{"name"``; from there it must be a
+call of one declared function, ``{"name": "<function>", "arguments": {...}}``, whose arguments
+follow that function's ``parameters`` schema, and the answer ends after the call
+(``http_facade.tools.call_constraint``; the same triggered tags as OpenAI's tool_choice "auto").
 
 Parsing (``find_call``): the first JSON object in the answer (a ```json fence around it is
 fine) whose ``name`` is one of the declared functions, with ``arguments`` (or ``parameters``)

@@ -24,14 +24,16 @@ FastAPI app: request validation failures are 422 there); ``afs_errors`` document
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
 from sluice.engine.rpc import engine_pb2 as pb
-from sluice.http_facade.afs_functions import FunctionSpec, call_text, parse_functions, with_function_prompt
 from sluice.http_facade.afs_errors import invalid
+from sluice.http_facade.afs_functions import FunctionSpec, call_text, parse_functions, with_function_prompt
 from sluice.http_facade.limits import RequestLimits
 from sluice.http_facade.protocol import check_json_size, check_message_caps, check_prompt_caps
+from sluice.http_facade.tools import call_constraint
 
 DEFAULT_SEED = 42
 MAX_STOP_SEQUENCES = 4
@@ -220,7 +222,13 @@ def parse_conversation(body: dict) -> AfsGeneration:
     if functions:
         chat_messages = with_function_prompt(chat_messages, functions)
     params = parse_params(body)
-    request = pb.GenerateRequest(chat=pb.ChatInput(messages=chat_messages), sampling=params.sampling())
+    sampling = params.sampling()
+    if functions:
+        # The model may answer, or call one function: once it writes {"name" the call is held to a
+        # declared function and its parameters' schema, and the answer ends after it.
+        sampling.structured_output.CopyFrom(call_constraint(
+            [(f.name, json.loads(f.schema_json)["parameters"]) for f in functions], "functions", True))
+    request = pb.GenerateRequest(chat=pb.ChatInput(messages=chat_messages), sampling=sampling)
     return AfsGeneration(model, request, params, parse_stream(body), functions)
 
 

@@ -47,7 +47,8 @@ class GenerationPlan:
     top_logprobs: int
     echo: bool
     user: str | None
-    tool_calls: bool = False               # the output is a constrained list of tool calls
+    tool_calls: str | None = None          # "auto" or "forced": the output may hold tool calls
+    tool_names: tuple[str, ...] = ()       # the tools offered
 
 
 # ------------------------------------------------------------------------------- primitives
@@ -335,15 +336,17 @@ def parse_chat(body: dict, default_max_tokens: int | None = None,
     if logprobs:
         sp.logprobs = True
         sp.top_logprobs = top or 0
-    if tools is not None and tools.constraint is not None:
+    if tools is not None:
         if sp.HasField("structured_output"):
-            raise bad_request(f"tools: a forced tool call cannot be combined with {sp.structured_output.param}",
-                              "tools")
+            raise bad_request(f"tools: tool calls (tool_choice {tools.mode}) cannot be combined with "
+                              f"{sp.structured_output.param}; set tool_choice to \"none\" or drop "
+                              f"{sp.structured_output.param}", "tools")
         sp.structured_output.CopyFrom(tools.constraint)
     req = pb.GenerateRequest(chat=chat, sampling=sp)
     return GenerationPlan("chat", model, (req,), sp.n if sp.HasField("n") else 1, stream,
                           _stream_options(body, stream), logprobs, top or 0, False, get_str(body, "user"),
-                          tool_calls=tools is not None and tools.constraint is not None)
+                          tool_calls=tools.mode if tools is not None else None,
+                          tool_names=tools.names if tools is not None else ())
 
 
 # ---------------------------------------------------------------------------- completions

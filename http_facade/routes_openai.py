@@ -24,7 +24,7 @@ from sluice.http_facade.errors import ApiError
 from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.sse import SSEWriter
-from sluice.http_facade.tools import call_deltas as tool_call_deltas, parse_calls
+from sluice.http_facade.tools import CallScanner
 from sluice.http_facade.state import FacadeState, state_of
 
 log = logging.getLogger("sluice.facade")
@@ -130,7 +130,8 @@ async def _collect(run: _Run, stream) -> web.Response:
         raise ApiError(502, "the engine ended the stream before every choice finished", "server_error")
     usage = run.usage()
     if run.plan.kind == "chat":
-        body = shapes.chat_response(run.env, run.choices, usage, run.plan.logprobs, run.plan.tool_calls)
+        body = shapes.chat_response(run.env, run.choices, usage, run.plan.logprobs,
+                                   run.plan.tool_names if run.plan.tool_calls else None)
     else:
         body = shapes.completion_response(run.env, run.choices, usage, run.plan.logprobs, run.echo)
     return web.json_response(body)
@@ -200,20 +201,21 @@ def _chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta) -> lis
 
 
 def _tool_chunks(run: _Run, choice: shapes.ChoiceState, delta: pb.ChoiceDelta, first: bool) -> list[dict]:
-    """A forced tool call: its text is held back (``choice`` accumulates it) and, once the choice
-    finished, sent as tool_calls deltas; a call cut by ``length`` is sent as its text."""
-    env, with_usage = run.env, run.plan.include_usage
-    out = [shapes.chat_chunk(env, choice.index, {"role": "assistant", "content": None}, None, None, with_usage)] \
-        if first else []
-    if not delta.HasField("final"):
-        return out
-    reason = shapes.finish_reason(delta.final)
-    text = "".join(choice.text)
-    if reason != "stop":
-        out.append(shapes.chat_chunk(env, choice.index, {"content": text}, None, None, with_usage))
-    else:
-        reason = "tool_calls"
-        for body in tool_call_deltas(parse_calls(text)):
-            out.append(shapes.chat_chunk(env, choice.index, body, None, None, with_usage))
-    out.append(shapes.chat_chunk(env, choice.index, {}, reason, None, with_usage))
+    """Tools offered: the text goes through the choice's ``CallScanner``, which sends content as
+    it comes and each call, as tool_calls deltas, once it is complete."""
+    env, with_usage, plan = run.env, run.plan.include_usage, run.plan
+    if first:
+        choice.scanner = CallScanner(plan.tool_names)
+    out = [shapes.chat_chunk(env, choice.index, {"role": "assistant",
+                                                 "content": None if plan.tool_calls == "forced" else ""},
+                             None, None, with_usage)] if first else []
+    bodies = choice.scanner.feed(delta.text)
+    if delta.HasField("final"):
+        bodies += choice.scanner.finish()
+    out.extend(shapes.chat_chunk(env, choice.index, body, None, None, with_usage) for body in bodies)
+    if delta.HasField("final"):
+        reason = shapes.finish_reason(delta.final)
+        if reason == "stop" and choice.scanner.calls:
+            reason = "tool_calls"
+        out.append(shapes.chat_chunk(env, choice.index, {}, reason, None, with_usage))
     return out

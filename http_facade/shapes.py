@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Any
 from dataclasses import dataclass, field
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.errors import ApiError, internal, unavailable
-from sluice.http_facade.tools import parse_calls
+from sluice.http_facade.tools import split_calls
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
 _MIN_LOGPROB = -9999.0   # JSON has no -Infinity
@@ -73,6 +74,7 @@ class ChoiceState:
     final: pb.ChoiceFinal | None = None
     started: bool = False
     offset: int = 0           # characters emitted so far (completion logprobs' text_offset)
+    scanner: Any = None       # tools offered: the stream's http_facade.tools.CallScanner
 
     def add(self, delta: pb.ChoiceDelta) -> None:
         self.text.append(delta.text)
@@ -95,16 +97,20 @@ class Envelope:
 
 
 def chat_response(env: Envelope, choices: list[ChoiceState], usage: dict, logprobs: bool,
-                  tool_calls: bool = False) -> dict:
-    """``tool_calls``: each choice's text is a constrained list of calls (``http_facade.tools``);
-    one that finished is returned as ``tool_calls``, one cut by ``length`` as its text."""
+                  tool_names: tuple[str, ...] | None = None) -> dict:
+    """``tool_names``: tools were offered, and each choice's text is split into content and
+    ``tool_calls`` (``http_facade.tools.split_calls``); a choice that made calls and stopped has
+    ``finish_reason: "tool_calls"``."""
     out = env.base("chat.completion")
     out["choices"] = []
     for c in choices:
         text, reason = "".join(c.text), finish_reason(c.final)
         message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": None}
-        if tool_calls and reason == "stop":
-            message["content"], message["tool_calls"], reason = None, parse_calls(text), "tool_calls"
+        if tool_names is not None:
+            content, calls = split_calls(text, tool_names)
+            if calls:
+                message["content"], message["tool_calls"] = content, calls
+                reason = "tool_calls" if reason == "stop" else reason
         out["choices"].append({"index": c.index, "message": message,
                                "logprobs": chat_logprobs(c.logprobs) if logprobs else None,
                                "finish_reason": reason})

@@ -15,7 +15,7 @@ from sluice.engine.outputs import CompletionDelta, RequestOutput, TokenLogprob
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc.convert_embed import embedding_info
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.structured.spec import GrammarSpec
+from sluice.engine.structured.spec import GrammarSpec, Tag, parse_triggered_tags, triggered_tags_text
 
 if TYPE_CHECKING:
     from sluice.engine.embedding import EmbeddingEngine
@@ -88,11 +88,17 @@ def structured_from_proto(msg: pb.StructuredOutput) -> GrammarSpec:
         raise ValueError(f"structured_output.param: must be a parameter name, got {param!r}")
     kind = msg.WhichOneof("constraint")
     if kind is None:
-        raise ValueError(f"{param}: a constraint (json_object, json_schema, regex, choice or ebnf) is required")
+        raise ValueError(f"{param}: a constraint (json_object, json_schema, regex, choice, ebnf or "
+                         "triggered_tags) is required")
     if kind == "json_schema":
         return GrammarSpec("json_schema", msg.json_schema.schema_json, strict=msg.json_schema.strict, field=param)
     if kind == "choice":
         return GrammarSpec("choice", choices=tuple(msg.choice.choices), field=param)
+    if kind == "triggered_tags":
+        t = msg.triggered_tags
+        tags = [Tag(x.begin, x.schema_json, x.end) for x in t.tags]
+        return GrammarSpec("triggered_tags", triggered_tags_text(list(t.triggers), tags, t.stop_after_first),
+                           field=param)
     return GrammarSpec(kind, "" if kind == "json_object" else getattr(msg, kind), field=param)
 
 
@@ -104,6 +110,12 @@ def structured_to_proto(spec: GrammarSpec) -> pb.StructuredOutput:
         msg.json_schema.schema_json, msg.json_schema.strict = spec.text, spec.strict
     elif spec.kind == "choice":
         msg.choice.choices.extend(spec.choices)
+    elif spec.kind == "triggered_tags":
+        triggers, tags, stop = parse_triggered_tags(spec.text)
+        msg.triggered_tags.triggers.extend(triggers)
+        msg.triggered_tags.tags.extend(pb.TriggeredTag(begin=t.begin, schema_json=t.schema_json, end=t.end)
+                                       for t in tags)
+        msg.triggered_tags.stop_after_first = stop
     else:
         setattr(msg, spec.kind, spec.text)
     return msg

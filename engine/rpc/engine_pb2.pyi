@@ -168,20 +168,22 @@ class SamplingParams(_message.Message):
     def __init__(self, n: _Optional[int] = ..., max_tokens: _Optional[int] = ..., max_tokens_unlimited: bool = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ..., logprobs: bool = ..., top_logprobs: _Optional[int] = ..., include_stop_str_in_output: bool = ..., skip_special_tokens: bool = ..., structured_output: _Optional[_Union[StructuredOutput, _Mapping]] = ...) -> None: ...
 
 class StructuredOutput(_message.Message):
-    __slots__ = ("json_object", "json_schema", "regex", "choice", "ebnf", "param")
+    __slots__ = ("json_object", "json_schema", "regex", "choice", "ebnf", "triggered_tags", "param")
     JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
     REGEX_FIELD_NUMBER: _ClassVar[int]
     CHOICE_FIELD_NUMBER: _ClassVar[int]
     EBNF_FIELD_NUMBER: _ClassVar[int]
+    TRIGGERED_TAGS_FIELD_NUMBER: _ClassVar[int]
     PARAM_FIELD_NUMBER: _ClassVar[int]
     json_object: JsonObjectConstraint
     json_schema: JsonSchemaConstraint
     regex: str
     choice: ChoiceConstraint
     ebnf: str
+    triggered_tags: TriggeredTagsConstraint
     param: str
-    def __init__(self, json_object: _Optional[_Union[JsonObjectConstraint, _Mapping]] = ..., json_schema: _Optional[_Union[JsonSchemaConstraint, _Mapping]] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., ebnf: _Optional[str] = ..., param: _Optional[str] = ...) -> None: ...
+    def __init__(self, json_object: _Optional[_Union[JsonObjectConstraint, _Mapping]] = ..., json_schema: _Optional[_Union[JsonSchemaConstraint, _Mapping]] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceConstraint, _Mapping]] = ..., ebnf: _Optional[str] = ..., triggered_tags: _Optional[_Union[TriggeredTagsConstraint, _Mapping]] = ..., param: _Optional[str] = ...) -> None: ...
 
 class JsonObjectConstraint(_message.Message):
     __slots__ = ()
@@ -200,6 +202,26 @@ class ChoiceConstraint(_message.Message):
     CHOICES_FIELD_NUMBER: _ClassVar[int]
     choices: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TriggeredTagsConstraint(_message.Message):
+    __slots__ = ("triggers", "tags", "stop_after_first")
+    TRIGGERS_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    STOP_AFTER_FIRST_FIELD_NUMBER: _ClassVar[int]
+    triggers: _containers.RepeatedScalarFieldContainer[str]
+    tags: _containers.RepeatedCompositeFieldContainer[TriggeredTag]
+    stop_after_first: bool
+    def __init__(self, triggers: _Optional[_Iterable[str]] = ..., tags: _Optional[_Iterable[_Union[TriggeredTag, _Mapping]]] = ..., stop_after_first: bool = ...) -> None: ...
+
+class TriggeredTag(_message.Message):
+    __slots__ = ("begin", "schema_json", "end")
+    BEGIN_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_JSON_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    begin: str
+    schema_json: str
+    end: str
+    def __init__(self, begin: _Optional[str] = ..., schema_json: _Optional[str] = ..., end: _Optional[str] = ...) -> None: ...
 
 class InfillInput(_message.Message):
     __slots__ = ("prefix", "suffix")

@@ -31,7 +31,7 @@ from collections import OrderedDict
 import torch
 
 from sluice.engine.structured.bitmask import bitmask_words
-from sluice.engine.structured.spec import GrammarSpec, StructuredOutputConfig
+from sluice.engine.structured.spec import GrammarSpec, StructuredOutputConfig, parse_triggered_tags
 from sluice.engine.structured.vocab import build_tokenizer_info
 
 log = logging.getLogger("sluice.structured")
@@ -96,6 +96,8 @@ class StructuredOutputManager:
             return compiler.compile_regex(spec.text)
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_ebnf(spec.choices))
+        if spec.kind == "triggered_tags":
+            return compiler.compile_structural_tag(structural_tag(spec.text))
         return compiler.compile_grammar(spec.text)
 
     def warm_up(self) -> concurrent.futures.Future:
@@ -182,6 +184,16 @@ class StructuredOutputManager:
         return bitmask.to(device, non_blocking=True)
 
 
+def structural_tag(text: str) -> str:
+    """xgrammar's structural tag (JSON) for a ``triggered_tags`` spec's text. Tag content is
+    compact JSON, like every other JSON constraint here (``any_whitespace=False``)."""
+    triggers, tags, stop_after_first = parse_triggered_tags(text)
+    return json.dumps({"type": "structural_tag", "format": {
+        "type": "triggered_tags", "triggers": triggers, "at_least_one": False, "stop_after_first": stop_after_first,
+        "tags": [{"type": "tag", "begin": t.begin, "end": t.end,
+                  "content": {"type": "json_schema", "json_schema": json.loads(t.schema_json)}} for t in tags]}})
+
+
 def choice_ebnf(choices: tuple[str, ...]) -> str:
     """``root ::= "a" | "b"``: JSON string escapes are valid EBNF string-literal escapes."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
@@ -193,5 +205,6 @@ def _compile_message(spec: GrammarSpec, exc: Exception) -> str:
     if "] " in text[:40] and ".cc:" in text:
         text = text.split(": ", 1)[-1] if ": " in text else text
     what = {"json_schema": "invalid JSON schema", "json_object": "invalid JSON schema", "regex": "invalid regex",
-            "choice": "invalid choice", "ebnf": "invalid grammar"}[spec.kind]
+            "choice": "invalid choice", "ebnf": "invalid grammar",
+            "triggered_tags": "invalid tool call schema"}[spec.kind]
     return f"{what}: {text}"

@@ -8,7 +8,10 @@ Kinds (``GrammarSpec.kind``):
     unless the schema closes it);
   * ``regex``: the whole output matches the regular expression;
   * ``choice``: the output is exactly one of the strings;
-  * ``ebnf``: an EBNF grammar in xgrammar's (GBNF-like) dialect, with a ``root`` rule.
+  * ``ebnf``: an EBNF grammar in xgrammar's (GBNF-like) dialect, with a ``root`` rule;
+  * ``triggered_tags``: free text until a trigger string appears, then one of the tags it begins
+    (``begin``, JSON matching the tag's schema, ``end``), then free text again; ``text`` is
+    ``triggered_tags_text(...)``. Tool calls that the model may or may not make.
 
 Bad values raise ``ValueError`` naming the field (``structured_output.regex: ...``). Whether a
 schema, regex or grammar compiles is known only to the compiler: the manager reports that.
@@ -19,7 +22,7 @@ import json
 import math
 from dataclasses import dataclass
 
-KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf")
+KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "triggered_tags")
 FIELD = "structured_output"
 
 
@@ -41,6 +44,8 @@ class GrammarSpec:
             raise ValueError(f"{self.field}: the {self.kind} must not be empty")
         if self.kind == "json_schema":
             _check_schema_text(self.text, self.field)
+        if self.kind == "triggered_tags":
+            _check_triggered_tags(self.text, self.field)
         if self.kind == "choice":
             object.__setattr__(self, "choices", tuple(self.choices))
             if not self.choices:
@@ -58,6 +63,53 @@ class GrammarSpec:
     def size(self) -> int:
         """Characters of grammar text, for the request caps."""
         return len(self.text) + sum(len(c) for c in self.choices)
+
+
+@dataclass(frozen=True)
+class Tag:
+    begin: str
+    schema_json: str
+    end: str
+
+
+def triggered_tags_text(triggers: list[str] | tuple[str, ...], tags: list[Tag] | tuple[Tag, ...],
+                        stop_after_first: bool) -> str:
+    """The canonical ``text`` of a ``triggered_tags`` spec (equal constraints, equal cache keys)."""
+    return json.dumps({"triggers": list(triggers), "stop_after_first": bool(stop_after_first),
+                       "tags": [{"begin": t.begin, "schema": t.schema_json, "end": t.end} for t in tags]},
+                      ensure_ascii=False, separators=(",", ":"))
+
+
+def parse_triggered_tags(text: str) -> tuple[list[str], list[Tag], bool]:
+    value = json.loads(text)
+    tags = [Tag(t["begin"], t["schema"], t["end"]) for t in value["tags"]]
+    return value["triggers"], tags, value["stop_after_first"]
+
+
+def _check_triggered_tags(text: str, field: str) -> None:
+    try:
+        triggers, tags, stop = parse_triggered_tags(text)
+        ok = isinstance(triggers, list) and isinstance(stop, bool) and all(
+            isinstance(x, str) for t in tags for x in (t.begin, t.schema_json, t.end))
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok:
+        raise ValueError(f"{field}: triggered tags must be built by triggered_tags_text")
+    if not triggers or not tags:
+        raise ValueError(f"{field}: triggered tags need at least one trigger and one tag")
+    if any(not isinstance(t, str) or not t for t in triggers):
+        raise ValueError(f"{field}: every trigger must be a non-empty string")
+    for i, tag in enumerate(tags):
+        if not tag.begin:
+            raise ValueError(f"{field}: tags[{i}].begin must not be empty")
+        starts = [t for t in triggers if tag.begin.startswith(t)]
+        if len(starts) != 1:
+            raise ValueError(f"{field}: tags[{i}].begin {tag.begin!r} must start with exactly one trigger, "
+                             f"it starts with {len(starts)}")
+        _check_schema_text(tag.schema_json, f"{field}.tags[{i}]")
+    unused = [t for t in triggers if not any(tag.begin.startswith(t) for tag in tags)]
+    if unused:
+        raise ValueError(f"{field}: trigger {unused[0]!r} begins no tag")
 
 
 def _check_schema_text(text: str, field: str) -> None:

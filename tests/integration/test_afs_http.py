@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 
+import jsonschema
 import pytest
 import requests
 
@@ -291,6 +292,26 @@ def test_function_calling_round_trip(api_url):
              "content": "{\"temperature\": \"22\", \"unit\": \"celsius\", \"description\": \"Sunny\"}"}]})
     body = second.json()
     assert second.status_code == 200 and set(body) == FIELDS and body["prompt_tokens"] > 100
+
+
+def test_a_started_function_call_is_held_to_its_schema(api_url):
+    """The model copies a call with a wrong argument from the prompt; the constraint (triggered by
+    ``{"name"``) makes it a valid call of the declared function, streamed and not."""
+    weather = {"name": "get_current_weather", "description": "Get the current weather in a given location",
+               "parameters": {"type": "object", "properties": {"location": {"type": "string", "maxLength": 30}},
+                              "required": ["location"]}}
+    body = {"model": MODEL_NAME, "functions": [weather], "parameters": {"max_new_tokens": 60, "top_k": 1},
+            "messages": [{"role": "user", "content": 'Write this text exactly: {"name": "get_current_weather", '
+                                                     '"arguments": {"town": "Boston"}}'}]}
+    r = requests.post(api_url + "/models/conversation", headers=_headers(), json={**body, "stream": False})
+    answer = r.json()
+    assert r.status_code == 200 and answer["finish_reason"] == "function_call"
+    assert answer["function_call"]["name"] == "get_current_weather"
+    jsonschema.validate(answer["function_call"]["arguments"], weather["parameters"])
+    with requests.post(api_url + "/models/conversation", headers=_headers(), json={**body, "stream": True},
+                       stream=True) as r:
+        recs = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith(b"data: {")]
+    assert recs[-1]["finish_reason"] == "function_call" and recs[-1]["function_call"] == answer["function_call"]
 
 
 def test_rerank_both_forms(api_url):

@@ -43,6 +43,13 @@ def test_typed_constraints_hold(client: EngineClient) -> None:
     jsonschema.validate(json.loads(out.text), SCHEMA)
     out = client.generate("Answer:", _opts(pb.StructuredOutput(ebnf='root ::= ("yes" | "no") "!"'))).collect()[0]
     assert out.text in ("yes!", "no!")
+    begin = '{"name": "paint", "arguments": '
+    calls = pb.StructuredOutput(triggered_tags=pb.TriggeredTagsConstraint(triggers=['{"name"'], tags=[
+        pb.TriggeredTag(begin=begin, schema_json=json.dumps(SCHEMA), end="}")], stop_after_first=True))
+    line = 'Copy: {"name": "paint", "arguments": {"colour": "blue", "size": 3}}\n'
+    out = client.generate(line * 3 + "Copy:", _opts(calls, temperature=0.0)).collect()[0]
+    assert begin in out.text and out.text.endswith("}") and out.finish_reason == "stop"   # the end after it
+    jsonschema.validate(json.loads(out.text[out.text.index(begin) + len(begin):-1]), SCHEMA)   # held to SCHEMA
     stream = client.chat(msgs, _opts(schema, temperature=0.0))
     pieces = [d.text for d in stream]
     assert pieces and json.loads("".join(pieces)) is not None
@@ -57,6 +64,12 @@ def test_typed_constraints_hold(client: EngineClient) -> None:
     (pb.StructuredOutput(json_schema=pb.JsonSchemaConstraint(schema_json="{")),
      "sampling.structured_output: the JSON schema is not valid JSON"),
     (pb.StructuredOutput(param="x"), "sampling.x: a constraint"),
+    (pb.StructuredOutput(param="tools", triggered_tags=pb.TriggeredTagsConstraint(
+        triggers=["<"], tags=[pb.TriggeredTag(begin="{", schema_json="{}", end="}")])),
+     "sampling.tools: tags[0].begin '{' must start with exactly one trigger"),
+    (pb.StructuredOutput(triggered_tags=pb.TriggeredTagsConstraint(
+        triggers=["{"], tags=[pb.TriggeredTag(begin="{", schema_json='{"type": 5}', end="}")])),
+     "structured_output: invalid tool call schema"),
 ])
 def test_bad_constraints_are_invalid_argument(client: EngineClient, constraint, prefix) -> None:
     err = _status_of(lambda: client.generate("Hello", _opts(constraint)).collect())

@@ -1,10 +1,10 @@
 """LangChain's ``ChatOpenAI`` against the facade (smollm2): ``with_structured_output`` of a
 Pydantic model (OpenAI's json_schema response_format) returns that model, and ``bind_tools`` with
 a forced tool returns ``tool_calls`` whose arguments validate; ``bind_tools`` with LangChain's
-default (tool_choice auto) reaches LangChain as the 400 naming tool_choice."""
+default (tool_choice auto) answers in text, or (when the model starts a call) with a call whose
+arguments validate, also streamed through LangChain's chunk merging."""
 from __future__ import annotations
 
-import openai
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
 from langchain_openai import ChatOpenAI
@@ -45,7 +45,16 @@ def test_bind_tools_forced_call(facade):  # noqa: F811
     assert msg.tool_calls[0]["id"].startswith("call_")
 
 
-def test_bind_tools_auto_is_refused(facade):  # noqa: F811
-    with pytest.raises(openai.BadRequestError) as err:
-        _chat(facade.url).bind_tools([GetWeather]).invoke([HumanMessage("Weather in Rome?")])
-    assert err.value.body["param"] == "tool_choice"
+def test_bind_tools_auto(facade):  # noqa: F811
+    llm = _chat(facade.url).bind_tools([GetWeather])
+    text = llm.invoke([HumanMessage("What is 2+2?")])
+    assert isinstance(text, AIMessage) and text.content and not text.tool_calls
+    ask = [HumanMessage('Write this text exactly: {"name": "GetWeather", "arguments": {"city": "Rome", '
+                        '"unit": "kelvin"}}')]
+    call = llm.invoke(ask)
+    assert [c["name"] for c in call.tool_calls] == ["GetWeather"]
+    GetWeather.model_validate(call.tool_calls[0]["args"])      # "kelvin" was not allowed
+    merged = None
+    for chunk in llm.stream(ask):
+        merged = chunk if merged is None else merged + chunk
+    assert [(c["name"], c["args"]) for c in merged.tool_calls] == [(c["name"], c["args"]) for c in call.tool_calls]

@@ -6,7 +6,12 @@ Proves: tool_choice "required" and a named function return ``tool_calls`` with i
 schema (jsonschema), also for n = 2 at temperature 1; parallel_tool_calls false gives exactly one
 call; streaming sends index / id / name first, then argument fragments that join into the same
 valid arguments, and ends with "tool_calls"; a conversation with the assistant's call and the
-``role: "tool"`` result renders and gets an answer; "auto" is still a 400 naming tool_choice.
+``role: "tool"`` result renders and gets an answer. tool_choice "auto" (the default): a question
+no tool answers gets text; a call the model starts (here it copies a call with wrong arguments
+from the prompt) is held to a tool's schema and returned as ``tool_calls``, streamed and not
+alike; MLC's two function-calling examples (``../shared/seeds/mlc-llm-rest-api.rst``) run as
+written, with the model's name and our port, and answer well-formed (the 135M model answers them
+in text, so they are also run with tool_choice "required", which must give valid calls).
 """
 from __future__ import annotations
 
@@ -96,7 +101,93 @@ def test_tool_result_round_trip(sdk):
     assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
 
 
-def test_auto_is_refused_naming_tool_choice(sdk):
-    with pytest.raises(openai.BadRequestError) as err:
-        sdk.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=8)
-    assert err.value.body["param"] == "tool_choice" and "auto" in err.value.body["message"]
+def test_auto_answers_in_text_when_no_call_is_started(sdk):
+    resp = sdk.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}],
+                                       tools=TOOLS, max_tokens=20, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
+    assert "4" in choice.message.content
+
+
+COPY = [{"role": "user", "content": 'Write this text exactly: {"name": "get_weather", "arguments": '
+                                    '{"town": "Paris", "unit": "kelvin"}}'}]
+
+
+def test_auto_holds_a_started_call_to_the_schema_streamed_and_not(sdk):
+    resp = sdk.chat.completions.create(model=MODEL, messages=COPY, tools=TOOLS, max_tokens=60, temperature=0)
+    choice = resp.choices[0]
+    assert choice.finish_reason == "tool_calls" and [c.function.name for c in choice.message.tool_calls] == \
+        ["get_weather"]
+    _check_calls(choice.message.tool_calls)    # "town" and "kelvin" were not allowed
+    stream = sdk.chat.completions.create(model=MODEL, messages=COPY, tools=TOOLS, max_tokens=60, temperature=0,
+                                         stream=True)
+    content, calls, finish = "", {}, []
+    for chunk in stream:
+        c = chunk.choices[0]
+        content += c.delta.content or ""
+        for d in c.delta.tool_calls or []:
+            entry = calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+            entry["arguments"] += d.function.arguments or ""
+        if c.finish_reason:
+            finish.append(c.finish_reason)
+    assert finish == ["tool_calls"] and (content or None) == choice.message.content
+    assert [(v["name"], json.loads(v["arguments"])) for v in calls.values()] == \
+        [(x.function.name, json.loads(x.function.arguments)) for x in choice.message.tool_calls]
+
+
+# MLC's function-calling examples (../shared/seeds/mlc-llm-rest-api.rst), as written but for the
+# model's name and the URL.
+MLC_TOOLS = [{"type": "function", "function": {
+    "name": "get_current_weather", "description": "Get the current weather in a given location",
+    "parameters": {"type": "object", "properties": {
+        "location": {"type": "string", "description": "The city and state, e.g. San Francisco, CA"},
+        "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}, "required": ["location"]}}}]
+MLC_ASK = "What is the current weather in Pittsburgh, PA in fahrenheit?"
+MLC_ASK_STREAM = "What is the current weather in Pittsburgh, PA and Tokyo, JP in fahrenheit?"
+
+
+def _mlc_valid(calls) -> None:
+    for c in calls:
+        assert c["id"].startswith("call_") and c["function"]["name"] == "get_current_weather"
+        jsonschema.validate(json.loads(c["function"]["arguments"]), MLC_TOOLS[0]["function"]["parameters"])
+
+
+@pytest.mark.parametrize("extra", [{}, {"tool_choice": "required", "max_tokens": 60}], ids=["as-written", "required"])
+def test_mlc_function_calling_examples(facade, extra):  # noqa: F811
+    import requests
+
+    url, headers = facade.url + "/v1/chat/completions", {"Authorization": f"Bearer {KEY}"}
+    payload = {"model": MODEL, "messages": [{"role": "user", "content": MLC_ASK}], "stream": False,
+               "tools": MLC_TOOLS, "max_tokens": 80, **extra}
+    r = requests.post(url, json=payload, headers=headers, timeout=300)
+    assert r.status_code == 200
+    message, finish = r.json()["choices"][0]["message"], r.json()["choices"][0]["finish_reason"]
+    if extra:
+        assert finish == "tool_calls" and message["tool_calls"]
+    if message["tool_calls"]:
+        _mlc_valid(message["tool_calls"])
+        print(f"{message['tool_calls'][0]['function']}")
+    else:
+        assert finish in ("stop", "length") and message["content"]
+
+    payload = {**payload, "stream": True, "messages": [{"role": "user", "content": MLC_ASK_STREAM}]}
+    pieces, calls, finishes = [], {}, []
+    with requests.post(url, json=payload, headers=headers, stream=True, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            pieces.append(choice["delta"].get("content") or "")   # the example prints these
+            for d in choice["delta"].get("tool_calls") or []:
+                entry = calls.setdefault(d["index"], {"id": d.get("id"), "function": {"name": None, "arguments": ""}})
+                entry["function"]["name"] = entry["function"]["name"] or d["function"].get("name")
+                entry["function"]["arguments"] += d["function"].get("arguments") or ""
+            if choice["finish_reason"]:
+                finishes.append(choice["finish_reason"])
+    assert len(finishes) == 1
+    if calls:
+        assert finishes == ["tool_calls"]
+        _mlc_valid(list(calls.values()))
+    else:
+        assert not extra and finishes[0] in ("stop", "length") and "".join(pieces)

@@ -97,6 +97,17 @@ def test_roles_and_function_history():
     assert [m.role for m in plain.request.chat.messages] == [pb.ROLE_USER] and plain.functions == ()
 
 
+def test_functions_constrain_the_call_the_model_starts():
+    gen = ap.parse_conversation({**_conv(), "functions": [WEATHER]})
+    so = gen.request.sampling.structured_output
+    assert so.param == "functions" and so.WhichOneof("constraint") == "triggered_tags"
+    tags = so.triggered_tags
+    assert list(tags.triggers) == ['{"name"'] and tags.stop_after_first     # one call, then the answer ends
+    assert [t.begin for t in tags.tags] == ['{"name": "get_current_weather", "arguments": ']
+    assert json.loads(tags.tags[0].schema_json) == WEATHER["parameters"] and tags.tags[0].end == "}"
+    assert not ap.parse_conversation(_conv()).request.sampling.HasField("structured_output")
+
+
 def test_fill_me_must_appear_once():
     assert ap.split_fill_me("def f():\n<FILL_ME>\n    return 1\n") == ("def f():\n", "\n    return 1\n")
     for text, count in (("no marker", 0), ("<FILL_ME> and <FILL_ME>", 2)):

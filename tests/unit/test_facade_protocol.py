@@ -63,7 +63,7 @@ def test_completion_prompt_shapes(prompt, kinds):
 
 
 @pytest.mark.parametrize("body, param", [
-    (_chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),   # auto: not yet
+    (_chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice=3), "tool_choice"),
     (_chat(tools=[{"type": "function", "function": {"name": ""}}], tool_choice="required"), "tools[0].function.name"),
     (_chat(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice={"type": "function",
                                                                           "function": {"name": "g"}}), "tool_choice"),

@@ -87,7 +87,8 @@ def test_malformed_constraints_are_a_400_naming_the_parameter(extra, param, mess
 
 def test_engine_conversion_round_trips_and_names_the_parameter():
     for body in (_chat(guided_regex="[a-z]"), _chat(guided_choice=["x", "y"]),
-                 _chat(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}})):
+                 _chat(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": True}}),
+                 _chat(tools=[{"type": "function", "function": {"name": "f", "parameters": SCHEMA}}])):
         sp = protocol.parse_chat(body).requests[0].sampling
         spec = sampling_from_proto(sp).structured
         assert structured_to_proto(spec) == sp.structured_output

@@ -23,6 +23,7 @@ from sluice.engine.request import Request
 from sluice.engine.sampler import SamplingBatch, penalize
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured import GrammarSpec, StructuredOutputConfig
+from sluice.engine.structured.spec import Tag, triggered_tags_text
 from sluice.engine.structured.bitmask import apply_bitmask, bitmask_words, unpack_bitmask
 from sluice.engine.structured.manager import StructuredOutputManager
 from sluice.engine.structured.vocab import token_bytes
@@ -105,6 +106,9 @@ def test_token_bytes_spell_texts_back(smollm2_tokenizer):
     GrammarSpec("regex", r"\d{3}-[a-z]+"),
     GrammarSpec("choice", choices=("yes", "no", 'say "hi"\n')),
     GrammarSpec("ebnf", 'root ::= "a" root | "b"'),
+    GrammarSpec("triggered_tags", triggered_tags_text(['{"name"'], [
+        Tag('{"name": "f", "arguments": ', '{"type": "object", "properties": {"x": {"type": "integer"}}}', "}")],
+        False)),
 ], ids=lambda s: s.kind)
 def test_every_kind_compiles_and_is_cached(manager, spec):
     first = manager.compile(spec)
@@ -203,6 +207,48 @@ def test_eos_is_allowed_exactly_when_the_grammar_can_end(manager, smollm2_tokeni
     assert manager.accept("done", tok.encode("yes", add_special_tokens=False))
     assert _allowed(manager, "done", tok)[0] == {eos}                    # complete: only the end
     manager.drop("done")
+
+
+CALLS = GrammarSpec("triggered_tags", triggered_tags_text(['{"name"'], [
+    Tag('{"name": "get_weather", "arguments": ', json.dumps(
+        {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}), "}"),
+    Tag('{"name": "get_time", "arguments": ', '{"type": "object"}', "}")], False), field="tools")
+
+
+@pytest.mark.parametrize("text, accepted, can_end", [
+    ("No tool is needed: it is sunny.", True, True),
+    ('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', True, True),
+    ('Both: [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]',
+     True, True),
+    ('<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>', True, True),
+    ('[{"name": "get_weather", "arguments": {"town": "Paris"}}]', False, False),   # not its schema
+    ('[{"name": "get_wind", "arguments": {}}]', False, False),                       # not a tool
+    ('[{"name":"get_time", "arguments": {}}]', False, False),                        # after the trigger: exact
+    ('[{"name": "get_weather", "arguments": {"city": "Pa', True, False),              # inside a call: no end
+])
+def test_triggered_tags_leave_text_free_and_constrain_each_call(manager, smollm2_tokenizer, text, accepted, can_end):
+    tok = smollm2_tokenizer
+    manager.add("t", CALLS)
+    try:
+        ids = tok.encode(text, add_special_tokens=False)
+        ok = all(manager.accept("t", [i]) for i in ids)
+        assert ok == accepted
+        if ok:
+            assert (tok.eos_token_id in _allowed(manager, "t", tok)[0]) == can_end
+    finally:
+        manager.drop("t")
+
+
+@pytest.mark.parametrize("triggers, tags, message", [
+    ([], [Tag("a", "{}", "b")], "at least one trigger and one tag"),
+    (["{"], [Tag("x", "{}", "}")], r"tags\[0\].begin 'x' must start with exactly one trigger"),
+    (["{", '{"'], [Tag('{"n', "{}", "}")], "exactly one trigger, it starts with 2"),
+    (["{", "<"], [Tag("{", "{}", "}")], "trigger '<' begins no tag"),
+    (["{"], [Tag("{", '{"type": "array", "uniqueItems": true}', "}")], r"tools.tags\[0\]: JSON Schema keyword"),
+])
+def test_bad_triggered_tags_are_refused_naming_the_parameter(triggers, tags, message):
+    with pytest.raises(ValueError, match=message):
+        GrammarSpec("triggered_tags", triggered_tags_text(triggers, tags, False), field="tools")
 
 
 def test_rejected_token_is_reported_and_the_matcher_stays(manager, smollm2_tokenizer):
