@@ -129,17 +129,29 @@ async def _figures_now(url: str, engine_pid: int | None) -> dict:
 
 
 async def soak(url: str, duration: float, concurrency: int, seed: int, engine_pid: int | None,
-               warmup: float = 10.0) -> dict:
+               warmup: float = 10.0, sample_every: float | None = None) -> dict:
+    """``sample_every``: also take the figures (idle, so the load pauses for them) every so many
+    seconds of load: a leak grows steadily, a cache filling up levels off."""
     async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as r:
         model = (await r.json())["data"][0]["id"]
     clients = Clients(url, model, seed)
     await _load(clients, url, warmup, concurrency)        # allocator arenas, caches, batch shapes
     start = await _figures_now(url, engine_pid)
-    await _load(clients, url, duration, concurrency)
+    samples, done = [], 0.0
+    step = sample_every if sample_every and sample_every > 0 else duration
+    while done < duration:
+        part = min(step, duration - done)
+        await _load(clients, url, part, concurrency)
+        done += part
+        if done < duration:
+            samples.append({"load_s": done, **await _figures_now(url, engine_pid)})
     end = await _figures_now(url, engine_pid)
-    return {"start": start, "end": end, "counts": dict(sorted(clients.counts.items())),
-            "requests": sum(clients.counts.values()), "duration_s": duration, "warmup_s": warmup,
-            "concurrency": concurrency}
+    out = {"start": start, "end": end, "counts": dict(sorted(clients.counts.items())),
+           "requests": sum(clients.counts.values()), "duration_s": duration, "warmup_s": warmup,
+           "concurrency": concurrency}
+    if samples:
+        out["samples"] = samples
+    return out
 
 
 def _free_port() -> int:
@@ -182,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the start figures")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-every", type=float, default=None, metavar="S",
+                   help="also take the figures every S seconds of load (the result's samples)")
     p.add_argument("--json", default=None, help="also write the result here")
     args = p.parse_args(argv)
     proc = None
@@ -190,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         proc, url, engine_pid = launch(args.launch, args.overrides, Path(os.environ.get("TMPDIR", "/tmp"))
                                        / f"sluice-soak-{os.getpid()}.log")
     try:
-        result = asyncio.run(soak(url, args.duration, args.concurrency, args.seed, engine_pid, args.warmup))
+        result = asyncio.run(soak(url, args.duration, args.concurrency, args.seed, engine_pid, args.warmup,
+                                   args.sample_every))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
