@@ -7,7 +7,9 @@ outputs match; a request ends with EOS only when its grammar is complete (finish
 grammar's matcher accepts the text as whole); the engine keeps no matcher after a request ends;
 a grammar that does not compile is refused by ``add_request`` with the parameter named and
 nothing allocated; n = 2 gives each choice its own matcher; with n-gram speculative decoding
-the outputs still validate, greedy and sampled, while drafts are verified.
+the outputs still validate, greedy and sampled, while drafts are verified; constrained requests
+preempted and recomputed in a small KV pool keep their matchers where their tokens are (greedy
+outputs identical to a roomy pool's, every one valid, no matcher left, every block back).
 """
 from __future__ import annotations
 
@@ -124,6 +126,23 @@ def test_each_choice_has_its_own_matcher(llm):
     res = llm.chat([[{"role": "user", "content": "Name a fruit."}]],
                    SamplingParams(n=2, max_tokens=10, temperature=1.0, seed=5, structured=spec))
     assert [o.text in spec.choices for o in res[0].outputs] == [True, True]
+
+
+def test_preempted_constrained_requests_resume_where_their_matchers_are(smollm2, llm):
+    names = ["nested_object", "ref_defs", "array_of_objects", "person_full", "flat_required", "optional_keys"]
+    params = [SamplingParams(max_tokens=120, temperature=0.0,
+                             structured=GrammarSpec("json_schema", json.dumps(SCHEMAS[n]), strict=True))
+              for n in names]
+    chats = [_chat(SCHEMAS[n]) for n in names]
+    want = [r.outputs[0].token_ids for r in llm.chat(chats, params)]
+    small = LLM(loaded=smollm2, block_size=16, max_total_tokens=384, enable_prefix_caching=False)   # 2 prompts fill it
+    results = small.chat(chats, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [r.outputs[0].token_ids for r in results] == want
+    for name, res in zip(names, results):
+        jsonschema.validate(json.loads(res.outputs[0].text), SCHEMAS[name])
+    assert not small.engine.structured.request_ids()
+    assert small.engine.kv.num_free_blocks == small.engine.kv.num_total_blocks
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
