@@ -488,7 +488,7 @@ def _penalize_triton(penalties, logits: torch.Tensor, batch: SamplingBatch) -> t
     if batch.forbidden is not None:
         out.masked_fill_(batch.forbidden, _NEG_INF)
     if batch.grammar_bitmask is not None:
-        out = apply_bitmask(out, batch.grammar_bitmask)
+        importlib.import_module("sluice.kernels.bitmask").apply_token_bitmask(out, batch.grammar_bitmask)
     return out
 
 

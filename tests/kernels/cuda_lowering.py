@@ -31,8 +31,9 @@ from triton.compiler import ASTSource
 from sluice.kernels._checks import FP_FUSION
 
 # The modules themselves: ``sluice.kernels`` re-exports functions under some of the same names.
-kv_store, paged_decode, paged_prefill, penalties, rejection, sampling = (
-    import_module(f"sluice.kernels.{m}") for m in ("kv_store", "paged_decode", "paged_prefill", "penalties", "rejection", "sampling"))
+bitmask, kv_store, paged_decode, paged_prefill, penalties, rejection, sampling = (
+    import_module(f"sluice.kernels.{m}") for m in ("bitmask", "kv_store", "paged_decode", "paged_prefill",
+                                                   "penalties", "rejection", "sampling"))
 
 # The most shared memory one block may use (opt-in maximum): A100 163 KB, H100/H200 227 KB. A
 # kernel over it compiles, then fails at launch with "out of resources".
@@ -144,6 +145,8 @@ def sampling_kernels(dt, rejection_only=False, serving=False):
         "frequency_ptr": "*fp32", "repetition_ptr": "*fp32", "bias_ids_ptr": "*i32", "bias_values_ptr": "*fp32"},
         dict(BLOCK_V=penalties._BLOCK_V, BIAS_PAD=4), num_warps=penalties._NUM_WARPS, serving=serving)
     compile_for_cuda(rejection._rejection_sample_kernel, rj, dict(BLOCK_V=rejection._BLOCK_V), **rj_opts)
+    compile_for_cuda(bitmask._apply_bitmask_kernel, {"logits_ptr": dt, "bitmask_ptr": "*i32"},
+                     dict(BLOCK_V=bitmask._BLOCK_V), num_warps=bitmask._NUM_WARPS, serving=serving)
 
 
 def main(argv: list[str]) -> None:

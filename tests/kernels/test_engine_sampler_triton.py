@@ -133,3 +133,25 @@ def test_seeded_request_repeats_alone_and_in_mixed_batches(device):
     other_seed = _req("s", seed=8, **params)
     _run([other_seed], tables, device, engine_seed=0, shuffle=None, steps=steps)
     assert other_seed.output_token_ids != alone.output_token_ids
+
+
+def test_grammar_bitmask_stage_equals_the_torch_backend(device):
+    """The triton sampler masks with kernels/bitmask.py: with penalties and bias on the same rows,
+    greedy picks equal the torch backend's, each within its row's allowed tokens."""
+    vocab = 70
+    logits = (torch.randn(3, vocab, generator=torch.Generator().manual_seed(4)) * 3).to(device)
+    top = logits.argmax(-1).tolist()
+    mask = torch.zeros(3, 3, dtype=torch.int32)
+    mask[0] = -1                                              # unconstrained
+    mask[1, 1] = 0b1011                                       # tokens 32, 33, 35
+    mask[2, 2] = 1 << 3                                       # token 67 only
+    reqs = [_req("a", temperature=0.0), _req("b", temperature=0.0, logit_bias={33: 5.0}),
+            _req("c", temperature=0.0, repetition_penalty=1.5, output=[67])]
+    def batch():
+        return SamplingBatch.from_requests(reqs, vocab, device, GeneratorCache(seed=0, device=device),
+                                           grammar_bitmask=mask.to(device))
+    ref = Sampler("torch")(logits, batch())
+    got = Sampler("triton", device)(logits, batch())
+    assert torch.equal(got.token_ids, ref.token_ids)
+    assert got.token_ids[0].item() == top[0] and got.token_ids[1].item() in (32, 33, 35)
+    assert got.token_ids[2].item() == 67
