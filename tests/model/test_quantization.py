@@ -122,14 +122,17 @@ def test_weights_are_held_in_the_format(formats, smollm2, fmt):
 
 def test_int4_projections_are_the_files_q4_1_values(formats, smollm2):
     """Repacked, not requantized: every weight within the bfloat16 rounding of its block's
-    scale (2^-8 of |q - 8| d <= 8 d) and zero of the dequantized Q4_1 value float32 uses."""
+    scale (2^-8 of |q - 8| d <= 8 d) and zero of the dequantized Q4_1 value float32 uses. The
+    fused q/k/v rows also check that the raw blocks of Q and K were unpermuted like the floats."""
+    int4 = formats("int4").model
     for layer in (0, 29):
-        got = formats("int4").model.layers[layer].mlp.gate_up_proj.dense_weight()
-        want = smollm2.model.layers[layer].mlp.gate_up_proj.dense_weight()
-        blocks = want.view(want.shape[0], -1, 32)
-        step = ((blocks.amax(-1) - blocks.amin(-1)) / 15)[..., None]    # >= d where the block spans its range
-        bound = (16 * step + blocks.abs().amax(-1, keepdim=True)) * 2.0 ** -8
-        assert ((got.view_as(blocks) - blocks).abs() <= bound).all()
+        for name in ("mlp.gate_up_proj", "self_attn.qkv_proj"):
+            got = int4.layers[layer].get_submodule(name).dense_weight()
+            want = smollm2.model.layers[layer].get_submodule(name).dense_weight()
+            blocks = want.view(want.shape[0], -1, 32)
+            step = ((blocks.amax(-1) - blocks.amin(-1)) / 15)[..., None]   # >= d where a block spans its range
+            bound = (16 * step + blocks.abs().amax(-1, keepdim=True)) * 2.0 ** -8
+            assert ((got.view_as(blocks) - blocks).abs() <= bound).all(), f"layer {layer} {name}"
 
 
 # ---- accuracy ---------------------------------------------------------------------------------
