@@ -21,8 +21,9 @@ def prompt(n: int) -> str:
     return " ".join(f"w{i % NUM_WORDS}" for i in range(n))
 
 
-def write_tiny_folder(folder: Path, context: int = CONTEXT) -> Path:
-    """Writes the model into ``folder`` (created) and returns it; deterministic weights."""
+def write_tiny_folder(folder: Path, context: int = CONTEXT, seed: int = 0) -> Path:
+    """Writes the model into ``folder`` (created) and returns it; deterministic weights (another
+    ``seed``: another model with the same tokenizer)."""
     import torch
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -39,7 +40,7 @@ def write_tiny_folder(folder: Path, context: int = CONTEXT) -> Path:
         "hidden_size": HIDDEN, "intermediate_size": INTER, "num_hidden_layers": LAYERS,
         "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS, "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0, "max_position_embeddings": context, "tie_word_embeddings": True}))
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     head_dim = HIDDEN // HEADS
 
     def rand(*shape: int) -> torch.Tensor:

@@ -10,9 +10,13 @@ tokens and the added one after). A preemption frees the blocks, so the draft sta
 
 One propose() for K drafts is K forwards of the draft over the decoding requests: the first
 catches up (positions ``done .. N-1``) and yields ``d_0``, each next one runs ``d_{i-1}`` at
-position ``N-1+i``. Drafts are the argmax of the draft's logits after the request's penalties,
-bias and min_tokens mask on the draft's own row history (``rows``): a point mass, so with the
-target as its own draft every greedy draft is accepted.
+position ``N-1+i``. The draft's logits go through the request's penalties, bias and min_tokens
+mask on the draft's own row history (``rows``). A greedy request's draft is their argmax (a
+point mass: with the target as its own draft every greedy draft is accepted); a sampling
+request's draft is drawn from the draft's own distribution after the request's temperature,
+top-k/p and min-p (``processed_probs``), and that distribution goes with the draft to the
+rejection sampler, which accepts ``d`` with probability min(1, p(d) / q(d)). The draws use the
+draft runner's generators (a seeded request: its own seed), never the target's.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import SamplingBatch, penalize
+from sluice.engine.sampler import SamplingBatch, penalize, processed_probs
 from sluice.engine.spec_decode.proposer import Draft, draft_room
 from sluice.engine.spec_decode.rows import SampleRow
 
@@ -96,6 +100,7 @@ class DraftModelProposer:
                 continue
             work.append((req, self._done(req), room, blocks))
         drafts: dict[str, list[int]] = {req.request_id: [] for req, *_ in work}
+        probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, *_ in work}
         step = 0
         while work:
             seqs, rows = [], []
@@ -105,9 +110,11 @@ class DraftModelProposer:
                 start = done if step == 0 else view.num_tokens - 1
                 seqs.append(_Seq(view, view.num_tokens - start, start, blocks))
                 rows.append(SampleRow(req, tuple(d)))
-            tokens = self._argmax(seqs, rows)
-            for (req, _done, _room, _blocks), tok in zip(work, tokens):
+            tokens, dists = self._next(seqs, rows)
+            for (req, _done, _room, _blocks), tok, q in zip(work, tokens, dists):
                 drafts[req.request_id].append(tok)
+                if q is not None:
+                    probs[req.request_id].append(q)
             step += 1
             work = [w for w in work if len(drafts[w[0].request_id]) < w[2]]
         out, by_id = {}, {r.request_id: r for r in requests}
@@ -116,7 +123,7 @@ class DraftModelProposer:
             # KV now holds the known tokens and every draft but the last.
             self._computed[rid] = req.all_token_ids + d[:-1]
             self._preemptions[rid] = req.num_preemptions
-            out[rid] = Draft(d)
+            out[rid] = Draft(d, torch.stack(probs[rid]) if probs[rid] else None)
         return out
 
     def _done(self, req: Request) -> int:
@@ -132,11 +139,25 @@ class DraftModelProposer:
             n += 1
         return n
 
-    def _argmax(self, seqs: list[_Seq], rows: list[SampleRow]) -> list[int]:
+    def _next(self, seqs: list[_Seq], rows: list[SampleRow]) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Each row's next draft token, and the [V] distribution it was drawn from (None: argmax)."""
         runner = self.runner
         batch = runner.prepare(seqs)
         hidden = runner.forward(batch)
         with torch.inference_mode():
             logits = runner.model.compute_logits(hidden[batch.sample_rows])     # [len(seqs), V]
             sb = SamplingBatch.from_requests(rows, runner.vocab_size, runner.device, runner.generators)
-            return penalize(logits, sb).argmax(dim=-1).tolist()
+            if sb.all_greedy:
+                return penalize(logits, sb).argmax(dim=-1).tolist(), [None] * len(rows)
+            q = processed_probs(logits, sb)                                      # [len(seqs), V]
+            greedy = sb.greedy.tolist()
+            tokens, dists = [], []
+            for i, row in enumerate(rows):
+                if greedy[i]:
+                    tokens.append(int(q[i].argmax()))
+                    dists.append(None)
+                else:
+                    gen = runner.generators.get(row.request)
+                    tokens.append(int(torch.multinomial(q[i], 1, generator=gen)))
+                    dists.append(q[i].float().cpu())
+            return tokens, dists

@@ -6,7 +6,10 @@ rule is broken on purpose.
 The set-up makes drafts matter: the prompt repeats a run the n-gram proposer copies, logit bias
 makes that run likely (so drafts are accepted about as often as they are rejected), and a
 frequency penalty makes each position's distribution depend on the tokens before it, drafts
-included. With the target as its own draft (small_draft), drafts are the target's argmax.
+included. small_draft runs with another random-weight model of the same vocabulary as its draft
+(its drafts are sampled from its own distribution q, which the rejection rule compares with the
+target's p), and with the target as its own draft, where q equals p: then every draft is
+accepted, as the rule promises.
 """
 from __future__ import annotations
 
@@ -37,6 +40,13 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny(folder):
     return load_model(str(folder))
+
+
+@pytest.fixture(scope="module")
+def other(tmp_path_factory):
+    """(folder, loaded) of a different random model with the same tokenizer: a draft whose q is not p."""
+    folder = write_tiny_folder(tmp_path_factory.mktemp("other"), seed=1)
+    return folder, load_model(str(folder))
 
 
 def _params() -> SamplingParams:
@@ -84,19 +94,32 @@ def baseline(tiny):
     return _sample(LLM(loaded=tiny, seed=1, **OPTS))
 
 
-def _spec(tiny, folder, mode: str) -> LLM:
-    kw = dict(additional_models=str(folder), draft_loaded=tiny) if mode == "small_draft" else {}
+def _spec(tiny, folder, mode: str, draft=None) -> LLM:
+    kw = {}
+    if mode == "small_draft":
+        draft_folder, draft_loaded = draft or (folder, tiny)
+        kw = dict(additional_models=str(draft_folder), draft_loaded=draft_loaded)
     return LLM(loaded=tiny, seed=2, speculative_mode=mode, spec_draft_length=4,
                spec_max_batch_size=1024, **OPTS, **kw)
 
 
 @pytest.mark.parametrize("mode", ["ngram", "small_draft"])
-def test_per_position_distribution_unchanged(tiny, folder, baseline, mode):
-    llm = _spec(tiny, folder, mode)
+def test_per_position_distribution_unchanged(tiny, folder, other, baseline, mode):
+    llm = _spec(tiny, folder, mode, draft=other)
     got = _sample(llm)
     stats = llm.engine.spec.stats
     # Drafts were both accepted and rejected often enough for the test to mean something.
     assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9
+    pvalues = [two_sample_pvalue(baseline[j], got[j]) for j in range(POSITIONS)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_the_target_as_its_own_sampled_draft_is_always_accepted(tiny, folder, baseline):
+    llm = _spec(tiny, folder, "small_draft")
+    got = _sample(llm)
+    stats = llm.engine.spec.stats
+    # q = p up to float rounding between the two runners' batches: min(1, p / q) is 1 or a hair under.
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens / stats.num_draft_tokens > 0.99
     pvalues = [two_sample_pvalue(baseline[j], got[j]) for j in range(POSITIONS)]
     assert min(pvalues) > 1e-3, pvalues
 
