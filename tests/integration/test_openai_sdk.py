@@ -86,8 +86,9 @@ def test_errors_are_typed(sdk, facade):  # noqa: F811
         sdk.chat.completions.create(model=MODEL, messages=HI, max_tokens=4, temperature=-1)
     assert info.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError) as info:
-        sdk.chat.completions.create(model=MODEL, messages=HI, tools=[{"type": "function", "function": {"name": "f"}}])
-    assert info.value.body["param"] == "tool_choice"   # "auto", the default with tools: not yet
+        sdk.chat.completions.create(model=MODEL, messages=HI, tools=[{"type": "function", "function": {"name": "f"}}],
+                                    tool_choice="sometimes")
+    assert info.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model=MODEL, prompt="hello " * 9000, max_tokens=4)
     assert info.value.body["code"] == "context_length_exceeded"
