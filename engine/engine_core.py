@@ -179,6 +179,13 @@ class EngineCore:
             num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size, device=device,
             dtype=dtype, attn=attn, sampler_backend="torch", seed=config.seed)
         self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner)   # None: off
+        # Every step size's projection primitives compiled now (a few hundred ms on CPU float32),
+        # not one by one under load, where each new one costs a stall and resident memory.
+        sched = config.scheduler
+        logit_rows = min(sched.max_num_batched_tokens, sched.max_num_seqs * (1 + sched_config.num_speculative_tokens))
+        for model in (self.loaded.model, None if self.draft is None else self.draft.model):
+            if hasattr(model, "warm_up"):
+                model.warm_up(sched.max_num_batched_tokens, logit_rows)
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
         caps.add("structured_output")
         if getattr(self.tokenizer, "fim_tokens", None):

@@ -64,6 +64,18 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def warm_up_row_buckets(shapes: dict[tuple[int, int], torch.Tensor], max_rows: int, done: int) -> None:
+    """Run each packed weight of ``shapes`` ((in, out) -> packed weight) once at every row bucket
+    in (``done``, ``max_rows``], so that oneDNN compiles and caches all the primitives a step can
+    need now rather than one by one under load (each ~0.5 MB: an engine that meets them
+    gradually grows by ~100 MB over hours, which looks like a leak and is not one)."""
+    buckets = sorted({row_bucket(r) for r in range(done + 1, max_rows + 1)})
+    with torch.inference_mode():
+        for (inp, _out), packed in shapes.items():
+            for rows in buckets:
+                torch.ops.mkldnn._linear_pointwise(torch.zeros(rows, inp), packed, None, "none", [], "")
+
+
 class _Linear(torch.nn.Linear):
     """A Linear left uninitialised: every weight comes from a checkpoint, so random init is wasted time.
 
@@ -239,6 +251,19 @@ class LlamaForCausalLM(torch.nn.Module):
             # copy (vocab x hidden floats) because it is read in full for every sampled token.
             self._packed_lm_head = pack_cpu_weight(weight)
         return True
+
+    def warm_up(self, max_rows: int, max_logit_rows: int) -> None:
+        """Compile the packed projections' primitives for every step size up to ``max_rows`` tokens
+        and the LM head's up to ``max_logit_rows`` sampled rows (``warm_up_row_buckets``); what an
+        earlier engine on this model already warmed is not run again. A no-op unless packed."""
+        done = getattr(self, "_warmed", (0, 0))
+        shapes = {(m.in_features, m.out_features): m.packed for m in self.modules()
+                  if isinstance(m, _Linear) and m.packed is not None}
+        warm_up_row_buckets(shapes, max_rows, done[0])
+        if self._packed_lm_head is not None:
+            hidden = self.arch.hidden_size
+            warm_up_row_buckets({(hidden, 0): self._packed_lm_head}, max_logit_rows, done[1])
+        self._warmed = (max(done[0], max_rows), max(done[1], max_logit_rows))
 
     def load_hf_weights(self, weights: Mapping[str, torch.Tensor], quantizer=None) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up; ModelLoadError names a missing/misshapen one.
