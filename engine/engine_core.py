@@ -186,6 +186,7 @@ class EngineCore:
         for model in (self.loaded.model, None if self.draft is None else self.draft.model):
             if hasattr(model, "warm_up"):
                 model.warm_up(sched.max_num_batched_tokens, logit_rows)
+        _release_free_heap()
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
         caps.add("structured_output")
         if getattr(self.tokenizer, "fim_tokens", None):
@@ -536,3 +537,14 @@ class EngineCore:
         return dict(spec_num_drafts=s.num_drafts, spec_draft_tokens=s.num_draft_tokens,
                     spec_accepted_tokens=s.num_accepted_tokens,
                     spec_accepted_per_position=tuple(s.accepted_per_position))
+
+
+def _release_free_heap() -> None:
+    """Hand the heap's free pages back to the OS (glibc ``malloc_trim``): the warm-up's large
+    temporaries (~150 MB of activations for SmolLM2) are freed but would stay resident."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):   # not glibc: nothing to do
+        pass
