@@ -152,7 +152,10 @@ def _mlc_valid(calls) -> None:
         jsonschema.validate(json.loads(c["function"]["arguments"]), MLC_TOOLS[0]["function"]["parameters"])
 
 
-@pytest.mark.parametrize("extra", [{}, {"tool_choice": "required", "max_tokens": 60}], ids=["as-written", "required"])
+# "required" greedy: at the examples' default temperature (1) a string argument may run past
+# max_tokens, which is a well-formed "length" but not the call this variant exists to show.
+@pytest.mark.parametrize("extra", [{}, {"tool_choice": "required", "max_tokens": 150, "temperature": 0}],
+                         ids=["as-written", "required"])
 def test_mlc_function_calling_examples(facade, extra):  # noqa: F811
     import requests
 
@@ -187,7 +190,8 @@ def test_mlc_function_calling_examples(facade, extra):  # noqa: F811
                 finishes.append(choice["finish_reason"])
     assert len(finishes) == 1
     if calls:
-        assert finishes == ["tool_calls"]
+        # sampled (as written): text may follow a call until max_tokens
+        assert finishes == ["tool_calls"] or (not extra and finishes == ["length"])
         _mlc_valid(list(calls.values()))
     else:
         assert not extra and finishes[0] in ("stop", "length") and "".join(pieces)
