@@ -25,7 +25,6 @@ arguments, each call as soon as it is complete; a call cut by ``length`` is sent
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 from typing import Any

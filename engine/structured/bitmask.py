@@ -6,6 +6,8 @@ An unconstrained row is all ones (-1), which allows every token.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 _NEG_INF = float("-inf")
@@ -45,6 +47,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill(~unpack_bitmask(bitmask, logits.shape[-1]), _NEG_INF)
 
 
+@functools.cache
 def _xgrammar():
     try:
         import xgrammar
