@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from tests.reliability.serve import REPO
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(300)
