@@ -35,7 +35,7 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.structured.manager import StructuredOutputManager
 from sluice.engine.tool_prompt import fallback_messages, template_renders_tools
-from sluice.engine.spec_decode.factory import build_spec_decoder, load_draft, shared_num_blocks
+from sluice.engine.spec_decode.factory import build_spec_decoder, load_draft, load_heads, shared_num_blocks
 from sluice.engine.spec_decode.stops import add_tokens_until_stop
 
 log = logging.getLogger("sluice.engine")
@@ -137,7 +137,7 @@ def _encode_continuation(tokenizer, text: str) -> list[int]:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None,
-                 draft_loaded: LoadedModel | None = None) -> None:
+                 draft_loaded: LoadedModel | None = None, heads=None) -> None:
         self.config = config
         if config.scheduler.num_speculative_tokens and not config.speculative.enabled:
             raise ValueError("num_speculative_tokens: drafts need a proposer; set speculative_mode "
@@ -155,6 +155,7 @@ class EngineCore:
         self.loaded = loaded or self._load(config.model, dtype, device, progress, quantization)
         self.draft = load_draft(config.speculative, self.loaded,
                                 lambda name: self._load(name, dtype, device, progress, quantization), draft_loaded)
+        self.heads = load_heads(config.speculative, self.loaded, dtype, device, heads)   # eagle / medusa
         arch = self.loaded.arch
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(arch)
@@ -178,7 +179,8 @@ class EngineCore:
             num_kv_heads=self.draft.arch.num_key_value_heads, head_dim=self.draft.arch.head_dim,
             num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size, device=device,
             dtype=dtype, attn=attn, sampler_backend="torch", seed=config.seed)
-        self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner)   # None: off
+        self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner,
+                                       self.heads, config.seed)   # None: off
         # Every step size's projection primitives compiled now (a few hundred ms on CPU float32),
         # not one by one under load, where each new one costs a stall and resident memory.
         sched = config.scheduler

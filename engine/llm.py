@@ -39,14 +39,16 @@ def build_config(model: str, **kwargs) -> EngineConfig:
 
 class LLM:
     def __init__(self, model: str = "smollm2", *, config: EngineConfig | None = None, progress: bool = False,
-                 loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None, **options) -> None:
+                 loaded: LoadedModel | None = None, draft_loaded: LoadedModel | None = None, heads=None,
+                 **options) -> None:
         """``options`` are the fields of the per-subsystem configs (block_size, max_num_seqs,
         max_num_batched_tokens, kv_cache_memory_bytes, device, dtype, attention_backend,
         quantization = none | bf16 | int8 | int4 | auto, ...).
         ``loaded`` reuses weights already in memory (tests build several engines on one model);
-        ``draft_loaded`` does the same for small_draft's draft model (``additional_models``)."""
+        ``draft_loaded`` does the same for small_draft's draft model (``additional_models``), and
+        ``heads`` for eagle's or medusa's heads module (``spec_decode.heads``)."""
         self.engine = EngineCore(config or build_config(model, **options), progress=progress, loaded=loaded,
-                                 draft_loaded=draft_loaded)
+                                 draft_loaded=draft_loaded, heads=heads)
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

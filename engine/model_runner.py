@@ -67,18 +67,45 @@ class ModelRunner:
         # request id -> [K, V] draft distributions for the drafts it carries into the next step,
         # set by proposers that have them (absent: a point mass per draft token).
         self.draft_probs: dict[str, torch.Tensor] = {}
+        # Hidden states kept for head-based drafting (eagle, medusa), refilled every step: None
+        # keeps nothing (no cost); "last": request id -> (position, [H]) of the row behind the
+        # request's last token; "all": request id -> (first position, [n, H]) of every row
+        # computed for it this step, rejected drafts' included.
+        self.capture: str | None = None
+        self.captured: dict[str, tuple[int, torch.Tensor]] = {}
 
     def execute(self, out) -> RunnerOutput:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
         for request_id in out.finished_ids:
             self.generators.drop(request_id)
             self.draft_probs.pop(request_id, None)
+        self.captured.clear()
         if not out.scheduled:
             return RunnerOutput()
         batch = self.prepare(out.scheduled)
         hidden = self.forward(batch)
+        if self.capture == "all":
+            row = 0
+            for s in out.scheduled:
+                self.captured[s.request.request_id] = (s.num_computed_tokens, hidden[row:row + s.num_new_tokens])
+                row += s.num_new_tokens
         # Work that needs the batch but not the logits (a grammar bitmask) goes here.
-        return self.sample(out.scheduled, batch, hidden)
+        res = self.sample(out.scheduled, batch, hidden)
+        if self.capture == "last":
+            self._capture_last(out.scheduled, batch, hidden, res)
+        return res
+
+    def _capture_last(self, scheduled, batch: BatchInputs, hidden: torch.Tensor, res: RunnerOutput) -> None:
+        """The row behind each sampled sequence's last new token: the last accepted draft's."""
+        plan = sample_plan(scheduled)
+        for (req, drafts), first in zip(plan.seqs, plan.first_row):
+            rid = req.request_id
+            if rid not in res.sampled_token_ids:
+                continue
+            accepted = len(drafts) - res.num_rejected_tokens.get(rid, 0)
+            row = int(batch.sample_rows[first + accepted])
+            # The row's position: the last known token's (N - 1) plus the drafts accepted.
+            self.captured[rid] = (req.num_tokens - 1 + accepted, hidden[row])
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """[num_tokens, hidden] for the flattened batch; writes its K/V into the cache."""

@@ -218,12 +218,16 @@ class LlamaForCausalLM(torch.nn.Module):
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:                 # [T, hidden]
-        embed = self.embed_tokens if self.quant_embedding is None else self.quant_embedding
-        h = embed(input_ids)                                   # [T, hidden]
+        h = self.embed(input_ids)                              # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)     # [T, 1, D/2] each, shared by all layers
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, attn)
         return self.norm(h)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input ids [T] → embeddings [T, hidden] (EAGLE's heads share them)."""
+        embed = self.embed_tokens if self.quant_embedding is None else self.quant_embedding
+        return embed(input_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab] float32."""

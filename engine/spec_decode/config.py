@@ -1,15 +1,16 @@
 """Speculative decoding's configuration: one frozen dataclass, validated before anything loads.
 
 Modes follow ``mlc_llm serve --speculative-mode`` (``disable``, ``small_draft``, ``eagle``,
-``medusa``) plus sluice's ``ngram`` (prompt lookup). EAGLE and Medusa need trained heads and
-belong to the issue "Speculative decoding II"; asking for them is an error here, at start-up.
+``medusa``) plus sluice's ``ngram`` (prompt lookup). ``small_draft`` drafts with a second model,
+``eagle`` and ``medusa`` with heads over the target's hidden states (``heads``); all three name
+what they load with ``additional_models``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SPEC_MODES = ("disable", "ngram", "small_draft")
-_LATER_MODES = ("eagle", "medusa")
+SPEC_MODES = ("disable", "ngram", "small_draft", "eagle", "medusa")
+NEEDS_MODEL = {"small_draft": "a draft model", "eagle": "EAGLE heads", "medusa": "Medusa heads"}
 MAX_DRAFT_LENGTH = 16
 # Above this many running requests no drafts are proposed. Measured with bench/spec_decode.py
 # (sweep, SmolLM2 on 2 CPU cores, K=5): ngram over no drafts 2.55-2.81x at batch 1, 1.48x at 2,
@@ -23,14 +24,11 @@ class SpeculativeConfig:
     spec_draft_length: int = 4             # K: draft tokens proposed per request and step
     spec_ngram_max: int = 3                # n-gram proposer: longest suffix matched ...
     spec_ngram_min: int = 1                # ... down to this length
-    additional_models: str | None = None   # small_draft: the draft model (path or short name)
+    additional_models: str | None = None   # small_draft: the draft model; eagle/medusa: the heads' folder
     spec_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # drafting stops above this many running requests
 
     def __post_init__(self) -> None:
         mode = self.speculative_mode
-        if mode in _LATER_MODES:
-            raise ValueError(f"speculative_mode: {mode} is not supported yet (it needs trained draft heads; "
-                             "see the issue \"Speculative decoding II\"); use ngram or small_draft")
         if mode not in SPEC_MODES:
             raise ValueError(f"speculative_mode: must be one of {', '.join(SPEC_MODES)}, got {mode!r}")
         _int_in("spec_draft_length", self.spec_draft_length, 1, MAX_DRAFT_LENGTH)
@@ -40,12 +38,12 @@ class SpeculativeConfig:
             raise ValueError(f"spec_ngram_min: must be <= spec_ngram_max ({self.spec_ngram_max}), "
                              f"got {self.spec_ngram_min}")
         _int_in("spec_max_batch_size", self.spec_max_batch_size, 1, 1 << 20)
-        if mode == "small_draft" and not self.additional_models:
-            raise ValueError("additional_models: speculative_mode small_draft needs a draft model "
+        if mode in NEEDS_MODEL and not self.additional_models:
+            raise ValueError(f"additional_models: speculative_mode {mode} needs {NEEDS_MODEL[mode]} "
                              "(--additional-models PATH)")
-        if mode != "small_draft" and self.additional_models:
-            raise ValueError(f"additional_models: a draft model is only used with speculative_mode "
-                             f"small_draft, not {mode}")
+        if mode not in NEEDS_MODEL and self.additional_models:
+            raise ValueError(f"additional_models: only speculative_mode small_draft, eagle or medusa load "
+                             f"additional models, not {mode}")
 
     @property
     def enabled(self) -> bool:

@@ -45,7 +45,9 @@ class SpecDecoder:
 
     def propose(self, running: Sequence[Request]) -> None:
         """Drafts for the next step. Above ``spec_max_batch_size`` running requests, none: there
-        verification costs more compute than the accepted tokens save."""
+        verification costs more compute than the accepted tokens save. The proposer observes
+        every step either way (EAGLE's cache follows each request's tokens)."""
+        self.proposer.observe(running)
         if len(running) > self.config.spec_max_batch_size:
             return
         ready = [r for r in running if r.status == RequestStatus.RUNNING

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import SamplingBatch, penalize, processed_probs
-from sluice.engine.spec_decode.proposer import Draft, draft_room
+from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
 
 
@@ -84,6 +83,9 @@ class DraftModelProposer:
         self.block_size = block_size
         self._computed: dict[str, list[int]] = {}     # request id -> tokens with draft KV
         self._preemptions: dict[str, int] = {}
+
+    def observe(self, requests) -> None:
+        pass
 
     def drop(self, request_id: str) -> None:
         self._computed.pop(request_id, None)
@@ -146,18 +148,4 @@ class DraftModelProposer:
         hidden = runner.forward(batch)
         with torch.inference_mode():
             logits = runner.model.compute_logits(hidden[batch.sample_rows])     # [len(seqs), V]
-            sb = SamplingBatch.from_requests(rows, runner.vocab_size, runner.device, runner.generators)
-            if sb.all_greedy:
-                return penalize(logits, sb).argmax(dim=-1).tolist(), [None] * len(rows)
-            q = processed_probs(logits, sb)                                      # [len(seqs), V]
-            greedy = sb.greedy.tolist()
-            tokens, dists = [], []
-            for i, row in enumerate(rows):
-                if greedy[i]:
-                    tokens.append(int(q[i].argmax()))
-                    dists.append(None)
-                else:
-                    gen = runner.generators.get(row.request)
-                    tokens.append(int(torch.multinomial(q[i], 1, generator=gen)))
-                    dists.append(q[i].float().cpu())
-            return tokens, dists
+            return draw(logits, rows, runner.generators, runner.vocab_size, runner.device)

@@ -1,10 +1,16 @@
 """Builds the engine's speculative decoding from its config: the draft model (small_draft) before
-the KV pool is sized, then the ``SpecDecoder`` (None when speculation is off)."""
+the KV pool is sized, or the heads (eagle, medusa), then the ``SpecDecoder`` (None when
+speculation is off)."""
 from __future__ import annotations
+
+import torch
 
 from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.spec_decode.decoder import SpecDecoder
 from sluice.engine.spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, kv_bytes_per_block
+from sluice.engine.spec_decode.eagle import EagleProposer
+from sluice.engine.spec_decode.heads import load_eagle, load_medusa
+from sluice.engine.spec_decode.medusa import MedusaProposer
 from sluice.engine.spec_decode.ngram import NgramProposer
 
 
@@ -18,6 +24,21 @@ def load_draft(config: SpeculativeConfig, target, load, draft=None):
     return draft
 
 
+def load_heads(config: SpeculativeConfig, target, dtype: torch.dtype, device, heads=None):
+    """eagle's or medusa's heads (``heads`` when given, else read from ``additional_models``),
+    checked against the target and moved to its device and dtype. None for the other modes."""
+    mode = config.speculative_mode
+    if mode not in ("eagle", "medusa"):
+        return None
+    if heads is None:
+        loader = load_eagle if mode == "eagle" else load_medusa
+        heads = loader(config.additional_models, target.arch)
+    if mode == "medusa" and config.spec_draft_length > heads.num_heads:
+        raise ValueError(f"spec_draft_length: the Medusa heads in {config.additional_models} propose at most "
+                         f"{heads.num_heads} drafts, spec_draft_length is {config.spec_draft_length}")
+    return heads.to(device=device, dtype=dtype).eval()
+
+
 def shared_num_blocks(target_blocks: int, target_arch, draft, dtype_bytes: int, block_size: int) -> int:
     """Blocks of one pool whose every block holds the target's KV and the draft's: the budget
     that gave ``target_blocks`` target-only blocks, spread over both."""
@@ -28,15 +49,25 @@ def shared_num_blocks(target_blocks: int, target_arch, draft, dtype_bytes: int, 
     return max(1, target_blocks * t // (t + d))
 
 
-def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=None) -> SpecDecoder | None:
+def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=None, heads=None,
+                       seed: int = 0) -> SpecDecoder | None:
     if not config.enabled:
         return None
-    if config.speculative_mode == "ngram":
+    mode = config.speculative_mode
+    if mode == "ngram":
         proposer = NgramProposer(config.spec_ngram_max, config.spec_ngram_min)
-    elif config.speculative_mode == "small_draft":
+    elif mode == "small_draft":
         if draft_runner is None or kv is None:
             raise ValueError("additional_models: small_draft needs its draft model loaded")
         proposer = DraftModelProposer(draft_runner, kv, kv.block_size)
+    elif mode in ("eagle", "medusa"):
+        if heads is None:
+            raise ValueError(f"additional_models: {mode} needs its heads loaded")
+        # The target hands over the hidden states the heads read: every computed row for EAGLE's
+        # cache, the row behind each request's last token for Medusa. Off in the other modes.
+        runner.capture = "all" if mode == "eagle" else "last"
+        cls = EagleProposer if mode == "eagle" else MedusaProposer
+        proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed)
     else:   # SpeculativeConfig refuses every other mode
         raise ValueError(f"speculative_mode: {config.speculative_mode!r} has no proposer")
     return SpecDecoder(config, proposer, runner.draft_probs)

@@ -46,5 +46,8 @@ class NgramProposer:
                 drafts[req.request_id] = Draft(toks)
         return drafts
 
+    def observe(self, requests) -> None:
+        pass
+
     def drop(self, request_id: str) -> None:
         pass   # stateless

@@ -10,12 +10,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from typing import TYPE_CHECKING
+import torch
 
 from sluice.engine.request import Request
-
-if TYPE_CHECKING:
-    import torch
+from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize, processed_probs
 
 
 @dataclass(frozen=True)
@@ -23,7 +21,7 @@ class Draft:
     token_ids: list[int]
     # [len(token_ids), vocab] float32: the distribution each draft token was drawn from, for the
     # rejection sampler. None: a point mass on each token (the n-gram proposer, greedy drafts).
-    probs: "torch.Tensor | None" = None
+    probs: torch.Tensor | None = None
 
 
 class Proposer(Protocol):
@@ -31,6 +29,11 @@ class Proposer(Protocol):
 
     def propose(self, requests: Sequence[Request], k: int) -> dict[str, Draft]:
         """Drafts for the requests that get some (at most ``k`` tokens each, at least one)."""
+        ...
+
+    def observe(self, requests: Sequence[Request]) -> None:
+        """Called after every step with all running requests, drafting or not (EAGLE keeps its
+        own KV cache current with it); most proposers need nothing."""
         ...
 
     def drop(self, request_id: str) -> None:
@@ -42,3 +45,27 @@ def draft_room(req: Request, k: int) -> int:
     """Drafts worth proposing: the step emits accepted drafts plus one token, so more than the
     tokens still allowed (max_tokens, the context window) would be verified for nothing."""
     return max(0, min(k, req.max_output_tokens - req.num_output_tokens - 1))
+
+
+def draw(logits: torch.Tensor, rows: list, generators: GeneratorCache, vocab_size: int,
+         device) -> tuple[list[int], list[torch.Tensor | None]]:
+    """A draft token per logit row [len(rows), V] (``rows``: ``SampleRow``s, the drafts before
+    each), and the [V] distribution it was drawn from. A greedy row's draft is the argmax after
+    penalties, bias and the min_tokens mask (None: a point mass); a sampling row's is drawn from
+    the request's processed distribution (temperature, top-k/p, min-p) with the proposer's own
+    ``generators`` (a seeded request: its own seed), and that distribution goes to the rejection
+    sampler, which accepts ``d`` with probability min(1, p(d) / q(d))."""
+    sb = SamplingBatch.from_requests(rows, vocab_size, device, generators)
+    if sb.all_greedy:
+        return penalize(logits, sb).argmax(dim=-1).tolist(), [None] * len(rows)
+    q = processed_probs(logits, sb)                                      # [len(rows), V]
+    greedy = sb.greedy.tolist()
+    tokens, dists = [], []
+    for i, row in enumerate(rows):
+        if greedy[i]:
+            tokens.append(int(q[i].argmax()))
+            dists.append(None)
+        else:
+            tokens.append(int(torch.multinomial(q[i], 1, generator=generators.get(row.request))))
+            dists.append(q[i].float().cpu())
+    return tokens, dists

@@ -1,0 +1,106 @@
+"""``eagle``: one extra decoder layer drafts from the target's hidden states, autoregressively.
+
+For position ``i`` the head takes the pair (``embed(x_{i+1})``, ``h_i``) and predicts ``h_{i+1}``;
+the target's LM head turns that into a token. Its keys and values live in a dense per-request
+``EagleCache`` outside the paged pool (one layer of ``num_kv_heads x head_dim`` per position:
+1.5 KB a token for SmolLM2).
+
+Keeping the cache current: after every step the runner holds each scheduled request's hidden
+rows (``ModelRunner.captured``: the first position and [n, H]). ``observe`` turns the valid ones
+(positions whose hidden state the target kept, i.e. not a rejected draft's, and whose next token
+is known) into pairs and runs the head over them, dropping first any entries from those positions
+on (rejected drafts, a recomputation after preemption). A request whose prefix came from the
+prefix cache has no hidden rows for it: its head attends to what it saw, which costs acceptance,
+not correctness. The head's output at the last known pair is the first draft's hidden state.
+
+``propose`` then runs the head on its own outputs: draft ``d_j`` comes from the predicted hidden
+state, and the pair (``embed(d_j)``, that hidden state) at the next position gives ``d_{j+1}``.
+These speculative entries are dropped at the next ``observe``. Drafts are drawn like
+``small_draft``'s (``proposer.draw``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sluice.engine.request import Request
+from sluice.engine.sampler import GeneratorCache
+from sluice.engine.spec_decode.heads import EagleCache, EagleHead
+from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
+from sluice.engine.spec_decode.rows import SampleRow
+
+
+class EagleProposer:
+    name = "eagle"
+
+    def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0) -> None:
+        self.head = head
+        self.target = target
+        self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generators = GeneratorCache(seed=seed, device=device)
+        self._caches: dict[str, EagleCache] = {}
+        self._preemptions: dict[str, int] = {}
+        self._next: dict[str, tuple[int, torch.Tensor]] = {}   # request id -> (position, predicted hidden [H])
+
+    def drop(self, request_id: str) -> None:
+        self._caches.pop(request_id, None)
+        self._preemptions.pop(request_id, None)
+        self._next.pop(request_id, None)
+        self.generators.drop(request_id)
+
+    def _cache(self, req: Request) -> EagleCache:
+        rid = req.request_id
+        if self._preemptions.get(rid) != req.num_preemptions:   # recomputed from scratch: so is the head
+            self._caches.pop(rid, None)
+            self._next.pop(rid, None)
+            self._preemptions[rid] = req.num_preemptions
+        cache = self._caches.get(rid)
+        if cache is None:
+            cache = self._caches[rid] = self.head.new_cache(max(256, req.num_tokens + 64))
+        return cache
+
+    def observe(self, requests: Sequence[Request]) -> None:
+        with torch.inference_mode():
+            for req in requests:
+                got = self.captured.get(req.request_id)
+                if got is None:
+                    continue
+                start, hidden = got
+                end = min(start + hidden.shape[0], req.num_computed_tokens, req.num_tokens - 1)
+                if end <= start:
+                    continue
+                cache = self._cache(req)
+                cache.truncate(start)
+                tokens = req.all_token_ids[start + 1:end + 1]
+                embeds = self.target.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
+                out = self.head(embeds, hidden[:end - start], list(range(start, end)), cache)
+                self._next[req.request_id] = (end - 1, out[-1])
+
+    def propose(self, requests: Sequence[Request], k: int) -> dict[str, Draft]:
+        out = {}
+        with torch.inference_mode():
+            for req in requests:
+                rid = req.request_id
+                got = self._next.get(rid)
+                room = draft_room(req, k)
+                n = req.num_tokens
+                if got is None or got[0] != n - 2 or room <= 0:
+                    continue
+                cache = self._caches[rid]
+                cache.truncate(n - 1)
+                h = got[1][None]
+                drafts, probs = [], []
+                for j in range(room):
+                    tokens, dists = draw(self.target.compute_logits(h), [SampleRow(req, tuple(drafts))],
+                                         self.generators, self.vocab_size, self.device)
+                    drafts.append(tokens[0])
+                    if dists[0] is not None:
+                        probs.append(dists[0])
+                    if j + 1 < room:
+                        e = self.target.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
+                        h = self.head(e, h, [n - 1 + j], cache)
+                out[rid] = Draft(drafts, torch.stack(probs) if probs else None)
+        return out

@@ -1,0 +1,341 @@
+"""Draft heads that read the target's own hidden states: Medusa and EAGLE, their modules and their
+checkpoint formats.
+
+Both read ``h_t``, the target's last hidden state after its final norm (the input of its LM
+head), at the row that predicted token ``t + 1``.
+
+**Medusa** (Cai et al., 2024): K heads. Head ``k`` is ``num_layers`` residual blocks
+``x + SiLU(W x + b)`` over ``h_t`` and an LM head; it predicts token ``t + 2 + k``, so after the
+target samples ``t + 1`` the heads give K drafts in one pass. The public layout (FasterDecoding's
+``medusa_lm_head.safetensors`` or the legacy ``medusa_lm_head.pt``, beside a ``config.json``
+naming ``medusa_num_heads`` / ``medusa_num_layers``) stores head ``k``'s block ``j`` as
+``{k}.{j}.linear.weight`` / ``.bias`` and its LM head as ``{k}.{num_layers}.weight``. A file
+without the LM heads (every head's absent) shares the target's: what ``sluice train-heads``
+writes, because SmolLM2's vocabulary would make each head's own LM head 113 MB.
+
+**EAGLE** (Li et al., 2024): one decoder layer over ``fc(concat(embed(x_{t+1}), h_t))`` that
+predicts the target's next hidden state; the target's LM head turns it into a token, and it runs
+again on its own output for the next draft. It has its own small KV cache (``EagleCache``, dense,
+per request) and shares the target's embedding and LM head. The public layout (SafeAILab's
+EAGLE-1) is a one-layer Llama ``config.json`` plus ``model.safetensors`` or ``pytorch_model.bin``
+with ``fc.weight`` (and ``fc.bias``), ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
+``layers.0.mlp.{gate,up,down}_proj.weight``, ``layers.0.post_attention_layernorm.weight`` and no
+input norm on layer 0 (a checkpoint that has one uses it). An ``embed_tokens.weight`` in the file
+is ignored: the target's embedding is the one the head was trained against.
+"""
+from __future__ import annotations
+
+import bisect
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
+
+MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+class HeadsLoadError(ModelLoadError, ValueError):
+    """A heads checkpoint that cannot serve this target (named file, tensor and shapes)."""
+
+
+# ---- Medusa --------------------------------------------------------------------------------
+class ResBlock(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, hidden)
+        torch.nn.init.zeros_(self.linear.weight)    # starts as the identity: h_t itself
+        torch.nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + F.silu(self.linear(x))
+
+
+class MedusaHeads(torch.nn.Module):
+    """``num_heads`` heads of ``num_layers`` residual blocks each; ``vocab_size`` gives each head
+    its own LM head (the public layout's), None shares the target's."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1, vocab_size: int | None = None) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads, self.num_layers = hidden_size, num_heads, num_layers
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(*(ResBlock(hidden_size) for _ in range(num_layers))) for _ in range(num_heads))
+        self.lm_heads = None if vocab_size is None else torch.nn.ModuleList(
+            torch.nn.Linear(hidden_size, vocab_size, bias=False) for _ in range(num_heads))
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] → [N, num_heads, H]: each head's residual stack."""
+        return torch.stack([b(hidden) for b in self.blocks], dim=1)
+
+    def logits(self, hidden: torch.Tensor, target_logits) -> torch.Tensor:
+        """hidden [N, H] → [N, num_heads, V] float32; ``target_logits`` is the target's LM head."""
+        feats = self.features(hidden)
+        if self.lm_heads is None:
+            n, k, h = feats.shape
+            return target_logits(feats.reshape(n * k, h)).reshape(n, k, -1)
+        return torch.stack([head(feats[:, i]) for i, head in enumerate(self.lm_heads)], dim=1).float()
+
+    def public_state_dict(self) -> dict[str, torch.Tensor]:
+        """The FasterDecoding key layout."""
+        out = {}
+        for k, blocks in enumerate(self.blocks):
+            for j, block in enumerate(blocks):
+                out[f"{k}.{j}.linear.weight"] = block.linear.weight.detach()
+                out[f"{k}.{j}.linear.bias"] = block.linear.bias.detach()
+            if self.lm_heads is not None:
+                out[f"{k}.{self.num_layers}.weight"] = self.lm_heads[k].weight.detach()
+        return out
+
+
+# ---- EAGLE ---------------------------------------------------------------------------------
+class EagleCache:
+    """One request's EAGLE keys and values (after RoPE), dense, with the position of each entry.
+    Positions only grow; entries from a position on are dropped when the target rejected drafts
+    there or recomputes from there."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype, device, capacity: int = 256) -> None:
+        self.k = torch.empty(capacity, num_kv_heads, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.positions: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def truncate(self, position: int) -> None:
+        """Drop every entry at ``position`` or later."""
+        del self.positions[bisect.bisect_left(self.positions, position):]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add [T, Hkv, D] entries; returns all keys and values, these included."""
+        n, t = len(self.positions), k.shape[0]
+        if n + t > self.k.shape[0]:
+            cap = max(2 * self.k.shape[0], n + t)
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty((cap, *old.shape[1:]))
+                new[:n] = old[:n]
+                setattr(self, name, new)
+        self.k[n:n + t] = k
+        self.v[n:n + t] = v
+        self.positions.extend(positions)
+        return self.k[:n + t], self.v[:n + t]
+
+
+class EagleHead(torch.nn.Module):
+    """EAGLE-1's draft layer over the target's embedding and hidden states."""
+
+    def __init__(self, arch: ModelArchConfig, fc_bias: bool = True, input_norm: bool = False) -> None:
+        super().__init__()
+        h = arch.hidden_size
+        self.arch = arch
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+        self.fc = torch.nn.Linear(2 * h, h, bias=fc_bias)
+        bias = arch.attention_bias
+        self.q_proj = torch.nn.Linear(h, arch.q_size, bias=bias)
+        self.k_proj = torch.nn.Linear(h, arch.kv_size, bias=bias)
+        self.v_proj = torch.nn.Linear(h, arch.kv_size, bias=bias)
+        self.o_proj = torch.nn.Linear(arch.q_size, h, bias=False)
+        self.input_layernorm = torch.nn.RMSNorm(h, eps=arch.rms_norm_eps) if input_norm else None
+        self.post_attention_layernorm = torch.nn.RMSNorm(h, eps=arch.rms_norm_eps)
+        self.gate_proj = torch.nn.Linear(h, arch.intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(h, arch.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(arch.intermediate_size, h, bias=False)
+        self.rotary = RotaryEmbedding(arch)
+        self.scale = arch.head_dim ** -0.5
+
+    def new_cache(self, capacity: int = 256) -> EagleCache:
+        w = self.fc.weight
+        return EagleCache(self.num_kv_heads, self.head_dim, w.dtype, w.device, capacity)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
+                cache: EagleCache | None = None) -> torch.Tensor:
+        """One sequence's pairs (``embed(x_{i+1})``, ``h_i``) at ``positions`` [T], each [T, H] →
+        predicted hidden states [T, H] (of positions + 1). With a ``cache`` the pairs attend to its
+        entries too and are added to it; without one, only to each other (causally): training."""
+        x = self.fc(torch.cat((embeds, hidden), dim=-1))
+        t = x.shape[0]
+        a = x if self.input_layernorm is None else self.input_layernorm(x)
+        pos = torch.tensor(positions, dtype=torch.long, device=x.device)
+        cos, sin = self.rotary.cos_sin(pos, x.dtype)
+        q = apply_rotary(self.q_proj(a).reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self.k_proj(a).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self.v_proj(a).reshape(t, self.num_kv_heads, self.head_dim)
+        before = 0 if cache is None else len(cache)
+        if cache is not None:
+            k, v = cache.append(k, v, positions)
+        # New pair i sees every earlier entry and the new ones up to itself.
+        mask = torch.ones(t, before + t, dtype=torch.bool, device=x.device).tril(before)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
+        x = x + self.o_proj(out.transpose(0, 1).reshape(t, -1))
+        m = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+    def public_state_dict(self) -> dict[str, torch.Tensor]:
+        """SafeAILab's EAGLE-1 key layout."""
+        out = {"fc.weight": self.fc.weight.detach()}
+        if self.fc.bias is not None:
+            out["fc.bias"] = self.fc.bias.detach()
+        p = "layers.0."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(self, name)
+            out[p + f"self_attn.{name}.weight"] = lin.weight.detach()
+            if lin.bias is not None:
+                out[p + f"self_attn.{name}.bias"] = lin.bias.detach()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[p + f"mlp.{name}.weight"] = getattr(self, name).weight.detach()
+        out[p + "post_attention_layernorm.weight"] = self.post_attention_layernorm.weight.detach()
+        if self.input_layernorm is not None:
+            out[p + "input_layernorm.weight"] = self.input_layernorm.weight.detach()
+        return out
+
+
+def eagle_config(target: ModelArchConfig, intermediate_size: int | None = None) -> dict:
+    """A one-layer Llama ``config.json`` for an EAGLE head over ``target``."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": target.hidden_size, "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_hidden_layers": 1, "num_attention_heads": target.num_attention_heads,
+        "num_key_value_heads": target.num_key_value_heads, "head_dim": target.head_dim,
+        "rms_norm_eps": target.rms_norm_eps, "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position_embeddings, "vocab_size": target.vocab_size,
+        "rope_scaling": target.rope_scaling, "bias": True,
+    }
+
+
+# ---- loading and writing -------------------------------------------------------------------
+def _read_config(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise HeadsLoadError(f"additional_models: {folder} has no config.json")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise HeadsLoadError(f"additional_models: {path} is not valid JSON: {exc}") from None
+    if not isinstance(cfg, dict):
+        raise HeadsLoadError(f"additional_models: {path} must hold a JSON object")
+    return cfg
+
+
+def _read_tensors(folder: Path, names: tuple[str, ...]) -> tuple[Path, dict[str, torch.Tensor]]:
+    for name in names:
+        path = folder / name
+        if not path.is_file():
+            continue
+        try:
+            if name.endswith(".safetensors"):
+                from safetensors.torch import load_file
+                return path, load_file(str(path))
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:   # noqa: BLE001 - any unreadable file gets the same clear error
+            raise HeadsLoadError(f"additional_models: cannot read {path}: {type(exc).__name__}: {exc}") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise HeadsLoadError(f"additional_models: {path} is not a state dict of tensors")
+        return path, state
+    raise HeadsLoadError(f"additional_models: {folder} holds none of {', '.join(names)}")
+
+
+def _int_field(cfg: dict, name: str, path: Path, lo: int = 1) -> int:
+    v = cfg.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise HeadsLoadError(f"additional_models: {path / 'config.json'}: {name} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _check_shape(path: Path, state: dict, name: str, shape: tuple[int, ...], target: ModelArchConfig) -> torch.Tensor:
+    if name not in state:
+        raise HeadsLoadError(f"additional_models: {path} has no tensor {name!r}")
+    t = state[name]
+    if tuple(t.shape) != shape:
+        raise HeadsLoadError(f"additional_models: {path}: {name} has shape {tuple(t.shape)}, expected {shape} "
+                             f"for the target (hidden size {target.hidden_size}, vocabulary {target.vocab_size})")
+    return t
+
+
+def load_medusa(folder: str | Path, target: ModelArchConfig) -> MedusaHeads:
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    heads = _int_field(cfg, "medusa_num_heads", folder)
+    layers = _int_field(cfg, "medusa_num_layers", folder)
+    path, state = _read_tensors(folder, MEDUSA_FILES)
+    h, vocab = target.hidden_size, target.vocab_size
+    own = [f"{k}.{layers}.weight" in state for k in range(heads)]
+    if any(own) and not all(own):
+        raise HeadsLoadError(f"additional_models: {path}: heads {[k for k in range(heads) if not own[k]]} have no "
+                             f"LM head ({{k}}.{layers}.weight) and the others do; give every head one or none")
+    module = MedusaHeads(h, heads, layers, vocab if all(own) else None)
+    expected = set()
+    with torch.no_grad():
+        for k in range(heads):
+            for j in range(layers):
+                lin = module.blocks[k][j].linear
+                lin.weight.copy_(_check_shape(path, state, f"{k}.{j}.linear.weight", (h, h), target))
+                lin.bias.copy_(_check_shape(path, state, f"{k}.{j}.linear.bias", (h,), target))
+                expected |= {f"{k}.{j}.linear.weight", f"{k}.{j}.linear.bias"}
+            if module.lm_heads is not None:
+                name = f"{k}.{layers}.weight"
+                module.lm_heads[k].weight.copy_(_check_shape(path, state, name, (vocab, h), target))
+                expected.add(name)
+    extra = sorted(set(state) - expected)
+    if extra:
+        raise HeadsLoadError(f"additional_models: {path} has tensors a {heads}-head, {layers}-layer Medusa does "
+                             f"not: {', '.join(extra[:5])} (medusa_num_heads / medusa_num_layers wrong?)")
+    return module.eval()
+
+
+def load_eagle(folder: str | Path, target: ModelArchConfig) -> EagleHead:
+    folder = Path(folder)
+    cfg = _read_config(folder)
+    cfg = {"model_type": "llama", **cfg}
+    try:
+        arch = ModelArchConfig.from_hf_config(cfg)
+    except ValueError as exc:
+        raise HeadsLoadError(f"additional_models: {folder / 'config.json'}: {exc}") from None
+    if arch.hidden_size != target.hidden_size:
+        raise HeadsLoadError(f"additional_models: the EAGLE head in {folder} is for hidden size {arch.hidden_size}, "
+                             f"the target's is {target.hidden_size}")
+    if cfg.get("vocab_size") is not None and arch.vocab_size != target.vocab_size:
+        raise HeadsLoadError(f"additional_models: the EAGLE head in {folder} is for a vocabulary of "
+                             f"{arch.vocab_size} tokens, the target's has {target.vocab_size}")
+    if arch.num_hidden_layers != 1:
+        raise HeadsLoadError(f"additional_models: {folder / 'config.json'}: an EAGLE head has one layer, "
+                             f"num_hidden_layers is {arch.num_hidden_layers}")
+    path, state = _read_tensors(folder, EAGLE_FILES)
+    p = "layers.0."
+    module = EagleHead(arch, fc_bias="fc.bias" in state, input_norm=p + "input_layernorm.weight" in state)
+    own = module.public_state_dict()
+    with torch.no_grad():
+        for name, param in own.items():
+            param.copy_(_check_shape(path, state, name, tuple(param.shape), target))
+    extra = sorted(set(state) - set(own) - {"embed_tokens.weight"})
+    if extra:
+        raise HeadsLoadError(f"additional_models: {path} has tensors a one-layer EAGLE head does not: "
+                             f"{', '.join(extra[:5])}")
+    return module.eval()
+
+
+def save_medusa(heads: MedusaHeads, folder: str | Path, base_model: str = "") -> Path:
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
+           "hidden_size": heads.hidden_size, "base_model_name_or_path": base_model}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in heads.public_state_dict().items()}, str(folder / MEDUSA_FILES[0]))
+    return folder
+
+
+def save_eagle(head: EagleHead, folder: str | Path, target: ModelArchConfig, base_model: str = "") -> Path:
+    from safetensors.torch import save_file
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cfg = eagle_config(target, head.arch.intermediate_size) | {"base_model_name_or_path": base_model,
+                                                                "bias": head.fc.bias is not None}
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in head.public_state_dict().items()}, str(folder / EAGLE_FILES[0]))
+    return folder

@@ -1,0 +1,65 @@
+"""``medusa``: K heads over the target's hidden state propose K drafts in one pass.
+
+The runner keeps, for each request that sampled this step, the hidden row that produced its last
+token (``ModelRunner.captured``: position ``N - 2`` for a request of ``N`` known tokens, the row
+of the last accepted draft after a verification). Head ``k`` on that row proposes token
+``N + k``. The heads do not see each other's drafts, so the drafts are drawn one position at a
+time only for the request's own penalties and min_tokens mask, which count the drafts before a
+position (``rows``). Greedy drafts are argmaxes; sampled ones come with their distribution for
+the rejection sampler (``proposer.draw``).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from sluice.engine.request import Request
+from sluice.engine.sampler import GeneratorCache
+from sluice.engine.spec_decode.heads import MedusaHeads
+from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
+from sluice.engine.spec_decode.rows import SampleRow
+
+
+class MedusaProposer:
+    name = "medusa"
+
+    def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0) -> None:
+        self.heads = heads
+        self.target = target
+        self.captured = captured           # the runner's: request id -> (position, hidden [H])
+        self.vocab_size = vocab_size
+        self.device = device
+        self.generators = GeneratorCache(seed=seed, device=device)
+
+    def observe(self, requests) -> None:
+        pass
+
+    def drop(self, request_id: str) -> None:
+        self.generators.drop(request_id)
+
+    def propose(self, requests: Sequence[Request], k: int) -> dict[str, Draft]:
+        work, hidden = [], []
+        for req in requests:
+            got = self.captured.get(req.request_id)
+            room = min(draft_room(req, k), self.heads.num_heads)
+            if got is None or got[0] != req.num_tokens - 2 or room <= 0:
+                continue
+            work.append((req, room))
+            hidden.append(got[1])
+        if not work:
+            return {}
+        with torch.inference_mode():
+            logits = self.heads.logits(torch.stack(hidden), self.target.compute_logits)   # [B, heads, V]
+            drafts = {req.request_id: [] for req, _ in work}
+            probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in work}
+            for j in range(max(room for _, room in work)):
+                live = [i for i, (_, room) in enumerate(work) if room > j]
+                rows = [SampleRow(work[i][0], tuple(drafts[work[i][0].request_id])) for i in live]
+                tokens, dists = draw(logits[live, j], rows, self.generators, self.vocab_size, self.device)
+                for i, tok, q in zip(live, tokens, dists):
+                    rid = work[i][0].request_id
+                    drafts[rid].append(tok)
+                    if q is not None:
+                        probs[rid].append(q)
+        return {rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items()}
