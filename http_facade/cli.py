@@ -75,9 +75,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quantization", default=None, choices=("none", "bf16", "int8", "int4", "auto"),
                         help="the engine's weights in memory (CPU only; default: none)")
     parser.add_argument("--speculative-mode", default=None, metavar="MODE",
-                        help="the engine's speculative decoding: disable | ngram | small_draft (default: disable)")
+                        help="the engine's speculative decoding: disable | ngram | small_draft | eagle | medusa "
+                             "(the last three need --additional-models; default: disable)")
     parser.add_argument("--additional-models", default=None, metavar="PATH",
-                        help="small_draft: the draft model, with the target's tokenizer vocabulary")
+                        help="small_draft: the draft model, with the target's tokenizer vocabulary; eagle, "
+                             "medusa: the heads' folder (public EAGLE-1 / Medusa layout)")
     parser.add_argument("--engine-port", type=int, default=0, help="the engine's gRPC port (default: a free one)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default: 30)")

@@ -197,20 +197,20 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
                      {ENV_KEYS: ",".join(config.auth.keys)}, args.ready_timeout, args.grace + 10.0)
 
 
-# The engine's speculative modes (its CLI checks the rest: spec_* overrides, the draft's vocabulary).
-_SPEC_MODES = ("disable", "ngram", "small_draft")
+# The engine's speculative modes (its CLI checks the rest: spec_* overrides, the draft's vocabulary,
+# the heads' shapes), and what those that load more name with --additional-models.
+_SPEC_MODES = ("disable", "ngram", "small_draft", "eagle", "medusa")
+_NEEDS = {"small_draft": "a draft model", "eagle": "EAGLE heads (a folder)", "medusa": "Medusa heads (a folder)"}
 
 
 def _check_speculative(mode: str | None, additional_models: str | None) -> None:
-    if mode in ("eagle", "medusa"):
-        raise ValueError(f"--speculative-mode: {mode} is not supported yet (it needs trained draft heads; "
-                         "see the issue \"Speculative decoding II\"); use ngram or small_draft")
     if mode is not None and mode not in _SPEC_MODES:
         raise ValueError(f"--speculative-mode: must be one of {', '.join(_SPEC_MODES)}, got {mode!r}")
-    if mode == "small_draft" and not additional_models:
-        raise ValueError("--additional-models: --speculative-mode small_draft needs a draft model")
-    if additional_models and mode != "small_draft":
-        raise ValueError("--additional-models: a draft model is only used with --speculative-mode small_draft")
+    if mode in _NEEDS and not additional_models:
+        raise ValueError(f"--additional-models: --speculative-mode {mode} needs {_NEEDS[mode]}")
+    if additional_models and mode not in _NEEDS:
+        raise ValueError("--additional-models: only --speculative-mode small_draft, eagle or medusa load "
+                         "additional models")
 
 
 def _with_engine_limits(overrides: str, limits: RequestLimits) -> str:

@@ -9,7 +9,8 @@ frequency penalty makes each position's distribution depend on the tokens before
 included. small_draft runs with another random-weight model of the same vocabulary as its draft
 (its drafts are sampled from its own distribution q, which the rejection rule compares with the
 target's p), and with the target as its own draft, where q equals p: then every draft is
-accepted, as the rule promises.
+accepted, as the rule promises. eagle and medusa run with seeded random-weight heads (their
+drafts are drawn from the heads' q, through the target's LM head).
 """
 from __future__ import annotations
 
@@ -21,7 +22,9 @@ import torch
 from sluice.engine.llm import LLM
 from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.spec_decode import verify as verify_mod
+from sluice.engine.spec_decode.heads import EagleHead, MedusaHeads, eagle_config
 from tests.tiny_model import write_tiny_folder
 
 pytestmark = pytest.mark.timeout(600)
@@ -94,22 +97,44 @@ def baseline(tiny):
     return _sample(LLM(loaded=tiny, seed=1, **OPTS))
 
 
+def random_heads(tiny, mode: str, scale: float = 0.1, seed: int = 0):
+    """Medusa (4 heads of one block, the target's LM head) or EAGLE heads with N(0, scale^2)
+    weights (norms 1). The scale keeps the acceptance rate inside the window below: the heads'
+    output stays near the target's hidden state, so the logit bias and top_k pull q onto the
+    target's likely tokens too (at 0.1: medusa 0.30, eagle 0.23). At 0.3 EAGLE's layer swamps it and
+    its drafts land where the target rarely samples (acceptance about 0.001): the test would
+    then check little more than the residual distribution."""
+    g = torch.Generator().manual_seed(seed)
+    if mode == "medusa":
+        heads = MedusaHeads(tiny.arch.hidden_size, 4, 1)
+    else:
+        heads = EagleHead(ModelArchConfig.from_hf_config(eagle_config(tiny.arch)))
+    with torch.no_grad():
+        for name, prm in heads.named_parameters():
+            if "layernorm" not in name:
+                prm.copy_(torch.randn(prm.shape, generator=g) * scale)
+    return heads
+
+
 def _spec(tiny, folder, mode: str, draft=None) -> LLM:
     kw = {}
     if mode == "small_draft":
         draft_folder, draft_loaded = draft or (folder, tiny)
         kw = dict(additional_models=str(draft_folder), draft_loaded=draft_loaded)
+    elif mode in ("eagle", "medusa"):
+        kw = dict(additional_models=f"random {mode} heads", heads=random_heads(tiny, mode))
     return LLM(loaded=tiny, seed=2, speculative_mode=mode, spec_draft_length=4,
                spec_max_batch_size=1024, **OPTS, **kw)
 
 
-@pytest.mark.parametrize("mode", ["ngram", "small_draft"])
+@pytest.mark.parametrize("mode", ["ngram", "small_draft", "eagle", "medusa"])
 def test_per_position_distribution_unchanged(tiny, folder, other, baseline, mode):
     llm = _spec(tiny, folder, mode, draft=other)
     got = _sample(llm)
     stats = llm.engine.spec.stats
     # Drafts were both accepted and rejected often enough for the test to mean something.
-    assert 0.1 < stats.num_accepted_tokens / stats.num_draft_tokens < 0.9
+    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    assert 0.1 < rate < 0.9, rate
     pvalues = [two_sample_pvalue(baseline[j], got[j]) for j in range(POSITIONS)]
     assert min(pvalues) > 1e-3, pvalues
 

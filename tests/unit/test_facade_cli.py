@@ -69,7 +69,8 @@ def test_serve_plan(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, flag", [
-    (["--speculative-mode", "eagle"], "--speculative-mode"),
+    (["--speculative-mode", "eagle"], "--additional-models: --speculative-mode eagle needs EAGLE heads"),
+    (["--speculative-mode", "turbo"], "--speculative-mode: must be one of"),
     (["--additional-models", "draft"], "--additional-models"),
     (["--allowed-headers", "x"], "--allowed-headers"),
     (["--api-key", "a,b"], "--api-key"),

@@ -57,10 +57,11 @@ def test_ngram_lookup_prefers_the_longest_then_the_latest_match():
 # ---- configuration errors ---------------------------------------------------------------------
 @pytest.mark.parametrize("kw, message", [
     (dict(speculative_mode="bogus"), "speculative_mode: must be one of disable, ngram, small_draft"),
-    (dict(speculative_mode="eagle"), "Speculative decoding II"),
-    (dict(speculative_mode="medusa"), "medusa is not supported yet"),
+    (dict(speculative_mode="eagle"), "additional_models: speculative_mode eagle needs EAGLE heads"),
+    (dict(speculative_mode="medusa"), "additional_models: speculative_mode medusa needs Medusa heads"),
     (dict(speculative_mode="small_draft"), "additional_models: speculative_mode small_draft needs a draft model"),
-    (dict(speculative_mode="ngram", additional_models="x"), "additional_models: a draft model is only used"),
+    (dict(speculative_mode="ngram", additional_models="x"),
+     "additional_models: only speculative_mode small_draft, eagle or medusa load additional models, not ngram"),
     (dict(speculative_mode="ngram", spec_draft_length=0), "spec_draft_length: must be an integer in [1, 16]"),
     (dict(speculative_mode="ngram", spec_draft_length=17), "spec_draft_length: must be an integer in [1, 16]"),
     (dict(speculative_mode="ngram", spec_ngram_min=4, spec_ngram_max=2), "spec_ngram_min: must be <= spec_ngram_max"),

@@ -27,13 +27,15 @@ def nothing_loads(monkeypatch):
 
 @pytest.mark.parametrize("argv, words", [
     (["engine", "smollm2", "--speculative-mode", "turbo"], ["speculative_mode: must be one of"]),
-    (["engine", "smollm2", "--speculative-mode", "eagle"], ["eagle is not supported yet", "Speculative decoding II"]),
+    (["engine", "smollm2", "--speculative-mode", "eagle"], ["additional_models", "needs EAGLE heads"]),
+    (["generate", "smollm2", "hi", "--speculative-mode", "medusa"], ["additional_models", "needs Medusa heads"]),
     (["generate", "smollm2", "hi", "--speculative-mode", "small_draft"], ["additional_models", "needs a draft model"]),
     (["engine", "smollm2", "--speculative-mode", "ngram", "--overrides", "spec_draft_length=0"],
      ["spec_draft_length: must be an integer in [1, 16]"]),
     (["engine", "smollm2", "--speculative-mode", "ngram", "--overrides", "spec_ngram_min=3;spec_ngram_max=2"],
      ["spec_ngram_min"]),
-    (["chat", "smollm2", "--additional-models", "x.gguf"], ["additional_models: a draft model is only used"]),
+    (["chat", "smollm2", "--additional-models", "x.gguf"],
+     ["additional_models: only speculative_mode small_draft, eagle or medusa load additional models, not disable"]),
 ])
 def test_bad_speculative_options_exit_2_before_anything_loads(argv, words, capsys, nothing_loads):
     with pytest.raises(SystemExit) as info:
@@ -53,6 +55,9 @@ def test_engine_config_carries_the_speculative_options(monkeypatch):
         ("ngram", 6, 5, 2)
     cfg = overrides.build_engine_config("m.gguf", speculative_mode="small_draft", additional_models="d.gguf")
     assert cfg.speculative.additional_models == "d.gguf" and cfg.speculative.num_speculative_tokens == 4
+    cfg = overrides.build_engine_config("m.gguf", speculative_mode="medusa", additional_models="/heads",
+                                        overrides="spec_draft_length=3")
+    assert (cfg.speculative.speculative_mode, cfg.speculative.additional_models) == ("medusa", "/heads")
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
@@ -69,11 +74,17 @@ def test_serve_hands_the_flags_to_the_engine(monkeypatch):
     assert "--speculative-mode small_draft" in engine and "--additional-models d.gguf" in engine
     assert "spec_draft_length=3" in engine
     assert "--speculative-mode" not in " ".join(build_plan(_serve_args("smollm2")).engine_cmd)
+    for mode in ("eagle", "medusa"):   # the heads' folder goes to the engine, which loads and checks it
+        engine = " ".join(build_plan(_serve_args("smollm2", "--speculative-mode", mode, "--additional-models",
+                                                 "/heads")).engine_cmd)
+        assert f"--speculative-mode {mode}" in engine and "--additional-models /heads" in engine
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--speculative-mode", "medusa"], ["--speculative-mode", "Speculative decoding II"]),
+    (["--speculative-mode", "medusa"], ["--additional-models: --speculative-mode medusa needs Medusa heads"]),
+    (["--speculative-mode", "eagle"], ["--additional-models: --speculative-mode eagle needs EAGLE heads"]),
     (["--speculative-mode", "small_draft"], ["--additional-models", "needs a draft model"]),
+    (["--speculative-mode", "ngram", "--additional-models", "h"], ["--additional-models: only --speculative-mode"]),
     (["--speculative-mode", "nope"], ["--speculative-mode: must be one of"]),
 ])
 def test_serve_refuses_bad_speculative_flags(argv, words, capsys):
