@@ -49,10 +49,12 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
                    help="weights in memory: none (float32) | bf16 | int8 | int4 | auto, CPU only "
                         "(default: none, or the quantization override)")
     p.add_argument("--speculative-mode", default="disable", metavar="MODE",
-                   help="disable | ngram | small_draft (eagle, medusa: not supported yet) (default: disable)")
+                   help="disable | ngram | small_draft | eagle | medusa; small_draft, eagle and medusa "
+                        "need --additional-models (default: disable)")
     p.add_argument("--additional-models", default=None, metavar="PATH",
                    help="small_draft: the draft model (a .gguf, a Hugging Face folder or a short name) "
-                        "with the target's tokenizer vocabulary")
+                        "with the target's tokenizer vocabulary; eagle, medusa: HEADS_FOLDER, the heads "
+                        "in the public EAGLE-1 / Medusa layout (or what sluice train-heads writes)")
 
 
 def _add_sampling_options(p: argparse.ArgumentParser, max_tokens: int) -> None:
