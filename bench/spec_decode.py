@@ -11,7 +11,12 @@ baseline measured in the same process; greedy outputs are checked identical to t
 Decode tokens/s per request = tokens after the first / (total time - time to first token), from
 the engine's own timings, summed over the prompts of a group (so the prefill is not counted).
 ``small_draft`` uses the target as its own draft (no smaller model ships here): it shows the
-mechanism's cost at 100% acceptance, not a speed-up.
+mechanism's cost at 100% acceptance, not a speed-up. ``eagle`` and ``medusa`` run with the heads
+in ``--heads DIR`` (``DIR/eagle``, ``DIR/medusa``, as ``sluice train-heads MODEL --out DIR``
+writes them); without ``--heads`` they are trained first into ``--heads-cache`` (about half an
+hour on 2 cores, once), or left out with ``--no-heads``.
+
+    python bench/spec_decode.py --sections batch1 --heads heads/smollm2
 """
 from __future__ import annotations
 
@@ -70,16 +75,42 @@ def run(llm: LLM, texts: list[str], max_tokens: int, one_by_one: bool) -> dict:
             "mean_accepted_length": 1.0 + accepted / drafts if drafts else None, "drafts": drafts}
 
 
-def engines(loaded, k: int, **opts):
+def engines(loaded, k: int, heads: Path | None = None, **opts):
     yield "disable", LLM(loaded=loaded, **opts)
     yield "ngram", LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=k, **opts)
     yield "small_draft", LLM(loaded=loaded, draft_loaded=loaded, speculative_mode="small_draft",
                              additional_models="(the target)", spec_draft_length=k, **opts)
+    if heads is None:
+        return
+    from sluice.engine.spec_decode.heads import load_medusa
+
+    yield "eagle", LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads / "eagle"),
+                       spec_draft_length=k, **opts)
+    medusa_k = min(k, load_medusa(heads / "medusa", loaded.arch).num_heads)
+    yield "medusa", LLM(loaded=loaded, speculative_mode="medusa", additional_models=str(heads / "medusa"),
+                        spec_draft_length=medusa_k, **opts)
+
+
+def heads_folder(args) -> Path | None:
+    """``--heads``, or heads trained once into ``--heads-cache`` (None with ``--no-heads``)."""
+    if args.no_heads:
+        return None
+    if args.heads:
+        return Path(args.heads)
+    cache = Path(args.heads_cache or Path.home() / ".cache" / "sluice" / "heads" / Path(args.model).name)
+    if not ((cache / "eagle" / "config.json").is_file() and (cache / "medusa" / "config.json").is_file()):
+        from sluice.engine.spec_decode import train
+
+        print(f"training heads into {cache} (sluice train-heads {args.model} --out {cache})", flush=True)
+        extra = ["--num-prompts", "8", "--max-tokens", "16", "--medusa-epochs", "1", "--eagle-epochs", "1"] \
+            if args.quick else []
+        train.main([args.model, "--out", str(cache), *extra])
+    return cache
 
 
 def batch1(loaded, args) -> list[dict]:
     """Prompt by prompt, every mode in turn (so drift on a shared machine hits all alike)."""
-    llms = dict(engines(loaded, args.k))
+    llms = dict(engines(loaded, args.k, heads_folder(args)))
     for llm in llms.values():
         run(llm, chat_prompts(llm, OPEN[:1]), 8, True)   # warm-up
     rows = []
@@ -164,6 +195,10 @@ def main(argv=None) -> int:
     p.add_argument("--streams", type=int, default=32)
     p.add_argument("--stream-tokens", type=int, default=48)
     p.add_argument("--sweep", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3, 4, 8])
+    p.add_argument("--heads", default=None, help="folder with eagle/ and medusa/ heads (sluice train-heads)")
+    p.add_argument("--heads-cache", default=None,
+                   help="where heads are trained when --heads is not given (default: ~/.cache/sluice/heads/MODEL)")
+    p.add_argument("--no-heads", action="store_true", help="leave eagle and medusa out")
     p.add_argument("--quick", action="store_true", help="tiny setting: checks the script runs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)

@@ -367,7 +367,7 @@ class EngineCore:
             self.runner.execute(out)   # lets the runner drop per-request state
         if self.spec is not None:
             # Also those finished in this step (schedule() reports them next): an idle engine keeps no EAGLE cache.
-            self.spec.drop((*out.finished_ids, *self.scheduler._finished_ids))
+            self.spec.drop((*out.finished_ids, *self.scheduler.finished_since_schedule))
             self.spec.propose(self.scheduler.running)
         outputs = self._collect()
         if self._check_each_step:

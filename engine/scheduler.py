@@ -128,6 +128,11 @@ class Scheduler:
             raise ValueError(f"prompt: {n} tokens exceed max_num_batched_tokens "
                              f"{self.config.max_num_batched_tokens} and chunked prefill is disabled")
 
+    @property
+    def finished_since_schedule(self) -> tuple[str, ...]:
+        """Requests finished since the last ``schedule()`` (its next output reports them)."""
+        return tuple(self._finished_ids)
+
     # ---- schedule --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         step = _Step(budget=self.config.max_num_batched_tokens)

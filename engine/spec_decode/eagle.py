@@ -16,7 +16,10 @@ not correctness. The head's output at the last known pair is the first draft's h
 ``propose`` then runs the head on its own outputs: draft ``d_j`` comes from the predicted hidden
 state, and the pair (``embed(d_j)``, that hidden state) at the next position gives ``d_{j+1}``.
 These speculative entries are dropped at the next ``observe``. Drafts are drawn like
-``small_draft``'s (``proposer.draw``).
+``small_draft``'s (``proposer.draw``). With a draft vocabulary (``t2d`` in the checkpoint) the
+logits are computed for its tokens only, through their rows of the target's LM head, and every
+other token gets probability 0 in the draft distribution: the rejection sampler stays exact (it
+only ever sees tokens drawn from q), greedy drafts are accepted when the target's argmax is in it.
 """
 from __future__ import annotations
 
@@ -24,9 +27,12 @@ from collections.abc import Sequence
 
 import torch
 
+import torch.nn.functional as F
+
+from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight, packed_linear
 from sluice.engine.request import Request
 from sluice.engine.sampler import GeneratorCache
-from sluice.engine.spec_decode.heads import EagleCache, EagleHead
+from sluice.engine.spec_decode.heads import EagleCache, EagleHead, target_lm_weight
 from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
 
@@ -44,6 +50,24 @@ class EagleProposer:
         self._caches: dict[str, EagleCache] = {}
         self._preemptions: dict[str, int] = {}
         self._next: dict[str, tuple[int, torch.Tensor]] = {}   # request id -> (position, predicted hidden [H])
+        self._vocab = head.draft_vocab
+        self._lm = self._packed = None
+        if self._vocab is not None:
+            with torch.no_grad():
+                w = target_lm_weight(target).detach()[self._vocab.to(device)].to(head.fc.weight.dtype).contiguous()
+            if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_packing_available():
+                self._packed = pack_cpu_weight(w)
+            else:
+                self._lm = w
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, H] → [n, V] float32 draft logits (-inf outside the draft vocabulary)."""
+        if self._vocab is None:
+            return self.target.compute_logits(h)
+        sub = packed_linear(h, self._packed, None) if self._packed is not None else F.linear(h, self._lm)
+        full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
+        full[:, self._vocab] = sub.float()
+        return full
 
     def drop(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
@@ -94,7 +118,7 @@ class EagleProposer:
                 h = got[1][None]
                 drafts, probs = [], []
                 for j in range(room):
-                    tokens, dists = draw(self.target.compute_logits(h), [SampleRow(req, tuple(drafts))],
+                    tokens, dists = draw(self._logits(h), [SampleRow(req, tuple(drafts))],
                                          self.generators, self.vocab_size, self.device)
                     drafts.append(tokens[0])
                     if dists[0] is not None:

@@ -21,7 +21,11 @@ EAGLE-1) is a one-layer Llama ``config.json`` plus ``model.safetensors`` or ``py
 with ``fc.weight`` (and ``fc.bias``), ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
 ``layers.0.mlp.{gate,up,down}_proj.weight``, ``layers.0.post_attention_layernorm.weight`` and no
 input norm on layer 0 (a checkpoint that has one uses it). An ``embed_tokens.weight`` in the file
-is ignored: the target's embedding is the one the head was trained against.
+is ignored: the target's embedding is the one the head was trained against. Optionally ``t2d``, a
+bool [vocab] mask as EAGLE-3 stores it, names a draft vocabulary: drafts are drawn from those
+tokens only, through just those rows of the target's LM head. On a CPU that read of the LM head is
+what a draft costs (SmolLM2's is 113 MB in float32, a fifth of the model, per draft token); the
+8192 most frequent tokens of the model's own answers cut it six-fold and cover nearly all of them.
 """
 from __future__ import annotations
 
@@ -147,6 +151,12 @@ class EagleHead(torch.nn.Module):
         self.down_proj = torch.nn.Linear(arch.intermediate_size, h, bias=False)
         self.rotary = RotaryEmbedding(arch)
         self.scale = arch.head_dim ** -0.5
+        # The draft vocabulary's token ids (sorted), or None: all of the target's.
+        self.register_buffer("draft_vocab", None)
+
+    def set_draft_vocab(self, t2d: torch.Tensor | None) -> None:
+        """``t2d``: bool [vocab], True for the tokens drafts may be."""
+        self.draft_vocab = None if t2d is None else t2d.nonzero().flatten().to(torch.long)
 
     def new_cache(self, capacity: int = 256) -> EagleCache:
         w = self.fc.weight
@@ -193,6 +203,13 @@ class EagleHead(torch.nn.Module):
         if self.input_layernorm is not None:
             out[p + "input_layernorm.weight"] = self.input_layernorm.weight.detach()
         return out
+
+    def draft_mask(self) -> torch.Tensor | None:
+        if self.draft_vocab is None:
+            return None
+        mask = torch.zeros(self.arch.vocab_size, dtype=torch.bool)
+        mask[self.draft_vocab.cpu()] = True
+        return mask
 
 
 def eagle_config(target: ModelArchConfig, intermediate_size: int | None = None) -> dict:
@@ -312,7 +329,13 @@ def load_eagle(folder: str | Path, target: ModelArchConfig) -> EagleHead:
     with torch.no_grad():
         for name, param in own.items():
             param.copy_(_check_shape(path, state, name, tuple(param.shape), target))
-    extra = sorted(set(state) - set(own) - {"embed_tokens.weight"})
+    if "t2d" in state:
+        t2d = _check_shape(path, state, "t2d", (target.vocab_size,), target)
+        if t2d.dtype != torch.bool or not t2d.any():
+            raise HeadsLoadError(f"additional_models: {path}: t2d must be a bool mask with at least one "
+                                 f"token set, got {t2d.dtype} with {int(t2d.count_nonzero())} set")
+        module.set_draft_vocab(t2d)
+    extra = sorted(set(state) - set(own) - {"embed_tokens.weight", "t2d"})
     if extra:
         raise HeadsLoadError(f"additional_models: {path} has tensors a one-layer EAGLE head does not: "
                              f"{', '.join(extra[:5])}")
@@ -337,5 +360,17 @@ def save_eagle(head: EagleHead, folder: str | Path, target: ModelArchConfig, bas
     cfg = eagle_config(target, head.arch.intermediate_size) | {"base_model_name_or_path": base_model,
                                                                 "bias": head.fc.bias is not None}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in head.public_state_dict().items()}, str(folder / EAGLE_FILES[0]))
+    state = head.public_state_dict()
+    if head.draft_vocab is not None:
+        state["t2d"] = head.draft_mask()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / EAGLE_FILES[0]))
     return folder
+
+
+def target_lm_weight(model) -> torch.Tensor:
+    """The target's LM head as a dense [V, H] tensor (however it is stored: tied, packed, quantized)."""
+    if model.quant_lm_head is not None:
+        return model.quant_lm_head.dequantize()
+    if model.lm_head is not None:
+        return model.lm_head.dense_weight()
+    return model.embed_tokens.weight

@@ -1,0 +1,316 @@
+"""Self-distilled draft heads: ``sluice train-heads MODEL --kind medusa|eagle --out FOLDER``.
+
+No public heads exist for small models like SmolLM2-135M, so they are trained from the served
+model itself, on CPU:
+
+1. **Corpus.** The engine answers a bounded set of chat prompts (``training_prompts``: task
+   templates crossed with subjects, written for this purpose and disjoint from the prompts of
+   ``bench/spec_decode.py``), greedily, as it would serve them.
+2. **Features.** The target runs once over each conversation (prompt + answer) and keeps its last
+   hidden state ``h_t`` at every position; the labels are its own greedy choices
+   ``y_t = argmax LM(h_t)`` (the token after ``t``), which are what a greedy request's drafts must
+   match to be accepted.
+3. **Training** with the target frozen (its LM head is shared, never trained):
+   - Medusa head ``k`` on ``h_t`` learns ``y_{t+1+k}`` (cross-entropy, weight 0.8^k);
+   - EAGLE's layer on the pairs (``embed(x_{i+1})``, ``h_i + noise``) learns ``h_{i+1}``
+     (smooth L1) and ``y_{i+1}`` through the LM head (cross-entropy, weight 0.1), teacher-forced
+     over whole conversations.
+4. The heads are written in the public layouts ``spec_decode.heads`` reads.
+
+Every stage prints its time; the defaults fit SmolLM2-135M on 2 cores in about half an hour.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+TASKS = (
+    "Write a short story about {}.", "Explain {} to a ten-year-old.", "Give me five facts about {}.",
+    "Write a poem about {}.", "What are the pros and cons of {}?", "Describe {} in detail.",
+    "Write a friendly email to a colleague about {}.", "How would you teach a beginner about {}?",
+)
+SUBJECTS = (
+    "the ocean", "volcanoes", "a city at night", "learning a new language", "bicycles", "the moon",
+    "coffee", "gardening", "a rainy day", "robots", "the history of bread", "friendship", "mountains",
+    "electric cars", "honeybees", "chess", "a busy market", "winter", "trains", "music", "recycling",
+    "the human heart", "deserts", "a first day at school", "computers", "rivers", "birds",
+    "space travel", "cooking pasta", "a library", "solar power", "dogs", "the weather", "a lost key",
+    "photography", "football", "clouds", "a small village", "time management", "dinosaurs",
+    "the internet", "painting", "a camping trip", "sleep", "tea", "earthquakes", "kindness",
+    "a birthday party",
+)
+
+
+def training_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct user prompts (at most len(TASKS) * len(SUBJECTS) = 384), shuffled by ``seed``."""
+    every = [t.format(s) for s in SUBJECTS for t in TASKS]
+    random.Random(seed).shuffle(every)
+    return every[:n]
+
+
+def _log(msg: str) -> None:
+    print(f"[train-heads {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ---- 1. corpus -----------------------------------------------------------------------------
+def generate_corpus(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Token ids of each conversation (rendered chat prompt + the engine's greedy answer)."""
+    from sluice.engine.sampling_params import SamplingParams
+
+    texts = [llm.engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
+    results = llm._run(texts, [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(texts),
+                       add_special_tokens=False)
+    return [r.prompt_token_ids + r.outputs[0].token_ids for r in results]
+
+
+# ---- 2. features ---------------------------------------------------------------------------
+def hidden_states(loaded, sequences: list[list[int]], device, dtype, batch_tokens: int = 2048) -> list[torch.Tensor]:
+    """The target's last hidden state at every position of each sequence ([T, H] float32 each),
+    computed by the engine's own runner in prefill batches of about ``batch_tokens`` tokens."""
+    from sluice.engine.attention.selector import get_attention_backend
+    from sluice.engine.model_runner import ModelRunner
+    from sluice.engine.spec_decode.draft_model import _Seq, _View
+
+    arch, block = loaded.arch, 16
+    longest = max(map(len, sequences))
+    num_blocks = (max(batch_tokens, longest) + block - 1) // block + len(sequences)
+    runner = ModelRunner(loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
+                         head_dim=arch.head_dim, num_blocks=min(num_blocks, 4096 + longest // block),
+                         block_size=block, vocab_size=arch.vocab_size, device=device, dtype=dtype,
+                         attn=get_attention_backend("auto", device))
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < len(sequences):
+        batch, used, tokens = [], 0, 0
+        while i < len(sequences) and (not batch or tokens + len(sequences[i]) <= batch_tokens):
+            seq = sequences[i]
+            n = (len(seq) + block - 1) // block
+            batch.append(_Seq(_View(list(seq), []), len(seq), 0, tuple(range(used, used + n)), sample=False))
+            used, tokens, i = used + n, tokens + len(seq), i + 1
+        hidden = runner.forward(runner.prepare(batch)).float()
+        start = 0
+        for s in batch:
+            out.append(hidden[start:start + s.num_new_tokens].clone())
+            start += s.num_new_tokens
+    return out
+
+
+def greedy_labels(features: list[torch.Tensor], lm_weight: torch.Tensor, chunk: int = 1024) -> list[torch.Tensor]:
+    """y_t = argmax LM(h_t) per position: the target's own next token."""
+    labels = []
+    with torch.no_grad():   # not inference_mode: the labels enter autograd graphs as targets
+        for f in features:
+            labels.append(torch.cat([F.linear(f[i:i + chunk], lm_weight).argmax(-1)
+                                     for i in range(0, f.shape[0], chunk)]))
+    return labels
+
+
+def draft_vocabulary(labels: list[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
+    """bool [vocab]: the ``size`` tokens the target chose most often (ties: lower ids)."""
+    counts = torch.bincount(torch.cat(labels), minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size) * 1e-9          # a stable order among equal counts
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[counts.topk(size).indices] = True
+    return mask
+
+
+# ---- 3. training ---------------------------------------------------------------------------
+def _cosine(step: int, total: int, warm: int) -> float:
+    if step < warm:
+        return (step + 1) / warm
+    return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+
+def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, epochs: int,
+                 batch: int = 256, lr: float = 1e-3, seed: int = 0):
+    from sluice.engine.spec_decode.heads import MedusaHeads
+
+    torch.manual_seed(seed)
+    hidden = lm_weight.shape[1]
+    heads = MedusaHeads(hidden, num_heads, num_layers)
+    x = torch.cat(features)                                            # [N, H]
+    # Head k at t learns y_{t+1+k}; -100 where that runs past the conversation's end.
+    ys = []
+    for lab in labels:
+        rows = []
+        for k in range(num_heads):
+            y = torch.full_like(lab, -100)
+            y[:lab.shape[0] - 1 - k] = lab[1 + k:]
+            rows.append(y)
+        ys.append(torch.stack(rows, dim=1))
+    y = torch.cat(ys)                                                  # [N, heads]
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
+    steps = epochs * math.ceil(x.shape[0] / batch)
+    weights = torch.tensor([0.8 ** k for k in range(num_heads)])
+    g = torch.Generator().manual_seed(seed)
+    step = 0
+    for epoch in range(epochs):
+        perm = torch.randperm(x.shape[0], generator=g)
+        total, correct, count = 0.0, torch.zeros(num_heads), torch.zeros(num_heads)
+        for i in range(0, x.shape[0], batch):
+            idx = perm[i:i + batch]
+            for group in opt.param_groups:
+                group["lr"] = lr * _cosine(step, steps, max(1, steps // 20))
+            logits = F.linear(heads.features(x[idx]), lm_weight)      # [B, heads, V]
+            target = y[idx]
+            loss = sum(weights[k] * F.cross_entropy(logits[:, k], target[:, k], ignore_index=-100)
+                       for k in range(num_heads))
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+            with torch.no_grad():
+                ok = target >= 0
+                correct += ((logits.argmax(-1) == target) & ok).sum(0).float()
+                count += ok.sum(0).float()
+                total += float(loss) * idx.numel()
+        acc = ", ".join(f"{a:.2f}" for a in (correct / count.clamp(min=1)).tolist())
+        _log(f"medusa epoch {epoch + 1}/{epochs}: loss {total / x.shape[0]:.3f}, top-1 per head {acc}")
+    return heads.eval()
+
+
+def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, intermediate_size: int | None,
+                tokens_per_step: int = 2048, lr: float = 3e-4, noise: float = 0.1, seed: int = 0):
+    from sluice.engine.models.config import ModelArchConfig
+    from sluice.engine.spec_decode.heads import EagleHead, eagle_config
+
+    torch.manual_seed(seed)
+    arch = ModelArchConfig.from_hf_config(eagle_config(loaded.arch, intermediate_size))
+    head = EagleHead(arch)
+    with torch.no_grad():   # start the fc as "take the hidden state": the head begins near the identity
+        head.fc.weight.zero_()
+        head.fc.weight[:, arch.hidden_size:] = torch.eye(arch.hidden_size)
+        head.fc.bias.zero_()
+        head.o_proj.weight.mul_(0.1)
+        head.down_proj.weight.mul_(0.1)
+    opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    order = list(range(len(sequences)))
+    total_tokens = sum(len(s) - 1 for s in sequences)
+    steps = epochs * math.ceil(total_tokens / tokens_per_step)
+    rng = random.Random(seed)
+    step = 0
+    for epoch in range(epochs):
+        rng.shuffle(order)
+        sums = {"reg": 0.0, "cls": 0.0, "acc": 0.0, "n": 0}
+        pending = 0
+        opt.zero_grad(set_to_none=True)
+        for n, i in enumerate(order):
+            seq, f, lab = sequences[i], features[i], labels[i]
+            t = len(seq) - 1                          # pairs (embed(x_{i+1}), h_i) for i < T - 1
+            with torch.no_grad():
+                embeds = loaded.model.embed(torch.tensor(seq[1:])).float()
+                scale = f.std() * noise
+            inp = f[:t] + torch.randn_like(f[:t]) * scale
+            pred = head(embeds, inp, list(range(t)))  # predicts h_{i+1}
+            reg = F.smooth_l1_loss(pred, f[1:t + 1], reduction="sum")
+            logits = F.linear(pred, lm_weight)
+            cls = F.cross_entropy(logits, lab[1:t + 1], reduction="sum")
+            ((reg + 0.1 * cls) / tokens_per_step).backward()
+            pending += t
+            with torch.no_grad():
+                sums["reg"] += float(reg)
+                sums["cls"] += float(cls)
+                sums["acc"] += float((logits.argmax(-1) == lab[1:t + 1]).sum())
+                sums["n"] += t
+            if pending >= tokens_per_step or n == len(order) - 1:
+                for group in opt.param_groups:
+                    group["lr"] = lr * _cosine(step, steps, max(1, steps // 20))
+                torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                pending, step = 0, step + 1
+        m = max(1, sums["n"])
+        _log(f"eagle epoch {epoch + 1}/{epochs}: smooth-L1 {sums['reg'] / m:.4f}, CE {sums['cls'] / m:.3f}, "
+             f"top-1 {sums['acc'] / m:.2f}")
+    return head.eval()
+
+
+# ---- the command ---------------------------------------------------------------------------
+def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = p or argparse.ArgumentParser(prog="sluice train-heads", description=__doc__.split("\n\n")[0])
+    p.add_argument("model", help="the served model (short name or path)")
+    p.add_argument("--kind", choices=("medusa", "eagle", "both"), default="both")
+    p.add_argument("--out", required=True, help="folder for the heads (medusa/ and eagle/ inside with --kind both)")
+    p.add_argument("--num-prompts", type=int, default=256, help="conversations in the corpus (at most 384)")
+    p.add_argument("--max-tokens", type=int, default=160, help="answer length per conversation")
+    p.add_argument("--medusa-heads", type=int, default=4, help="drafts Medusa can propose per step")
+    p.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
+    p.add_argument("--medusa-epochs", type=int, default=4, help="passes over the corpus")
+    p.add_argument("--eagle-epochs", type=int, default=4, help="passes over the corpus")
+    p.add_argument("--draft-vocab", type=int, default=8192,
+                   help="EAGLE drafts from the N tokens the model's answers use most (0: the whole vocabulary)")
+    p.add_argument("--eagle-intermediate-size", type=int, default=None,
+                   help="the EAGLE layer's MLP width (default: the target's)")
+    p.add_argument("--corpus", default=None,
+                   help="a JSON file of token-id conversations: read when it exists, else generated and written there")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="prompt order, initialisation and noise")
+    return p
+
+
+def run(args) -> int:
+    from sluice.engine.llm import LLM
+    from sluice.engine.loaders import load_model
+    from sluice.engine.spec_decode.heads import save_eagle, save_medusa, target_lm_weight
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not 1 <= args.num_prompts <= len(TASKS) * len(SUBJECTS):
+        raise SystemExit(f"--num-prompts: must be in [1, {len(TASKS) * len(SUBJECTS)}], got {args.num_prompts}")
+    t0 = time.perf_counter()
+    loaded = load_model(args.model, dtype="float32", device="cpu")
+    corpus = Path(args.corpus) if args.corpus else None
+    if corpus is not None and corpus.is_file():
+        sequences = json.loads(corpus.read_text())
+    else:
+        llm = LLM(loaded=loaded, device="cpu", max_num_seqs=32,
+                  **({"num_threads": args.threads} if args.threads else {}))
+        sequences = generate_corpus(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens)
+        del llm
+        if corpus is not None:
+            corpus.parent.mkdir(parents=True, exist_ok=True)
+            corpus.write_text(json.dumps(sequences))
+    _log(f"corpus: {len(sequences)} conversations, {sum(map(len, sequences))} tokens "
+         f"({time.perf_counter() - t0:.0f} s)")
+    t1 = time.perf_counter()
+    features = hidden_states(loaded, sequences, torch.device("cpu"), torch.float32)
+    lm_weight = target_lm_weight(loaded.model).detach().float()
+    labels = greedy_labels(features, lm_weight)
+    _log(f"features and labels: {time.perf_counter() - t1:.0f} s")
+    out = Path(args.out)
+    kinds = ("medusa", "eagle") if args.kind == "both" else (args.kind,)
+    for kind in kinds:
+        t2 = time.perf_counter()
+        folder = out / kind if args.kind == "both" else out
+        if kind == "medusa":
+            heads = train_medusa(features, labels, lm_weight, args.medusa_heads, args.medusa_layers,
+                                 args.medusa_epochs, seed=args.seed)
+            save_medusa(heads, folder, str(args.model))
+        else:
+            head = train_eagle(features, labels, sequences, loaded, lm_weight, args.eagle_epochs,
+                               args.eagle_intermediate_size, seed=args.seed)
+            if 0 < args.draft_vocab < loaded.arch.vocab_size:
+                mask = draft_vocabulary(labels, loaded.arch.vocab_size, args.draft_vocab)
+                covered = float(mask[torch.cat(labels)].float().mean())
+                _log(f"draft vocabulary: {args.draft_vocab} tokens cover {covered:.1%} of the target's choices")
+                head.set_draft_vocab(mask)
+            save_eagle(head, folder, loaded.arch, str(args.model))
+        _log(f"{kind}: trained in {time.perf_counter() - t2:.0f} s, written to {folder}")
+    _log(f"done in {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def main(argv=None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""``sluice train-heads`` end to end on the random-weight model with SmolLM2's tokenizer and chat
+template: it generates its corpus with the engine, trains both kinds of heads, and writes them in
+the public layouts the loaders read (FasterDecoding's Medusa without per-head LM heads, EAGLE-1
+with a ``t2d`` draft vocabulary); the training reduces its loss; the engine serves with the
+written heads and greedy output stays that of no speculation. The training's pieces (prompts,
+labels, the draft vocabulary) are checked on their own."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sluice.engine.cli import main as cli_main
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode import train
+from sluice.engine.spec_decode.heads import load_eagle, load_medusa
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_prompts_are_distinct_bounded_and_not_the_benchmarks():
+    every = train.training_prompts(len(train.TASKS) * len(train.SUBJECTS))
+    assert len(set(every)) == len(every) == 384
+    assert train.training_prompts(5, seed=1) == train.training_prompts(5, seed=1) != train.training_prompts(5)
+    from bench.spec_decode import GROUNDED, OPEN
+    assert not set(every) & set(GROUNDED + OPEN)
+
+
+def test_labels_are_the_greedy_choices_and_the_draft_vocabulary_the_most_frequent():
+    w = torch.randn(10, 4)
+    f = torch.randn(7, 4)
+    (labels,) = train.greedy_labels([f], w, chunk=3)
+    assert torch.equal(labels, (f @ w.T).argmax(-1))
+    mask = train.draft_vocabulary([torch.tensor([3, 3, 3, 5, 5, 1, 9])], 10, 2)
+    assert mask.tolist() == [i in (3, 5) for i in range(10)]
+
+
+def test_train_heads_writes_public_layouts_that_serve(tiny_smollm2, tmp_path, capsys):
+    out = tmp_path / "heads"
+    corpus = tmp_path / "corpus.json"
+    rc = cli_main(["train-heads", str(tiny_smollm2), "--out", str(out), "--num-prompts", "12", "--max-tokens", "24",
+                   "--medusa-heads", "3", "--medusa-epochs", "6", "--eagle-epochs", "6", "--draft-vocab", "256",
+                   "--corpus", str(corpus)])
+    assert rc == 0
+    log = capsys.readouterr().err
+    # The losses fall over the epochs.
+    medusa = [float(x) for x in re.findall(r"medusa epoch \d+/\d+: loss ([\d.]+)", log)]
+    eagle = [float(x) for x in re.findall(r"eagle epoch \d+/\d+: smooth-L1 ([\d.]+)", log)]
+    assert len(medusa) == len(eagle) == 6
+    assert medusa[-1] < medusa[0] and eagle[-1] < eagle[0], log
+    sequences = json.loads(corpus.read_text())
+    assert len(sequences) == 12 and all(isinstance(t, int) for s in sequences for t in s)
+
+    # The files are the public layouts, read back by the loaders.
+    cfg = json.loads((out / "medusa" / "config.json").read_text())
+    assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 1)
+    keys = set(load_file(str(out / "medusa" / "medusa_lm_head.safetensors")))
+    assert keys == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")}
+    state = load_file(str(out / "eagle" / "model.safetensors"))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight", "t2d"} <= set(state)
+    assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 256
+    loaded = load_model(str(tiny_smollm2))
+    assert load_medusa(out / "medusa", loaded.arch).num_heads == 3
+    assert load_eagle(out / "eagle", loaded.arch).draft_vocab.numel() == 256
+
+    # Served: greedy output identical to no speculation, with drafts proposed.
+    opts = dict(device="cpu", num_threads=1, spec_max_batch_size=8)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["Write a poem about the sea.", "Hello there, how are you?"]
+    want = [r.outputs[0].token_ids for r in LLM(loaded=loaded, device="cpu", num_threads=1).generate(prompts, sp)]
+    for mode, k in (("medusa", 3), ("eagle", 4)):
+        llm = LLM(loaded=loaded, speculative_mode=mode, additional_models=str(out / mode), spec_draft_length=k, **opts)
+        got = llm.generate(prompts, sp)
+        assert [r.outputs[0].token_ids for r in got] == want, mode
+        assert sum(r.usage.draft_tokens for r in got) > 0, mode
