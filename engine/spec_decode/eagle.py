@@ -27,12 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-import torch.nn.functional as F
-
-from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight, packed_linear
 from sluice.engine.request import Request
 from sluice.engine.sampler import GeneratorCache
-from sluice.engine.spec_decode.heads import EagleCache, EagleHead, target_lm_weight
+from sluice.engine.spec_decode.heads import DraftLMHead, EagleCache, EagleHead
 from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
 
@@ -50,24 +47,7 @@ class EagleProposer:
         self._caches: dict[str, EagleCache] = {}
         self._preemptions: dict[str, int] = {}
         self._next: dict[str, tuple[int, torch.Tensor]] = {}   # request id -> (position, predicted hidden [H])
-        self._vocab = head.draft_vocab
-        self._lm = self._packed = None
-        if self._vocab is not None:
-            with torch.no_grad():
-                w = target_lm_weight(target).detach()[self._vocab.to(device)].to(head.fc.weight.dtype).contiguous()
-            if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_packing_available():
-                self._packed = pack_cpu_weight(w)
-            else:
-                self._lm = w
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """[n, H] → [n, V] float32 draft logits (-inf outside the draft vocabulary)."""
-        if self._vocab is None:
-            return self.target.compute_logits(h)
-        sub = packed_linear(h, self._packed, None) if self._packed is not None else F.linear(h, self._lm)
-        full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
-        full[:, self._vocab] = sub.float()
-        return full
+        self._lm = DraftLMHead(target, head.draft_vocab, vocab_size, head.fc.weight.dtype, device)
 
     def drop(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
@@ -118,7 +98,7 @@ class EagleProposer:
                 h = got[1][None]
                 drafts, probs = [], []
                 for j in range(room):
-                    tokens, dists = draw(self._logits(h), [SampleRow(req, tuple(drafts))],
+                    tokens, dists = draw(self._lm(h), [SampleRow(req, tuple(drafts))],
                                          self.generators, self.vocab_size, self.device)
                     drafts.append(tokens[0])
                     if dists[0] is not None:

@@ -21,8 +21,9 @@ EAGLE-1) is a one-layer Llama ``config.json`` plus ``model.safetensors`` or ``py
 with ``fc.weight`` (and ``fc.bias``), ``layers.0.self_attn.{q,k,v,o}_proj.weight``,
 ``layers.0.mlp.{gate,up,down}_proj.weight``, ``layers.0.post_attention_layernorm.weight`` and no
 input norm on layer 0 (a checkpoint that has one uses it). An ``embed_tokens.weight`` in the file
-is ignored: the target's embedding is the one the head was trained against. Optionally ``t2d``, a
-bool [vocab] mask as EAGLE-3 stores it, names a draft vocabulary: drafts are drawn from those
+is ignored: the target's embedding is the one the head was trained against.
+
+Either file may hold ``t2d``, a bool [vocab] mask as EAGLE-3 stores it, naming a draft vocabulary: drafts are drawn from those
 tokens only, through just those rows of the target's LM head. On a CPU that read of the LM head is
 what a draft costs (SmolLM2's is 113 MB in float32, a fifth of the model, per draft token); the
 8192 most frequent tokens of the model's own answers cut it six-fold and cover nearly all of them.
@@ -48,6 +49,57 @@ class HeadsLoadError(ModelLoadError, ValueError):
     """A heads checkpoint that cannot serve this target (named file, tensor and shapes)."""
 
 
+# ---- the draft vocabulary ------------------------------------------------------------------
+class _DraftVocab(torch.nn.Module):
+    """An optional draft vocabulary (``t2d``): the sorted ids drafts may be, or None (all)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("draft_vocab", None)
+        self._t2d_size = 0
+
+    def set_draft_vocab(self, t2d: torch.Tensor | None) -> None:
+        """``t2d``: bool [vocab], True for the tokens drafts may be."""
+        self._t2d_size = 0 if t2d is None else t2d.numel()
+        self.draft_vocab = None if t2d is None else t2d.nonzero().flatten().to(torch.long)
+
+    def draft_mask(self) -> torch.Tensor | None:
+        if self.draft_vocab is None:
+            return None
+        mask = torch.zeros(self._t2d_size, dtype=torch.bool)
+        mask[self.draft_vocab.cpu()] = True
+        return mask
+
+
+class DraftLMHead:
+    """The target's LM head for drafting: all of it, or only the draft vocabulary's rows (a packed
+    copy on CPU), with -inf logits for every other token so that nothing else is ever drafted."""
+
+    def __init__(self, target, draft_vocab: torch.Tensor | None, vocab_size: int, dtype, device) -> None:
+        from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight
+
+        self.target, self.vocab, self.vocab_size = target, draft_vocab, vocab_size
+        self._packed = self._weight = None
+        if draft_vocab is not None:
+            with torch.no_grad():
+                w = target_lm_weight(target).detach()[draft_vocab.to(device)].to(dtype).contiguous()
+            if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_packing_available():
+                self._packed = pack_cpu_weight(w)
+            else:
+                self._weight = w
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, H] → [n, V] float32."""
+        if self.vocab is None:
+            return self.target.compute_logits(h)
+        from sluice.engine.models.llama import packed_linear
+
+        sub = packed_linear(h, self._packed, None) if self._packed is not None else F.linear(h, self._weight)
+        full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
+        full[:, self.vocab] = sub.float()
+        return full
+
+
 # ---- Medusa --------------------------------------------------------------------------------
 class ResBlock(torch.nn.Module):
     def __init__(self, hidden: int) -> None:
@@ -60,7 +112,7 @@ class ResBlock(torch.nn.Module):
         return x + F.silu(self.linear(x))
 
 
-class MedusaHeads(torch.nn.Module):
+class MedusaHeads(_DraftVocab):
     """``num_heads`` heads of ``num_layers`` residual blocks each; ``vocab_size`` gives each head
     its own LM head (the public layout's), None shares the target's."""
 
@@ -77,7 +129,8 @@ class MedusaHeads(torch.nn.Module):
         return torch.stack([b(hidden) for b in self.blocks], dim=1)
 
     def logits(self, hidden: torch.Tensor, target_logits) -> torch.Tensor:
-        """hidden [N, H] → [N, num_heads, V] float32; ``target_logits`` is the target's LM head."""
+        """hidden [N, H] → [N, num_heads, V] float32; ``target_logits`` is the target's LM head
+        (a ``DraftLMHead``), used unless the heads have their own."""
         feats = self.features(hidden)
         if self.lm_heads is None:
             n, k, h = feats.shape
@@ -130,7 +183,7 @@ class EagleCache:
         return self.k[:n + t], self.v[:n + t]
 
 
-class EagleHead(torch.nn.Module):
+class EagleHead(_DraftVocab):
     """EAGLE-1's draft layer over the target's embedding and hidden states."""
 
     def __init__(self, arch: ModelArchConfig, fc_bias: bool = True, input_norm: bool = False) -> None:
@@ -151,12 +204,6 @@ class EagleHead(torch.nn.Module):
         self.down_proj = torch.nn.Linear(arch.intermediate_size, h, bias=False)
         self.rotary = RotaryEmbedding(arch)
         self.scale = arch.head_dim ** -0.5
-        # The draft vocabulary's token ids (sorted), or None: all of the target's.
-        self.register_buffer("draft_vocab", None)
-
-    def set_draft_vocab(self, t2d: torch.Tensor | None) -> None:
-        """``t2d``: bool [vocab], True for the tokens drafts may be."""
-        self.draft_vocab = None if t2d is None else t2d.nonzero().flatten().to(torch.long)
 
     def new_cache(self, capacity: int = 256) -> EagleCache:
         w = self.fc.weight
@@ -203,13 +250,6 @@ class EagleHead(torch.nn.Module):
         if self.input_layernorm is not None:
             out[p + "input_layernorm.weight"] = self.input_layernorm.weight.detach()
         return out
-
-    def draft_mask(self) -> torch.Tensor | None:
-        if self.draft_vocab is None:
-            return None
-        mask = torch.zeros(self.arch.vocab_size, dtype=torch.bool)
-        mask[self.draft_vocab.cpu()] = True
-        return mask
 
 
 def eagle_config(target: ModelArchConfig, intermediate_size: int | None = None) -> dict:
@@ -274,6 +314,16 @@ def _check_shape(path: Path, state: dict, name: str, shape: tuple[int, ...], tar
     return t
 
 
+def _read_t2d(module: _DraftVocab, path: Path, state: dict, target: ModelArchConfig) -> None:
+    if "t2d" not in state:
+        return
+    t2d = _check_shape(path, state, "t2d", (target.vocab_size,), target)
+    if t2d.dtype != torch.bool or not t2d.any():
+        raise HeadsLoadError(f"additional_models: {path}: t2d must be a bool mask with at least one "
+                             f"token set, got {t2d.dtype} with {int(t2d.count_nonzero())} set")
+    module.set_draft_vocab(t2d)
+
+
 def load_medusa(folder: str | Path, target: ModelArchConfig) -> MedusaHeads:
     folder = Path(folder)
     cfg = _read_config(folder)
@@ -298,7 +348,8 @@ def load_medusa(folder: str | Path, target: ModelArchConfig) -> MedusaHeads:
                 name = f"{k}.{layers}.weight"
                 module.lm_heads[k].weight.copy_(_check_shape(path, state, name, (vocab, h), target))
                 expected.add(name)
-    extra = sorted(set(state) - expected)
+    _read_t2d(module, path, state, target)
+    extra = sorted(set(state) - expected - {"t2d"})
     if extra:
         raise HeadsLoadError(f"additional_models: {path} has tensors a {heads}-head, {layers}-layer Medusa does "
                              f"not: {', '.join(extra[:5])} (medusa_num_heads / medusa_num_layers wrong?)")
@@ -329,12 +380,7 @@ def load_eagle(folder: str | Path, target: ModelArchConfig) -> EagleHead:
     with torch.no_grad():
         for name, param in own.items():
             param.copy_(_check_shape(path, state, name, tuple(param.shape), target))
-    if "t2d" in state:
-        t2d = _check_shape(path, state, "t2d", (target.vocab_size,), target)
-        if t2d.dtype != torch.bool or not t2d.any():
-            raise HeadsLoadError(f"additional_models: {path}: t2d must be a bool mask with at least one "
-                                 f"token set, got {t2d.dtype} with {int(t2d.count_nonzero())} set")
-        module.set_draft_vocab(t2d)
+    _read_t2d(module, path, state, target)
     extra = sorted(set(state) - set(own) - {"embed_tokens.weight", "t2d"})
     if extra:
         raise HeadsLoadError(f"additional_models: {path} has tensors a one-layer EAGLE head does not: "
@@ -349,7 +395,10 @@ def save_medusa(heads: MedusaHeads, folder: str | Path, base_model: str = "") ->
     cfg = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
            "hidden_size": heads.hidden_size, "base_model_name_or_path": base_model}
     (folder / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    save_file({k: v.contiguous() for k, v in heads.public_state_dict().items()}, str(folder / MEDUSA_FILES[0]))
+    state = heads.public_state_dict()
+    if heads.draft_vocab is not None:
+        state["t2d"] = heads.draft_mask()
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / MEDUSA_FILES[0]))
     return folder
 
 

@@ -6,7 +6,8 @@ of the last accepted draft after a verification). Head ``k`` on that row propose
 ``N + k``. The heads do not see each other's drafts, so the drafts are drawn one position at a
 time only for the request's own penalties and min_tokens mask, which count the drafts before a
 position (``rows``). Greedy drafts are argmaxes; sampled ones come with their distribution for
-the rejection sampler (``proposer.draw``).
+the rejection sampler (``proposer.draw``). A draft vocabulary (``t2d``) works as for EAGLE
+(``heads.DraftLMHead``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 
 from sluice.engine.request import Request
 from sluice.engine.sampler import GeneratorCache
-from sluice.engine.spec_decode.heads import MedusaHeads
+from sluice.engine.spec_decode.heads import DraftLMHead, MedusaHeads
 from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
 
@@ -31,6 +32,8 @@ class MedusaProposer:
         self.vocab_size = vocab_size
         self.device = device
         self.generators = GeneratorCache(seed=seed, device=device)
+        weight = next(heads.parameters())
+        self._lm = DraftLMHead(target, heads.draft_vocab, vocab_size, weight.dtype, device)
 
     def observe(self, requests) -> None:
         pass
@@ -50,7 +53,7 @@ class MedusaProposer:
         if not work:
             return {}
         with torch.inference_mode():
-            logits = self.heads.logits(torch.stack(hidden), self.target.compute_logits)   # [B, heads, V]
+            logits = self.heads.logits(torch.stack(hidden), self._lm)   # [B, heads, V]
             drafts = {req.request_id: [] for req, _ in work}
             probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in work}
             for j in range(max(room for _, room in work)):

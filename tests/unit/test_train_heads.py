@@ -1,7 +1,7 @@
 """``sluice train-heads`` end to end on the random-weight model with SmolLM2's tokenizer and chat
 template: it generates its corpus with the engine, trains both kinds of heads, and writes them in
-the public layouts the loaders read (FasterDecoding's Medusa without per-head LM heads, EAGLE-1
-with a ``t2d`` draft vocabulary); the training reduces its loss; the engine serves with the
+the public layouts the loaders read (FasterDecoding's Medusa without per-head LM heads and
+EAGLE-1, both with a ``t2d`` draft vocabulary); the training reduces its loss; the engine serves with the
 written heads and greedy output stays that of no speculation. The training's pieces (prompts,
 labels, the draft vocabulary) are checked on their own."""
 from __future__ import annotations
@@ -60,13 +60,14 @@ def test_train_heads_writes_public_layouts_that_serve(tiny_smollm2, tmp_path, ca
     cfg = json.loads((out / "medusa" / "config.json").read_text())
     assert (cfg["medusa_num_heads"], cfg["medusa_num_layers"]) == (3, 1)
     keys = set(load_file(str(out / "medusa" / "medusa_lm_head.safetensors")))
-    assert keys == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")}
+    assert keys == {f"{k}.0.linear.{p}" for k in range(3) for p in ("weight", "bias")} | {"t2d"}
     state = load_file(str(out / "eagle" / "model.safetensors"))
     assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight",
             "layers.0.post_attention_layernorm.weight", "t2d"} <= set(state)
     assert state["t2d"].dtype == torch.bool and int(state["t2d"].sum()) == 256
     loaded = load_model(str(tiny_smollm2))
-    assert load_medusa(out / "medusa", loaded.arch).num_heads == 3
+    medusa_heads = load_medusa(out / "medusa", loaded.arch)
+    assert medusa_heads.num_heads == 3 and medusa_heads.draft_vocab.numel() == 256
     assert load_eagle(out / "eagle", loaded.arch).draft_vocab.numel() == 256
 
     # Served: greedy output identical to no speculation, with drafts proposed.
