@@ -38,21 +38,30 @@ TASKS = (
     "Write a short story about {}.", "Explain {} to a ten-year-old.", "Give me five facts about {}.",
     "Write a poem about {}.", "What are the pros and cons of {}?", "Describe {} in detail.",
     "Write a friendly email to a colleague about {}.", "How would you teach a beginner about {}?",
+    "Write a diary entry about {}.", "What questions would a curious child ask about {}? Answer them.",
+    "Give me a step-by-step plan for a weekend project involving {}.", "Summarise what people get wrong about {}.",
 )
 SUBJECTS = (
     "the ocean", "volcanoes", "a city at night", "learning a new language", "bicycles", "the moon",
     "coffee", "gardening", "a rainy day", "robots", "the history of bread", "friendship", "mountains",
     "electric cars", "honeybees", "chess", "a busy market", "winter", "trains", "music", "recycling",
     "the human heart", "deserts", "a first day at school", "computers", "rivers", "birds",
-    "space travel", "cooking pasta", "a library", "solar power", "dogs", "the weather", "a lost key",
+    "space travel", "kites", "a library", "solar power", "dogs", "the weather", "a lost key",
     "photography", "football", "clouds", "a small village", "time management", "dinosaurs",
     "the internet", "painting", "a camping trip", "sleep", "tea", "earthquakes", "kindness",
-    "a birthday party",
+    "a birthday party", "glaciers", "a night train", "saving money", "octopuses", "an old bookshop",
+    "wind turbines", "baking a cake", "public speaking", "the stars", "a thunderstorm", "cats",
+    "ancient Rome", "a job interview", "swimming", "the harbour", "a family dinner", "smartphones",
+    "the alphabet", "a bus journey", "vaccines", "a marathon", "islands", "origami", "the post office",
+    "fireflies", "moving to a new city", "knitting", "a hospital night shift", "bridges", "the desert wind",
+    "a school play", "mushrooms", "a broken umbrella", "climbing", "the first airplane", "a fishing boat",
+    "board games", "spring flowers", "a museum visit", "writing letters", "a power cut", "penguins",
+    "street food", "a quiet morning", "the periodic table", "volunteering", "a snowstorm", "maps",
 )
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct user prompts (at most len(TASKS) * len(SUBJECTS) = 384), shuffled by ``seed``."""
+    """``n`` distinct user prompts (at most len(TASKS) * len(SUBJECTS) = 1152), shuffled by ``seed``."""
     every = [t.format(s) for s in SUBJECTS for t in TASKS]
     random.Random(seed).shuffle(every)
     return every[:n]
@@ -131,15 +140,8 @@ def _cosine(step: int, total: int, warm: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
-def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, epochs: int,
-                 batch: int = 256, lr: float = 1e-3, seed: int = 0):
-    from sluice.engine.spec_decode.heads import MedusaHeads
-
-    torch.manual_seed(seed)
-    hidden = lm_weight.shape[1]
-    heads = MedusaHeads(hidden, num_heads, num_layers)
-    x = torch.cat(features)                                            # [N, H]
-    # Head k at t learns y_{t+1+k}; -100 where that runs past the conversation's end.
+def _medusa_targets(labels, num_heads: int) -> torch.Tensor:
+    """[N, heads]: head k at t learns y_{t+1+k}; -100 where that runs past the conversation's end."""
     ys = []
     for lab in labels:
         rows = []
@@ -148,7 +150,34 @@ def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, e
             y[:lab.shape[0] - 1 - k] = lab[1 + k:]
             rows.append(y)
         ys.append(torch.stack(rows, dim=1))
-    y = torch.cat(ys)                                                  # [N, heads]
+    return torch.cat(ys)
+
+
+def _medusa_accuracy(heads, x, y, lm_weight, chunk: int = 1024) -> torch.Tensor:
+    correct, count = torch.zeros(y.shape[1]), torch.zeros(y.shape[1])
+    with torch.no_grad():
+        for i in range(0, x.shape[0], chunk):
+            pred = F.linear(heads.features(x[i:i + chunk]), lm_weight).argmax(-1)
+            t = y[i:i + chunk]
+            correct += ((pred == t) & (t >= 0)).sum(0).float()
+            count += (t >= 0).sum(0).float()
+    return correct / count.clamp(min=1)
+
+
+def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, epochs: int,
+                 batch: int = 256, lr: float = 1e-3, seed: int = 0, held_out=None):
+    """``held_out``: (features, labels) of conversations kept out of training; the epoch whose
+    heads predict them best is the one returned."""
+    from sluice.engine.spec_decode.heads import MedusaHeads
+
+    torch.manual_seed(seed)
+    hidden = lm_weight.shape[1]
+    heads = MedusaHeads(hidden, num_heads, num_layers)
+    x = torch.cat(features)                                            # [N, H]
+    y = _medusa_targets(labels, num_heads)                             # [N, heads]
+    val = None if not held_out or not held_out[0] else (torch.cat(held_out[0]),
+                                                          _medusa_targets(held_out[1], num_heads))
+    best = (-1.0, None)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     steps = epochs * math.ceil(x.shape[0] / batch)
     weights = torch.tensor([0.8 ** k for k in range(num_heads)])
@@ -175,12 +204,35 @@ def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, e
                 count += ok.sum(0).float()
                 total += float(loss) * idx.numel()
         acc = ", ".join(f"{a:.2f}" for a in (correct / count.clamp(min=1)).tolist())
-        _log(f"medusa epoch {epoch + 1}/{epochs}: loss {total / x.shape[0]:.3f}, top-1 per head {acc}")
+        msg = f"medusa epoch {epoch + 1}/{epochs}: loss {total / x.shape[0]:.3f}, top-1 per head {acc}"
+        if val is not None:
+            v = _medusa_accuracy(heads, *val, lm_weight)
+            msg += ", held out " + ", ".join(f"{a:.2f}" for a in v.tolist())
+            score = float((v * weights).sum())
+            if score > best[0]:
+                best = (score, {k: t.clone() for k, t in heads.state_dict().items()})
+        _log(msg)
+    if best[1] is not None:
+        heads.load_state_dict(best[1])
     return heads.eval()
 
 
+def _eagle_accuracy(head, features, labels, sequences, loaded, lm_weight) -> float:
+    """Teacher-forced top-1 of the first draft (y_{i+1} from the pair at i) on whole conversations."""
+    ok = n = 0
+    with torch.no_grad():
+        for seq, f, lab in zip(sequences, features, labels):
+            t = len(seq) - 1
+            pred = head(loaded.model.embed(torch.tensor(seq[1:])).float(), f[:t], list(range(t)))
+            target = lab[1:t + 1]
+            ok += int((F.linear(pred, lm_weight).argmax(-1) == target).sum())
+            n += int((target >= 0).sum())
+    return ok / max(1, n)
+
+
 def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, intermediate_size: int | None,
-                tokens_per_step: int = 512, lr: float = 1e-3, noise: float = 0.1, seed: int = 0):
+                tokens_per_step: int = 512, lr: float = 1e-3, noise: float = 0.1, seed: int = 0, held_out=None):
+    """``held_out``: (features, labels, sequences) kept out of training; the best epoch on them is returned."""
     from sluice.engine.models.config import ModelArchConfig
     from sluice.engine.spec_decode.heads import EagleHead, eagle_config
 
@@ -198,7 +250,7 @@ def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, int
     total_tokens = sum(len(s) - 1 for s in sequences)
     steps = epochs * math.ceil(total_tokens / tokens_per_step)
     rng = random.Random(seed)
-    step = 0
+    step, best = 0, (-1.0, None)
     for epoch in range(epochs):
         rng.shuffle(order)
         sums = {"reg": 0.0, "cls": 0.0, "acc": 0.0, "n": 0, "valid": 0}
@@ -234,8 +286,16 @@ def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, int
                 pending, step = 0, step + 1
         m = max(1, sums["n"])
         v = max(1, sums["valid"])
-        _log(f"eagle epoch {epoch + 1}/{epochs}: smooth-L1 {sums['reg'] / m:.4f}, CE {sums['cls'] / v:.3f}, "
-             f"top-1 {sums['acc'] / v:.2f}")
+        msg = (f"eagle epoch {epoch + 1}/{epochs}: smooth-L1 {sums['reg'] / m:.4f}, CE {sums['cls'] / v:.3f}, "
+               f"top-1 {sums['acc'] / v:.2f}")
+        if held_out and held_out[0]:
+            acc = _eagle_accuracy(head, *held_out, loaded, lm_weight)
+            msg += f", held out {acc:.2f}"
+            if acc > best[0]:
+                best = (acc, {k: t.clone() for k, t in head.state_dict().items()})
+        _log(msg)
+    if best[1] is not None:
+        head.load_state_dict(best[1])
     return head.eval()
 
 
@@ -245,11 +305,11 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("model", help="the served model (short name or path)")
     p.add_argument("--kind", choices=("medusa", "eagle", "both"), default="both")
     p.add_argument("--out", required=True, help="folder for the heads (medusa/ and eagle/ inside with --kind both)")
-    p.add_argument("--num-prompts", type=int, default=256, help="conversations in the corpus (at most 384)")
+    p.add_argument("--num-prompts", type=int, default=640, help="conversations in the corpus (at most 1152)")
     p.add_argument("--max-tokens", type=int, default=160, help="answer length per conversation")
     p.add_argument("--medusa-heads", type=int, default=4, help="drafts Medusa can propose per step")
     p.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
-    p.add_argument("--medusa-epochs", type=int, default=4, help="passes over the corpus")
+    p.add_argument("--medusa-epochs", type=int, default=5, help="passes over the corpus")
     p.add_argument("--eagle-epochs", type=int, default=8, help="passes over the corpus")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="EAGLE drafts from the N tokens the model's answers use most (0: the whole vocabulary)")
@@ -301,19 +361,25 @@ def run(args) -> int:
         remap = torch.full((loaded.arch.vocab_size,), -100, dtype=torch.long)
         remap[mask] = torch.arange(int(mask.sum()))
         lm_weight, labels = lm_weight[mask], [remap[lab] for lab in labels]
+    # Every tenth conversation is held out: each kind keeps its epoch that predicts those best
+    # (the heads memorise a small corpus quickly; what matters is prompts they never saw).
+    held = set(range(9, len(sequences), 10)) if len(sequences) >= 10 else set()
+    split = lambda items, keep: [x for i, x in enumerate(items) if (i in held) == keep]  # noqa: E731
+    train_set = (split(features, False), split(labels, False), split(sequences, False))
+    held_set = (split(features, True), split(labels, True), split(sequences, True))
     out = Path(args.out)
     kinds = ("medusa", "eagle") if args.kind == "both" else (args.kind,)
     for kind in kinds:
         t2 = time.perf_counter()
         folder = out / kind if args.kind == "both" else out
         if kind == "medusa":
-            heads = train_medusa(features, labels, lm_weight, args.medusa_heads, args.medusa_layers,
-                                 args.medusa_epochs, seed=args.seed)
+            heads = train_medusa(train_set[0], train_set[1], lm_weight, args.medusa_heads, args.medusa_layers,
+                                 args.medusa_epochs, seed=args.seed, held_out=held_set[:2])
             heads.set_draft_vocab(mask)
             save_medusa(heads, folder, str(args.model))
         else:
-            head = train_eagle(features, labels, sequences, loaded, lm_weight, args.eagle_epochs,
-                               args.eagle_intermediate_size, seed=args.seed)
+            head = train_eagle(train_set[0], train_set[1], train_set[2], loaded, lm_weight, args.eagle_epochs,
+                               args.eagle_intermediate_size, seed=args.seed, held_out=held_set)
             head.set_draft_vocab(mask)
             save_eagle(head, folder, loaded.arch, str(args.model))
         _log(f"{kind}: trained in {time.perf_counter() - t2:.0f} s, written to {folder}")
