@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sluice.engine.llm import LLM  # noqa: E402
 from sluice.engine.loaders import load_model  # noqa: E402
 from sluice.engine.sampling_params import SamplingParams  # noqa: E402
+from sluice.engine.spec_decode.config import DEFAULT_MIN_DRAFT_PROB  # noqa: E402
 
 SECTIONS = ("batch1", "concurrent", "sweep")
 TEXT = ("The river rose for three days. On the fourth morning the bridge was under water, the school was "
@@ -84,11 +85,13 @@ def engines(loaded, k: int, heads: Path | None = None, **opts):
         return
     from sluice.engine.spec_decode.heads import load_medusa
 
-    yield "eagle", LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads / "eagle"),
-                       spec_draft_length=k, **opts)
     medusa_k = min(k, load_medusa(heads / "medusa", loaded.arch).num_heads)
-    yield "medusa", LLM(loaded=loaded, speculative_mode="medusa", additional_models=str(heads / "medusa"),
-                        spec_draft_length=medusa_k, **opts)
+    for mode, mode_k in (("eagle", k), ("medusa", medusa_k)):
+        # With the default spec_min_draft_prob (drafts end at the head's first unconfident
+        # token), and with every one of the K drafts proposed (0), to show what the rule buys.
+        for name, min_prob in ((mode, DEFAULT_MIN_DRAFT_PROB), (f"{mode} (all K)", 0.0)):
+            yield name, LLM(loaded=loaded, speculative_mode=mode, additional_models=str(heads / mode),
+                            spec_draft_length=mode_k, spec_min_draft_prob=min_prob, **opts)
 
 
 def heads_folder(args) -> Path | None:

@@ -16,6 +16,11 @@ MAX_DRAFT_LENGTH = 16
 # (sweep, SmolLM2 on 2 CPU cores, K=5): ngram over no drafts 2.55-2.81x at batch 1, 1.48x at 2,
 # 1.29x at 3, 0.95x at 4, 0.76x at 8; forced on at 32 streams 0.50x. See README.
 DEFAULT_MAX_BATCH_SIZE = 3
+# eagle / medusa: a request's draft ends before the first token its head gives less than this
+# probability (EAGLE-2's observation: a head's confidence tracks how often the target agrees), so
+# steps stop paying for drafts that will be rejected. Measured with bench/spec_decode.py (batch1,
+# self-distilled SmolLM2 heads, K=4, 2 CPU cores): see README.
+DEFAULT_MIN_DRAFT_PROB = 0.35
 
 
 @dataclass(frozen=True)
@@ -26,6 +31,7 @@ class SpeculativeConfig:
     spec_ngram_min: int = 1                # ... down to this length
     additional_models: str | None = None   # small_draft: the draft model; eagle/medusa: the heads' folder
     spec_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # drafting stops above this many running requests
+    spec_min_draft_prob: float = DEFAULT_MIN_DRAFT_PROB  # eagle/medusa: drafts end below this head probability
 
     def __post_init__(self) -> None:
         mode = self.speculative_mode
@@ -38,6 +44,12 @@ class SpeculativeConfig:
             raise ValueError(f"spec_ngram_min: must be <= spec_ngram_max ({self.spec_ngram_max}), "
                              f"got {self.spec_ngram_min}")
         _int_in("spec_max_batch_size", self.spec_max_batch_size, 1, 1 << 20)
+        p = self.spec_min_draft_prob
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
+        if self.additional_models is not None and not isinstance(self.additional_models, str):
+            raise ValueError("additional_models: must be one path (a string), got "
+                             f"{type(self.additional_models).__name__} {self.additional_models!r}")
         if mode in NEEDS_MODEL and not self.additional_models:
             raise ValueError(f"additional_models: speculative_mode {mode} needs {NEEDS_MODEL[mode]} "
                              "(--additional-models PATH)")

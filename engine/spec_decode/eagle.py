@@ -30,15 +30,18 @@ import torch
 from sluice.engine.request import Request
 from sluice.engine.sampler import GeneratorCache
 from sluice.engine.spec_decode.heads import DraftLMHead, EagleCache, EagleHead
-from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
+from sluice.engine.spec_decode.proposer import Draft, draft_prob, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
 
 
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0) -> None:
+    def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0,
+                 min_prob: float = 0.0) -> None:
         self.head = head
+        self.min_prob = min_prob            # a draft ends before a token the head gives less
+        head.pack_for_serving()
         self.target = target
         self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
         self.vocab_size = vocab_size
@@ -98,13 +101,17 @@ class EagleProposer:
                 h = got[1][None]
                 drafts, probs = [], []
                 for j in range(room):
-                    tokens, dists = draw(self._lm(h), [SampleRow(req, tuple(drafts))],
+                    logits = self._lm(h)
+                    tokens, dists = draw(logits, [SampleRow(req, tuple(drafts))],
                                          self.generators, self.vocab_size, self.device)
+                    if draft_prob(logits[0], tokens[0], dists[0]) < self.min_prob:
+                        break
                     drafts.append(tokens[0])
                     if dists[0] is not None:
                         probs.append(dists[0])
                     if j + 1 < room:
                         e = self.target.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
                         h = self.head(e, h, [n - 1 + j], cache)
-                out[rid] = Draft(drafts, torch.stack(probs) if probs else None)
+                if drafts:
+                    out[rid] = Draft(drafts, torch.stack(probs) if probs else None)
         return out

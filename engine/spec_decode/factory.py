@@ -67,7 +67,8 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
         # cache, the row behind each request's last token for Medusa. Off in the other modes.
         runner.capture = "all" if mode == "eagle" else "last"
         cls = EagleProposer if mode == "eagle" else MedusaProposer
-        proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed)
+        proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
+                       min_prob=config.spec_min_draft_prob)
     else:   # SpeculativeConfig refuses every other mode
         raise ValueError(f"speculative_mode: {config.speculative_mode!r} has no proposer")
     return SpecDecoder(config, proposer, runner.draft_probs)

@@ -183,6 +183,9 @@ class EagleCache:
         return self.k[:n + t], self.v[:n + t]
 
 
+_EAGLE_LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 class EagleHead(_DraftVocab):
     """EAGLE-1's draft layer over the target's embedding and hidden states."""
 
@@ -209,29 +212,56 @@ class EagleHead(_DraftVocab):
         w = self.fc.weight
         return EagleCache(self.num_kv_heads, self.head_dim, w.dtype, w.device, capacity)
 
+    _packed: dict | None = None     # name -> (oneDNN-packed weight, bias): see pack_for_serving
+
+    def pack_for_serving(self) -> bool:
+        """On CPU in float32, keep oneDNN-packed copies of the eight projections for drafting
+        (the target's projections use the same layout): MKL's small-row products behind
+        ``nn.Linear`` stream a weight at about a third of the bandwidth. Training keeps using the
+        ``nn.Linear`` weights, which stay as they are. False when nothing was packed."""
+        from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight
+
+        w = self.fc.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_packing_available():
+            return False
+        with torch.no_grad():
+            self._packed = {name: (pack_cpu_weight(lin.weight.detach().contiguous()),
+                                   None if lin.bias is None else lin.bias.detach())
+                            for name in _EAGLE_LINEARS for lin in [getattr(self, name)]}
+        return True
+
+    def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None:
+            return getattr(self, name)(x)
+        from sluice.engine.models.llama import packed_linear
+
+        weight, bias = self._packed[name]
+        return packed_linear(x, weight, bias)
+
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
                 cache: EagleCache | None = None) -> torch.Tensor:
         """One sequence's pairs (``embed(x_{i+1})``, ``h_i``) at ``positions`` [T], each [T, H] →
         predicted hidden states [T, H] (of positions + 1). With a ``cache`` the pairs attend to its
         entries too and are added to it; without one, only to each other (causally): training."""
-        x = self.fc(torch.cat((embeds, hidden), dim=-1))
+        x = self._lin("fc", torch.cat((embeds, hidden), dim=-1))
         t = x.shape[0]
         a = x if self.input_layernorm is None else self.input_layernorm(x)
         pos = torch.tensor(positions, dtype=torch.long, device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
-        q = apply_rotary(self.q_proj(a).reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(a).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(a).reshape(t, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(self._lin("q_proj", a).reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(self._lin("k_proj", a).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = self._lin("v_proj", a).reshape(t, self.num_kv_heads, self.head_dim)
         before = 0 if cache is None else len(cache)
         if cache is not None:
             k, v = cache.append(k, v, positions)
-        # New pair i sees every earlier entry and the new ones up to itself.
-        mask = torch.ones(t, before + t, dtype=torch.bool, device=x.device).tril(before)
+        # New pair i sees every earlier entry and the new ones up to itself. One new pair (each
+        # drafting step) sees everything: no mask, which also keeps SDPA on its fast CPU path.
+        mask = None if t == 1 else torch.ones(t, before + t, dtype=torch.bool, device=x.device).tril(before)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=mask, scale=self.scale, enable_gqa=True)
-        x = x + self.o_proj(out.transpose(0, 1).reshape(t, -1))
+        x = x + self._lin("o_proj", out.transpose(0, 1).reshape(t, -1))
         m = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        return x + self._lin("down_proj", F.silu(self._lin("gate_proj", m)) * self._lin("up_proj", m))
 
     def public_state_dict(self) -> dict[str, torch.Tensor]:
         """SafeAILab's EAGLE-1 key layout."""

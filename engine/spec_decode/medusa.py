@@ -18,15 +18,17 @@ import torch
 from sluice.engine.request import Request
 from sluice.engine.sampler import GeneratorCache
 from sluice.engine.spec_decode.heads import DraftLMHead, MedusaHeads
-from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
+from sluice.engine.spec_decode.proposer import Draft, draft_prob, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
 
 
 class MedusaProposer:
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0) -> None:
+    def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0,
+                 min_prob: float = 0.0) -> None:
         self.heads = heads
+        self.min_prob = min_prob            # a draft ends before a token its head gives less
         self.target = target
         self.captured = captured           # the runner's: request id -> (position, hidden [H])
         self.vocab_size = vocab_size
@@ -56,13 +58,19 @@ class MedusaProposer:
             logits = self.heads.logits(torch.stack(hidden), self._lm)   # [B, heads, V]
             drafts = {req.request_id: [] for req, _ in work}
             probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in work}
+            ended: set[int] = set()      # requests whose draft ended at a low-probability token
             for j in range(max(room for _, room in work)):
-                live = [i for i, (_, room) in enumerate(work) if room > j]
+                live = [i for i, (_, room) in enumerate(work) if room > j and i not in ended]
+                if not live:
+                    break
                 rows = [SampleRow(work[i][0], tuple(drafts[work[i][0].request_id])) for i in live]
                 tokens, dists = draw(logits[live, j], rows, self.generators, self.vocab_size, self.device)
                 for i, tok, q in zip(live, tokens, dists):
+                    if draft_prob(logits[i, j], tok, q) < self.min_prob:
+                        ended.add(i)
+                        continue
                     rid = work[i][0].request_id
                     drafts[rid].append(tok)
                     if q is not None:
                         probs[rid].append(q)
-        return {rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items()}
+        return {rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items() if d}

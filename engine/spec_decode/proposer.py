@@ -47,6 +47,14 @@ def draft_room(req: Request, k: int) -> int:
     return max(0, min(k, req.max_output_tokens - req.num_output_tokens - 1))
 
 
+def draft_prob(logits: torch.Tensor, token: int, dist: torch.Tensor | None) -> float:
+    """The probability the drafter gave its draft ``token``: from the distribution it was drawn
+    from, or for a greedy (argmax) draft from the softmax of its logits [V]."""
+    if dist is not None:
+        return float(dist[token])
+    return float(torch.softmax(logits.float(), dim=-1)[token])
+
+
 def draw(logits: torch.Tensor, rows: list, generators: GeneratorCache, vocab_size: int,
          device) -> tuple[list[int], list[torch.Tensor | None]]:
     """A draft token per logit row [len(rows), V] (``rows``: ``SampleRow``s, the drafts before

@@ -135,8 +135,10 @@ def heads_folders(tmp_path_factory):
 
 
 def _spec(tiny, mode: str, heads_folders, **kw) -> LLM:
+    # Every draft proposed (spec_min_draft_prob=0): random heads are seldom confident, and these
+    # tests are about verification; the stopping rule has its own test.
     return LLM(loaded=tiny, speculative_mode=mode, additional_models=str(heads_folders[mode]),
-               **(OPTS | dict(spec_max_batch_size=8) | kw))
+               **(OPTS | dict(spec_max_batch_size=8, spec_min_draft_prob=0.0) | kw))
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -486,7 +488,7 @@ def _echo_heads(mode: str):
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
 def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preemptions(tiny, mode):
     llm = LLM(loaded=tiny, speculative_mode=mode, additional_models="in-memory", heads=_echo_heads(mode),
-              spec_max_batch_size=8, **(OPTS | dict(max_total_tokens=96)))
+              spec_max_batch_size=8, spec_min_draft_prob=0.0, **(OPTS | dict(max_total_tokens=96)))
     proposer = llm.engine.spec.proposer
     seen = {"drafts": 0, "preempted": 0}
     inner_propose, inner_observe = proposer.propose, proposer.observe
@@ -513,3 +515,59 @@ def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preempt
     got = llm.generate(prompts, sp)
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in ref.generate(prompts, sp)]
     assert llm.engine.scheduler.num_preemptions > 0 and seen["preempted"] > 0 and seen["drafts"] > 20
+
+
+# ---- drafts end at the head's first unconfident token ---------------------------------------------
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_a_draft_ends_before_the_first_token_its_head_gives_less_than_min_prob(base, tiny, heads_folders,
+                                                                             mode, monkeypatch):
+    """One request at a time, so each propose() draws one request's drafts in order: the draft
+    keeps exactly the leading tokens whose probability is at least the threshold, and ends at the
+    first one under it. Output stays identical to no speculation."""
+    import sluice.engine.spec_decode.eagle as eagle_mod
+    import sluice.engine.spec_decode.medusa as medusa_mod
+    from sluice.engine.spec_decode.proposer import draft_prob
+
+    mod = eagle_mod if mode == "eagle" else medusa_mod
+    sp = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logit_bias={7: 3.0})
+    # The threshold: the median probability the heads give their drafts here, so that drafts
+    # end early in some steps and run to K in others.
+    seen: list[float] = []
+    monkeypatch.setattr(mod, "draft_prob", lambda *a: seen.append(draft_prob(*a)) or seen[-1])
+    _spec(tiny, mode, heads_folders).generate([prompt(9)], sp)
+    threshold = sorted(seen)[len(seen) // 2]
+
+    calls: list[tuple[list[float], int]] = []
+    llm = _spec(tiny, mode, heads_folders, spec_min_draft_prob=threshold)
+    proposer = llm.engine.spec.proposer
+    real = proposer.propose
+
+    def propose(requests, k):
+        seen.clear()
+        out = real(requests, k)
+        calls.append((list(seen), sum(len(d.token_ids) for d in out.values())))
+        return out
+
+    monkeypatch.setattr(proposer, "propose", propose)
+    got = llm.generate([prompt(9)], sp)
+    _assert_same(got, base.generate([prompt(9)], sp))
+    lengths = []
+    for probs, kept in calls:
+        if not probs:
+            continue
+        assert all(p >= threshold for p in probs[:kept]), (probs, kept)
+        assert kept == len(probs) or (kept == len(probs) - 1 and probs[-1] < threshold), (probs, kept)
+        lengths.append(kept)
+    k = llm.engine.config.speculative.spec_draft_length
+    assert 0 in lengths and any(n > 0 for n in lengths), lengths        # cut at once, and not
+    assert any(0 < n < k for n in lengths) or k in lengths, lengths
+
+
+def test_min_draft_prob_is_checked_before_anything_loads():
+    from sluice.engine.spec_decode.config import SpeculativeConfig
+
+    for bad in (-0.1, 1.0, "0.5", True):
+        with pytest.raises(ValueError, match="spec_min_draft_prob: must be a number in \\[0, 1\\)"):
+            SpeculativeConfig(speculative_mode="eagle", additional_models="heads", spec_min_draft_prob=bad)
+    with pytest.raises(ValueError, match="additional_models: must be one path"):
+        SpeculativeConfig(speculative_mode="eagle", additional_models=["a", "b"])
