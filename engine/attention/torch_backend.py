@@ -1,10 +1,11 @@
 """The torch attention backend: the CPU default and the reference the Triton kernels are held to.
 
 Per layer: scatter this step's K/V into the paged cache by slot, then attend. Decode rows (one
-query token), and the tokens of short queries over a longer context (speculative verification),
-are batched into a single masked SDPA over their gathered blocks; rows with longer queries
-(prefill, chunked prefill, prefix-hit chunks) run one SDPA each, with a causal mask offset by the
-tokens already in the cache.
+query token) are batched into a single masked SDPA over their gathered blocks. A short query over
+a longer context (speculative verification: K + 1 tokens) gathers its sequence once and attends
+with two batched matmuls and a softmax (``_short``). Rows with longer queries (prefill, chunked
+prefill, prefix-hit chunks) run one SDPA each, with a causal mask offset by the tokens already in
+the cache.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
 
 
-# Queries of up to this many tokens over a longer context attend as decode rows (see forward).
+# Queries of up to this many tokens over a longer context attend through _short (see forward).
 _SHORT_QUERY = 16
 
 
@@ -41,35 +42,57 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.is_pure_decode:
             return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(query)
-        # Decode rows, and each token of a short query over a longer context (speculative
-        # verification: K + 1 tokens), go through one batched decode: a verifying token is a
-        # decode row that sees the context up to itself. Per-layer SDPA calls with their own
-        # gathers and masks cost ~3x that for 5-token queries on CPU.
-        q_rows, tables, lens, skip, start = [], [], [], set(), 0
-        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len == 1 or q_len <= _SHORT_QUERY < seq_len:
-                q_rows.extend(range(start, start + q_len))
-                tables.extend([i] * q_len)
-                lens.extend(range(seq_len - q_len + 1, seq_len + 1))
-                skip.add(i)
+        decode_rows, decode_seqs, start = [], [], 0
+        for i, q_len in enumerate(meta.query_lens_cpu):
+            if q_len == 1:
+                decode_rows.append(start)
+                decode_seqs.append(i)
             start += q_len
-        if len(q_rows) > 1 or (q_rows and meta.query_lens_cpu[tables[0]] > 1):
+        if decode_rows:
             dev = query.device
-            q_idx = torch.tensor(q_rows, dtype=torch.long, device=dev)
-            out[q_idx] = self._decode(
-                query[q_idx], kv_cache, meta.block_tables[torch.tensor(tables, dtype=torch.long, device=dev)],
-                torch.tensor(lens, dtype=torch.int32, device=dev), max(lens), scale,
-            )
-        else:
-            skip = set()
+            rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
+            seqs = torch.tensor(decode_seqs, dtype=torch.long, device=dev)
+            out[rows] = self._decode(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
+                                     max(meta.seq_lens_cpu[i] for i in decode_seqs), scale)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if i not in skip:
+            if q_len == 1:
+                pass
+            elif q_len <= _SHORT_QUERY < seq_len:
+                out[start:start + q_len] = self._short(query[start:start + q_len], kv_cache, meta.block_tables[i],
+                                                       seq_len, scale)
+            else:
                 out[start:start + q_len] = self._extend(
                     query[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale
                 )
             start += q_len
         return out
+
+    @staticmethod
+    def _short(query, kv_cache: KVCache, block_table, seq_len: int, scale: float):
+        """query [Lq, Hq, D] at positions seq_len-Lq .. seq_len-1 of one sequence, Lq small.
+
+        On CPU a masked SDPA for a few query tokens, or one decode row per token (each with its
+        own gather of the sequence), cost 3-4x this for 5 tokens over 300 (bench figures in
+        the README): the sequence is gathered once, the query heads of each KV head are stacked
+        as rows of one matmul, and the causal mask is an additive bias."""
+        key_cache, value_cache = kv_cache
+        q_len, num_heads, head_dim = query.shape
+        num_kv = key_cache.shape[2]
+        group = num_heads // num_kv
+        k = gather_kv(key_cache, block_table, seq_len)                       # [L, Hkv, D]
+        v = gather_kv(value_cache, block_table, seq_len)
+        # [Hkv, group * Lq, D]: row g * Lq + j is query head (kv * group + g) at token j.
+        q = query.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
+        k_pos = torch.arange(seq_len, device=query.device)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        bias = torch.zeros(q_len, seq_len, dtype=torch.float32, device=query.device)
+        bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        scores = torch.baddbmm(bias.repeat(group, 1).expand(num_kv, -1, -1), q.float(),
+                               k.float().permute(1, 2, 0), alpha=scale)     # [Hkv, group * Lq, L]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        out = torch.bmm(probs, v.transpose(0, 1))                            # [Hkv, group * Lq, D]
+        return out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
 
     @staticmethod
     def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):

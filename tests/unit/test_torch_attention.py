@@ -1,8 +1,8 @@
 """The torch attention backend over a paged cache equals plain causal attention on dense K/V.
 
 Each case scatters random sequences into shuffled blocks, runs one varlen step (prefill, chunk
-after cached context, decode, and short queries over a longer context, which attend as decode
-rows: speculative verification) and compares every sequence with its dense reference.
+after cached context, decode, and short queries over a longer context, which take their own
+path: speculative verification) and compares every sequence with its dense reference.
 """
 from __future__ import annotations
 
