@@ -243,25 +243,45 @@ class EagleHead(_DraftVocab):
         """One sequence's pairs (``embed(x_{i+1})``, ``h_i``) at ``positions`` [T], each [T, H] →
         predicted hidden states [T, H] (of positions + 1). With a ``cache`` the pairs attend to its
         entries too and are added to it; without one, only to each other (causally): training."""
+        return self.forward_many([(embeds, hidden, positions, cache)])[0]
+
+    def forward_many(self, items: list[tuple[torch.Tensor, torch.Tensor, list[int], EagleCache | None]]
+                     ) -> list[torch.Tensor]:
+        """``forward`` for several sequences at once: the projections run once over all their
+        rows (one product per weight, not one per sequence), attention per sequence."""
+        sizes = [len(positions) for _e, _h, positions, _c in items]
+        embeds = torch.cat([e for e, _h, _p, _c in items])
+        hidden = torch.cat([h for _e, h, _p, _c in items])
         x = self._lin("fc", torch.cat((embeds, hidden), dim=-1))
         t = x.shape[0]
         a = x if self.input_layernorm is None else self.input_layernorm(x)
-        pos = torch.tensor(positions, dtype=torch.long, device=x.device)
+        pos = torch.tensor([p for _e, _h, positions, _c in items for p in positions], dtype=torch.long,
+                           device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = apply_rotary(self._lin("q_proj", a).reshape(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(self._lin("k_proj", a).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self._lin("v_proj", a).reshape(t, self.num_kv_heads, self.head_dim)
+        attended, start = [], 0
+        for (_e, _h, positions, cache), n in zip(items, sizes):
+            attended.append(self._attend(q[start:start + n], k[start:start + n], v[start:start + n], positions, cache))
+            start += n
+        x = x + self._lin("o_proj", torch.cat(attended))
+        m = self.post_attention_layernorm(x)
+        out = x + self._lin("down_proj", F.silu(self._lin("gate_proj", m)) * self._lin("up_proj", m))
+        return list(out.split(sizes))
+
+    def _attend(self, q, k, v, positions: list[int], cache: EagleCache | None) -> torch.Tensor:
+        """One sequence's new rows q/k/v [T, heads, D] → [T, heads * D]."""
+        t = q.shape[0]
         before = 0 if cache is None else len(cache)
         if cache is not None:
             k, v = cache.append(k, v, positions)
         # New pair i sees every earlier entry and the new ones up to itself. One new pair (each
         # drafting step) sees everything: no mask, which also keeps SDPA on its fast CPU path.
-        mask = None if t == 1 else torch.ones(t, before + t, dtype=torch.bool, device=x.device).tril(before)
+        mask = None if t == 1 else torch.ones(t, before + t, dtype=torch.bool, device=q.device).tril(before)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              attn_mask=mask, scale=self.scale, enable_gqa=True)
-        x = x + self._lin("o_proj", out.transpose(0, 1).reshape(t, -1))
-        m = self.post_attention_layernorm(x)
-        return x + self._lin("down_proj", F.silu(self._lin("gate_proj", m)) * self._lin("up_proj", m))
+        return out.transpose(0, 1).reshape(t, -1)
 
     def public_state_dict(self) -> dict[str, torch.Tensor]:
         """SafeAILab's EAGLE-1 key layout."""

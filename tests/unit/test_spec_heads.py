@@ -571,3 +571,43 @@ def test_min_draft_prob_is_checked_before_anything_loads():
             SpeculativeConfig(speculative_mode="eagle", additional_models="heads", spec_min_draft_prob=bad)
     with pytest.raises(ValueError, match="additional_models: must be one path"):
         SpeculativeConfig(speculative_mode="eagle", additional_models=["a", "b"])
+
+
+def test_eagle_head_over_several_sequences_at_once_equals_one_at_a_time(tiny):
+    """observe() runs the head once over every request's new pairs: each sequence must come out
+    as if it ran alone, against its own cache (different lengths, positions and cache contents)."""
+    from sluice.engine.spec_decode.heads import eagle_config
+
+    torch.manual_seed(0)
+    head = EagleHead(ModelArchConfig.from_hf_config(eagle_config(tiny.arch)))
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.copy_(torch.randn(prm.shape) * 0.2)
+    head.pack_for_serving()
+    seqs = [(3, 0), (1, 7), (5, 2)]          # (new pairs, entries already in the cache)
+
+    def fresh_caches():
+        caches = []
+        for _n, cached in seqs:
+            cache = head.new_cache(4)        # small: the appends below also grow it
+            if cached:
+                g = torch.Generator().manual_seed(cached)
+                kv = torch.randn(cached, head.num_kv_heads, head.head_dim, generator=g)
+                cache.append(kv, -kv, list(range(cached)))
+            caches.append(cache)
+        return caches
+
+    items = []
+    for i, (n, cached) in enumerate(seqs):
+        g = torch.Generator().manual_seed(100 + i)
+        items.append((torch.randn(n, HIDDEN, generator=g), torch.randn(n, HIDDEN, generator=g),
+                      list(range(cached, cached + n))))
+    alone_caches, many_caches = fresh_caches(), fresh_caches()
+    with torch.inference_mode():
+        alone = [head(e, h, p, c) for (e, h, p), c in zip(items, alone_caches)]
+        many = head.forward_many([(e, h, p, c) for (e, h, p), c in zip(items, many_caches)])
+    for a, b, ca, cb in zip(alone, many, alone_caches, many_caches):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert ca.positions == cb.positions
+        torch.testing.assert_close(cb.k[:len(cb)], ca.k[:len(ca)])
+        torch.testing.assert_close(cb.v[:len(cb)], ca.v[:len(ca)])
