@@ -152,6 +152,13 @@ def concurrent(loaded, args) -> list[dict]:
     configs = [("disable", {}), ("ngram", dict(speculative_mode="ngram", spec_draft_length=args.k)),
                ("ngram, drafting forced on", dict(speculative_mode="ngram", spec_draft_length=args.k,
                                                   spec_max_batch_size=args.streams))]
+    heads = heads_folder(args)
+    if heads is not None:   # above spec_max_batch_size: no drafts, but EAGLE still follows every request
+        from sluice.engine.spec_decode.heads import load_medusa
+
+        medusa_k = min(args.k, load_medusa(heads / "medusa", loaded.arch).num_heads)
+        configs += [(mode, dict(speculative_mode=mode, additional_models=str(heads / mode), spec_draft_length=k))
+                    for mode, k in (("eagle", args.k), ("medusa", medusa_k))]
     for name, kw in configs:
         llm = LLM(loaded=loaded, **opts, **kw)
         texts = chat_prompts(llm, prompts[:args.streams])
