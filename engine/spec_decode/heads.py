@@ -250,25 +250,62 @@ class EagleHead(_DraftVocab):
         """``forward`` for several sequences at once: the projections run once over all their
         rows (one product per weight, not one per sequence), attention per sequence."""
         sizes = [len(positions) for _e, _h, positions, _c in items]
-        embeds = torch.cat([e for e, _h, _p, _c in items])
-        hidden = torch.cat([h for _e, h, _p, _c in items])
+
+        def attend(q, k, v):
+            attended, start = [], 0
+            for (_e, _h, positions, cache), n in zip(items, sizes):
+                sl = slice(start, start + n)
+                attended.append(self._attend(q[sl], k[sl], v[sl], positions, cache))
+                start += n
+            return torch.cat(attended)
+
+        out = self._layer(torch.cat([e for e, _h, _p, _c in items]), torch.cat([h for _e, h, _p, _c in items]),
+                          [p for _e, _h, positions, _c in items for p in positions], attend)
+        return list(out.split(sizes))
+
+    def forward_next_drafts(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
+                            context: tuple[torch.Tensor, torch.Tensor, list[int]]) -> torch.Tensor:
+        """Training with the head fed its own outputs (as every draft after the first is at
+        serving): row j, a pair at ``positions[j]`` whose hidden state the head predicted, sees
+        the ``context`` entries (keys, values [C, Hkv, D] and their positions) before its position
+        and itself, not the other rows: each row is a separate request's next draft."""
+        ctx_k, ctx_v, ctx_pos = context
+        dev = embeds.device
+        pos = torch.tensor(positions, device=dev)
+        seen = torch.cat((torch.tensor(ctx_pos, device=dev)[None, :] < pos[:, None],
+                          torch.eye(len(positions), dtype=torch.bool, device=dev)), dim=1)    # [T, C + T]
+
+        def attend(q, k, v):
+            k, v = torch.cat((ctx_k, k)), torch.cat((ctx_v, v))
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                                 attn_mask=seen, scale=self.scale, enable_gqa=True)
+            return out.transpose(0, 1).reshape(q.shape[0], -1)
+
+        return self._layer(embeds, hidden, positions, attend)
+
+    def keys_values(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values [T, Hkv, D] pairs at ``positions`` put in a cache."""
+        _x, _q, k, v = self._qkv(embeds, hidden, positions)
+        return k, v
+
+    def _qkv(self, embeds, hidden, positions: list[int]):
         x = self._lin("fc", torch.cat((embeds, hidden), dim=-1))
         t = x.shape[0]
         a = x if self.input_layernorm is None else self.input_layernorm(x)
-        pos = torch.tensor([p for _e, _h, positions, _c in items for p in positions], dtype=torch.long,
-                           device=x.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
         q = apply_rotary(self._lin("q_proj", a).reshape(t, self.num_heads, self.head_dim), cos, sin)
         k = apply_rotary(self._lin("k_proj", a).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self._lin("v_proj", a).reshape(t, self.num_kv_heads, self.head_dim)
-        attended, start = [], 0
-        for (_e, _h, positions, cache), n in zip(items, sizes):
-            attended.append(self._attend(q[start:start + n], k[start:start + n], v[start:start + n], positions, cache))
-            start += n
-        x = x + self._lin("o_proj", torch.cat(attended))
+        return x, q, k, v
+
+    def _layer(self, embeds, hidden, positions: list[int], attend) -> torch.Tensor:
+        """The decoder layer over pairs [T, H] each; ``attend(q, k, v)`` -> [T, heads * D]."""
+        x, q, k, v = self._qkv(embeds, hidden, positions)
+        x = x + self._lin("o_proj", attend(q, k, v))
         m = self.post_attention_layernorm(x)
-        out = x + self._lin("down_proj", F.silu(self._lin("gate_proj", m)) * self._lin("up_proj", m))
-        return list(out.split(sizes))
+        return x + self._lin("down_proj", F.silu(self._lin("gate_proj", m)) * self._lin("up_proj", m))
 
     def _attend(self, q, k, v, positions: list[int], cache: EagleCache | None) -> torch.Tensor:
         """One sequence's new rows q/k/v [T, heads, D] → [T, heads * D]."""

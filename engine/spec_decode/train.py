@@ -14,7 +14,8 @@ model itself, on CPU:
    - Medusa head ``k`` on ``h_t`` learns ``y_{t+1+k}`` (cross-entropy, weight 0.8^k);
    - EAGLE's layer on the pairs (``embed(x_{i+1})``, ``h_i + noise``) learns ``h_{i+1}``
      (smooth L1) and ``y_{i+1}`` through the LM head (cross-entropy, weight 0.1), teacher-forced
-     over whole conversations.
+     over whole conversations; and, with the same losses, as a second draft: fed its own
+     prediction of ``h_{i+1}`` it learns ``h_{i+2}`` and ``y_{i+2}``, as it is used at serving.
    Both draft from a draft vocabulary (``--draft-vocab``, the tokens the target chose most), so
    their cross-entropies run over it alone: six times less LM head for SmolLM2.
 4. The heads are written in the public layouts ``spec_decode.heads`` reads.
@@ -217,22 +218,42 @@ def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, e
     return heads.eval()
 
 
-def _eagle_accuracy(head, features, labels, sequences, loaded, lm_weight) -> float:
-    """Teacher-forced top-1 of the first draft (y_{i+1} from the pair at i) on whole conversations."""
-    ok = n = 0
+def _eagle_accuracy(head, features, labels, sequences, loaded, lm_weight) -> tuple[float, float]:
+    """Top-1 on whole conversations of the first draft (y_{i+1} from the pair at i, teacher-forced)
+    and of the second (y_{i+2} from the head fed its own first prediction, ``_second_drafts``)."""
+    ok = [0, 0]
+    n = [0, 0]
     with torch.no_grad():
         for seq, f, lab in zip(sequences, features, labels):
             t = len(seq) - 1
-            pred = head(loaded.model.embed(torch.tensor(seq[1:])).float(), f[:t], list(range(t)))
-            target = lab[1:t + 1]
-            ok += int((F.linear(pred, lm_weight).argmax(-1) == target).sum())
-            n += int((target >= 0).sum())
-    return ok / max(1, n)
+            embeds = loaded.model.embed(torch.tensor(seq[1:])).float()
+            pred = head(embeds, f[:t], list(range(t)))
+            steps = [(pred, lab[1:t + 1])]
+            if t > 1:
+                steps.append((_second_drafts(head, embeds, f[:t], pred), lab[2:t + 1]))
+            for j, (p, target) in enumerate(steps):
+                ok[j] += int((F.linear(p, lm_weight).argmax(-1) == target).sum())
+                n[j] += int((target >= 0).sum())
+    return ok[0] / max(1, n[0]), ok[1] / max(1, n[1])
+
+
+def _second_drafts(head, embeds: torch.Tensor, inputs: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    """For every position p >= 1 of a conversation, what a second draft would be at serving:
+    the pair (embed(x_{p+1}), the head's own prediction of h_p), attending to the first pass's
+    entries before p and to itself. [t, H] pass-1 rows in -> [t - 1, H] predictions of h_{p+1}."""
+    t = pred.shape[0]
+    k, v = head.keys_values(embeds, inputs, list(range(t)))
+    return head.forward_next_drafts(embeds[1:t], pred[:t - 1], list(range(1, t)), (k, v, list(range(t))))
 
 
 def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, intermediate_size: int | None,
-                tokens_per_step: int = 512, lr: float = 1e-3, noise: float = 0.1, seed: int = 0, held_out=None):
-    """``held_out``: (features, labels, sequences) kept out of training; the best epoch on them is returned."""
+                tokens_per_step: int = 512, lr: float = 1e-3, noise: float = 0.1, seed: int = 0, held_out=None,
+                second_draft: bool = True):
+    """``held_out``: (features, labels, sequences) kept out of training; the best epoch on them
+    (by first- plus second-draft top-1) is returned. ``second_draft``: also train every position
+    as a second draft, the head fed its own first prediction (``_second_drafts``), with the same
+    losses; serving feeds the head its own outputs from the second draft on, and a head trained
+    only teacher-forced drifts there (its second draft was accepted 7% of the time on SmolLM2)."""
     from sluice.engine.models.config import ModelArchConfig
     from sluice.engine.spec_decode.heads import EagleHead, eagle_config
 
@@ -269,7 +290,13 @@ def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, int
             logits = F.linear(pred, lm_weight)
             target = lab[1:t + 1]
             cls = F.cross_entropy(logits, target, reduction="sum", ignore_index=-100)
-            ((reg + 0.1 * cls) / tokens_per_step).backward()
+            loss = reg + 0.1 * cls
+            if second_draft and t > 1:
+                pred2 = _second_drafts(head, embeds, inp, pred)
+                reg2 = F.smooth_l1_loss(pred2, f[2:t + 1], reduction="sum") / f.shape[1]
+                cls2 = F.cross_entropy(F.linear(pred2, lm_weight), lab[2:t + 1], reduction="sum", ignore_index=-100)
+                loss = loss + reg2 + 0.1 * cls2
+            (loss / tokens_per_step).backward()
             pending += t
             with torch.no_grad():
                 sums["reg"] += float(reg)
@@ -289,10 +316,10 @@ def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, int
         msg = (f"eagle epoch {epoch + 1}/{epochs}: smooth-L1 {sums['reg'] / m:.4f}, CE {sums['cls'] / v:.3f}, "
                f"top-1 {sums['acc'] / v:.2f}")
         if held_out and held_out[0]:
-            acc = _eagle_accuracy(head, *held_out, loaded, lm_weight)
-            msg += f", held out {acc:.2f}"
-            if acc > best[0]:
-                best = (acc, {k: t.clone() for k, t in head.state_dict().items()})
+            acc1, acc2 = _eagle_accuracy(head, *held_out, loaded, lm_weight)
+            msg += f", held out {acc1:.2f} (second draft {acc2:.2f})"
+            if acc1 + acc2 > best[0]:
+                best = (acc1 + acc2, {k: t.clone() for k, t in head.state_dict().items()})
         _log(msg)
     if best[1] is not None:
         head.load_state_dict(best[1])
@@ -311,6 +338,8 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
     p.add_argument("--medusa-epochs", type=int, default=5, help="passes over the corpus")
     p.add_argument("--eagle-epochs", type=int, default=8, help="passes over the corpus")
+    p.add_argument("--eagle-first-draft-only", action="store_true",
+                   help="train EAGLE teacher-forced only (not also as a second draft fed its own prediction)")
     p.add_argument("--draft-vocab", type=int, default=8192,
                    help="EAGLE drafts from the N tokens the model's answers use most (0: the whole vocabulary)")
     p.add_argument("--eagle-intermediate-size", type=int, default=None,
@@ -379,7 +408,8 @@ def run(args) -> int:
             save_medusa(heads, folder, str(args.model))
         else:
             head = train_eagle(train_set[0], train_set[1], train_set[2], loaded, lm_weight, args.eagle_epochs,
-                               args.eagle_intermediate_size, seed=args.seed, held_out=held_set)
+                               args.eagle_intermediate_size, seed=args.seed, held_out=held_set,
+                               second_draft=not args.eagle_first_draft_only)
             head.set_draft_vocab(mask)
             save_eagle(head, folder, loaded.arch, str(args.model))
         _log(f"{kind}: trained in {time.perf_counter() - t2:.0f} s, written to {folder}")

@@ -611,3 +611,28 @@ def test_eagle_head_over_several_sequences_at_once_equals_one_at_a_time(tiny):
         assert ca.positions == cb.positions
         torch.testing.assert_close(cb.k[:len(cb)], ca.k[:len(ca)])
         torch.testing.assert_close(cb.v[:len(cb)], ca.v[:len(ca)])
+
+
+def test_training_second_drafts_are_what_serving_drafts_second(tiny):
+    """train-heads' second-draft pass (all positions at once) gives, at each position p, what
+    serving computes for a second draft there: the cache filled with pairs 0..p-1, the head's
+    output at p-1 fed back as the hidden state of the pair at p."""
+    from sluice.engine.spec_decode.heads import eagle_config
+    from sluice.engine.spec_decode.train import _second_drafts
+
+    torch.manual_seed(1)
+    head = EagleHead(ModelArchConfig.from_hf_config(eagle_config(tiny.arch)))
+    with torch.no_grad():
+        for prm in head.parameters():
+            prm.copy_(torch.randn(prm.shape) * 0.2)
+    t = 7
+    embeds, inputs = torch.randn(t, HIDDEN), torch.randn(t, HIDDEN)
+    with torch.inference_mode():
+        pred = head(embeds, inputs, list(range(t)))
+        second = _second_drafts(head, embeds, inputs, pred)                 # [t - 1, H]: positions 1..t-1
+        assert second.shape == (t - 1, HIDDEN)
+        for p in range(1, t):
+            cache = head.new_cache()
+            first = head(embeds[:p], inputs[:p], list(range(p)), cache)[-1]   # the head's h_p
+            want = head(embeds[p:p + 1], first[None], [p], cache)[0]
+            torch.testing.assert_close(second[p - 1], want, rtol=1e-4, atol=1e-4)
