@@ -20,7 +20,7 @@ model itself, on CPU:
    their cross-entropies run over it alone: six times less LM head for SmolLM2.
 4. The heads are written in the public layouts ``spec_decode.heads`` reads.
 
-Every stage prints its time; the defaults fit SmolLM2-135M on 2 cores in about half an hour.
+Every stage prints its time; the defaults take SmolLM2-135M about 35 minutes on 2 cores.
 """
 from __future__ import annotations
 
