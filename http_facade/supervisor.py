@@ -35,6 +35,8 @@ from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
 log = logging.getLogger("sluice.serve")
 
 _POLL_S = 0.2
+_PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                  ("grpc.max_reconnect_backoff_ms", 500)]
 _FACADE_START_S = 60.0
 
 
@@ -79,6 +81,7 @@ class Supervisor:
         self.stopping = False
         self.engine: subprocess.Popen | None = None
         self.facade: subprocess.Popen | None = None
+        self._probe: grpc.Channel | None = None       # the engine health probe's channel
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stopping = True
@@ -98,8 +101,11 @@ class Supervisor:
 
     def _run(self) -> int:
         self.engine = self._spawn(self.plan.engine_cmd)
-        if not self._wait(self._engine_serving, self.plan.ready_timeout_s, "the engine to load"):
-            return 0 if self.stopping else 1
+        try:
+            if not self._wait(self._engine_serving, self.plan.ready_timeout_s, "the engine to load"):
+                return 0 if self.stopping else 1
+        finally:
+            self._close_probe()
         self.facade = self._spawn(self.plan.facade_cmd, self.plan.facade_env)
         if not self._wait(self._facade_healthy, _FACADE_START_S, "the facade to listen"):
             return 0 if self.stopping else 1
@@ -132,12 +138,23 @@ class Supervisor:
         return False
 
     def _engine_serving(self) -> bool:
+        # One channel for the whole wait, with a short reconnect backoff (the engine listens
+        # within a second or two of starting), instead of a new channel per poll: each channel
+        # set-up puts work on gRPC core's executor, whose thread start-up can abort the process
+        # (grpc/grpc#38251, "thd.h:170 Check failed: state_ == FAILED", seen once here with
+        # grpcio 1.71.2). It is closed before the facade is forked (_close_probe).
+        if self._probe is None:
+            self._probe = grpc.insecure_channel(self.plan.engine_addr, options=_PROBE_OPTIONS)
         try:
-            with grpc.insecure_channel(self.plan.engine_addr) as channel:
-                resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            resp = health_pb2_grpc.HealthStub(self._probe).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
         except grpc.RpcError:
             return False
         return resp.status == health_pb2.HealthCheckResponse.SERVING
+
+    def _close_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
 
     def _facade_healthy(self) -> bool:
         try:
