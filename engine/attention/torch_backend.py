@@ -56,15 +56,10 @@ class TorchAttentionBackend(AttentionBackend):
                                      max(meta.seq_lens_cpu[i] for i in decode_seqs), scale)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len == 1:
-                pass
-            elif q_len <= _SHORT_QUERY < seq_len:
-                out[start:start + q_len] = self._short(query[start:start + q_len], kv_cache, meta.block_tables[i],
-                                                       seq_len, scale)
-            else:
-                out[start:start + q_len] = self._extend(
-                    query[start:start + q_len], kv_cache, meta.block_tables[i], seq_len, scale
-                )
+            if q_len > 1:   # decode rows were done above
+                attend = self._short if q_len <= _SHORT_QUERY < seq_len else self._extend
+                out[start:start + q_len] = attend(query[start:start + q_len], kv_cache, meta.block_tables[i],
+                                                  seq_len, scale)
             start += q_len
         return out
 

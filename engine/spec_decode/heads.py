@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight, packed_linear
 from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
@@ -76,8 +77,6 @@ class DraftLMHead:
     copy on CPU), with -inf logits for every other token so that nothing else is ever drafted."""
 
     def __init__(self, target, draft_vocab: torch.Tensor | None, vocab_size: int, dtype, device) -> None:
-        from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight
-
         self.target, self.vocab, self.vocab_size = target, draft_vocab, vocab_size
         self._packed = self._weight = None
         if draft_vocab is not None:
@@ -92,8 +91,6 @@ class DraftLMHead:
         """[n, H] → [n, V] float32."""
         if self.vocab is None:
             return self.target.compute_logits(h)
-        from sluice.engine.models.llama import packed_linear
-
         sub = packed_linear(h, self._packed, None) if self._packed is not None else F.linear(h, self._weight)
         full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
         full[:, self.vocab] = sub.float()
@@ -219,8 +216,6 @@ class EagleHead(_DraftVocab):
         (the target's projections use the same layout): MKL's small-row products behind
         ``nn.Linear`` stream a weight at about a third of the bandwidth. Training keeps using the
         ``nn.Linear`` weights, which stay as they are. False when nothing was packed."""
-        from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight
-
         w = self.fc.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_packing_available():
             return False
@@ -233,8 +228,6 @@ class EagleHead(_DraftVocab):
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
             return getattr(self, name)(x)
-        from sluice.engine.models.llama import packed_linear
-
         weight, bias = self._packed[name]
         return packed_linear(x, weight, bias)
 

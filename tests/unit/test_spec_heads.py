@@ -558,9 +558,7 @@ def test_a_draft_ends_before_the_first_token_its_head_gives_less_than_min_prob(b
         assert all(p >= threshold for p in probs[:kept]), (probs, kept)
         assert kept == len(probs) or (kept == len(probs) - 1 and probs[-1] < threshold), (probs, kept)
         lengths.append(kept)
-    k = llm.engine.config.speculative.spec_draft_length
     assert 0 in lengths and any(n > 0 for n in lengths), lengths        # cut at once, and not
-    assert any(0 < n < k for n in lengths) or k in lengths, lengths
 
 
 def test_min_draft_prob_is_checked_before_anything_loads():
