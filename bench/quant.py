@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-FORMATS = ("none", "bf16", "int8", "int4")
+FORMATS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8")
 FILLER = ("the river carried stone and sand past the old mill while the village slept and the lamps of the "
           "harbour burned low over boats that waited for morning tide").split()
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from sluice.engine.errors import EngineError
 from sluice.engine.overrides import MODES, check_mode, check_speculative, parse_overrides
 
-QUANTIZATIONS = ("none", "bf16", "int8", "int4", "auto")   # engine.config's; no torch import here
+QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")   # engine.config's; no torch import here
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none

@@ -13,7 +13,7 @@ from sluice.engine.structured.spec import StructuredOutputConfig
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # Weight formats (engine.models.quant): none = float32; the others are CPU-only.
-_QUANTIZATIONS = ("none", "bf16", "int8", "int4", "auto")
+_QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
 
 
 def _positive(name: str, value: int) -> None:

@@ -77,7 +77,7 @@ KEYS: dict[str, _Key] = {
     "sampler_backend": _Key("sampler_backend", str, "auto | torch | triton"),
     "dtype": _Key("dtype", str, "auto | float32 | float16 | bfloat16"),
     "num_threads": _Key("num_threads", _int, "torch intra-op threads on CPU"),
-    "quantization": _Key("quantization", str, "weights in memory: none | bf16 | int8 | int4 | auto (CPU)"),
+    "quantization": _Key("quantization", str, "weights in memory: none | bf16 | int8 | int4 | w8a8 | w4a8 | auto (CPU)"),
     "num_speculative_tokens": _Key("num_speculative_tokens", _int, "draft tokens per step"),
     # Speculative decoding (--speculative-mode); MLC's spec_draft_length, then sluice's own.
     "spec_draft_length": _Key("spec_draft_length", _int, "draft tokens proposed per request and step (K)"),

@@ -27,8 +27,9 @@ from sluice.engine.errors import ModelLoadError
 from sluice.engine.models import quant
 from sluice.engine.models.llama import _take
 
-QUANTIZED = ("bf16", "int8", "int4")
+QUANTIZED = ("bf16", "int8", "int4", "w8a8", "w4a8")
 _LOSSLESS_INT4 = frozenset({"Q4_0", "Q4_1"})
+_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})         # held unrounded by w8a8 (and the 4-bit ones by w4a8)
 _PROJECTIONS = ("_proj.weight",)
 
 
@@ -42,6 +43,13 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
     if quantization in QUANTIZED and dtype != torch.float32:
         raise ValueError(f"quantization: {quantization} keeps activations in float32; "
                          f"it needs dtype float32 (or auto), got {str(dtype).removeprefix('torch.')}")
+    if quantization in quant.BLOCK_FORMATS:
+        from sluice.kernels import cpu_ext
+
+        if not cpu_ext.available():
+            raise ValueError(f"quantization: {quantization} needs the block-quantized CPU kernels, which "
+                             f"could not be built here ({cpu_ext.unavailable_reason()}); "
+                             "use int4, int8 or none")
 
 
 def projection_types(weights) -> set[str]:
@@ -59,6 +67,10 @@ def resolve_quantization(quantization: str, weights, device: torch.device) -> st
     if device.type != "cpu":
         return "none"
     types = projection_types(weights)
+    from sluice.kernels import cpu_ext
+
+    if types and types <= _BLOCK_TYPES and cpu_ext.available():
+        return "w4a8" if types <= _LOSSLESS_INT4 else "w8a8"
     return "int4" if types and types <= _LOSSLESS_INT4 else "none"
 
 
@@ -72,6 +84,10 @@ class Quantizer:
 
     def linear(self, weights, parts: list[tuple[str, tuple[int, int]]]):
         """One projection from its HF parts, stacked by rows (fused q/k/v, gate/up)."""
+        if self.fmt in quant.BLOCK_FORMATS:
+            bits = quant.BLOCK_FORMATS[self.fmt]
+            pieces = [self._block(weights, name, shape, bits) for name, shape in parts]
+            return quant.BlockQLinear(*(torch.cat(p) for p in zip(*pieces)), bits)
         if self.fmt == "int4":
             pieces = [self._int4(weights, name, shape) for name, shape in parts]
             return quant.Int4Linear(*(torch.cat(p) for p in zip(*pieces)))
@@ -82,6 +98,8 @@ class Quantizer:
         return quant.Bf16Linear(torch.cat([_float(weights, name, shape).to(torch.bfloat16) for name, shape in parts]))
 
     def head(self, weights, name: str, shape: tuple[int, int]):
+        if self.fmt in quant.BLOCK_FORMATS:
+            return quant.BlockQLinear(*self._block(weights, name, shape, 8), 8)
         return quant.HEAD_CLASSES[self.fmt].from_float(_float(weights, name, shape))
 
     def embedding(self, weights, name: str, shape: tuple[int, int]):
@@ -90,6 +108,11 @@ class Quantizer:
         if raw is None or raw[0] != "Q8_0":
             return None
         return quant.embedding_from_q8_0(raw[1], shape)
+
+    def _block(self, weights, name: str, shape: tuple[int, int], bits: int) -> quant.BlockParts:
+        raw = _raw(weights, name, shape)
+        parts = None if raw is None else quant.block_parts(raw[0], raw[1], shape, bits)
+        return parts if parts is not None else quant.float_to_block(_float(weights, name, shape), bits)
 
     def _int4(self, weights, name: str, shape: tuple[int, int]) -> quant.Int4Parts:
         raw = _raw(weights, name, shape)

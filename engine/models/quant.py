@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-QUANTIZATIONS = ("none", "bf16", "int8", "int4", "auto")
+QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
 GROUP = 32                      # int4 group size along the input (= the GGUF block size)
 _INT8_K_MULTIPLE = 16           # _weight_int8pack_mm's row length granule (see Int8Linear)
 _INT4_ROW_TILE = 64             # the CPU int4 layout interleaves rows in tiles of 64 (see _unpack_int4)
@@ -212,6 +212,117 @@ def bf16_linear_ref(x: torch.Tensor, weight: Bf16Linear) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.out_features)
 
 
+# ---- w4a8 / w8a8: GGUF-style blocks of 32 with int8 activations (kernels/cpu_blockq) -------------
+class BlockQLinear:
+    """``u`` [N, K] unsigned ``bits``-bit values with float32 ``d`` and ``m`` [N, K/32]:
+    w = d u + m per block of 32. The input is quantized to int8 per row and block of 32 and each
+    block's dot product is an exact integer sum (``kernels.cpu_blockq``). GGUF Q4_0, Q4_1 and
+    Q8_0 blocks are exactly this form (``blockq_from_gguf``), so their weights are used unrounded.
+    """
+
+    def __init__(self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> None:
+        from sluice.kernels import cpu_blockq
+
+        _check(bits in (4, 8), f"block weight: bits must be 4 or 8, got {bits}")
+        _check(u.dim() == 2 and u.shape[1] % GROUP == 0, f"block weight: expected [N, K] with K a multiple "
+               f"of {GROUP}, got {tuple(u.shape)}")
+        n, k = u.shape
+        groups = (n, k // GROUP)
+        _check(tuple(d.shape) == groups and tuple(m.shape) == groups,
+               f"block weight: d {tuple(d.shape)} and m {tuple(m.shape)}, expected {groups}")
+        _check(int(u.min()) >= 0 and int(u.max()) < 2 ** bits, f"block weight: values must lie in 0..{2 ** bits - 1}")
+        self.out_features, self.in_features, self.bits = n, k, bits
+        self.packed = cpu_blockq.pack_weights(u, bits)
+        self.d, self.m = cpu_blockq.pack_scales(d), cpu_blockq.pack_scales(m)
+        self._kernel = cpu_blockq.kernel()
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor, bits: int) -> "BlockQLinear":
+        return cls(*float_to_block(weight, bits), bits)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # Called ~120 times per decode step: the common case (a contiguous float32 [M, K]) goes
+        # straight to the kernel, which checks shapes and dtypes itself.
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            return self._kernel(x, self.packed, self.d, self.m, self.bits, self.out_features)
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"block linear: input has {x.shape[-1]} features, expected {self.in_features}")
+        flat = _rows(x).to(torch.float32).contiguous()
+        out = self._kernel(flat, self.packed, self.d, self.m, self.bits, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(u [N, K] uint8, d, m [N, K/32]) as given."""
+        from sluice.kernels import cpu_blockq
+
+        n, k = self.out_features, self.in_features
+        return (cpu_blockq.unpack_weights(self.packed, self.bits, n, k),
+                cpu_blockq.unpack_scales(self.d, n), cpu_blockq.unpack_scales(self.m, n))
+
+    def dequantize(self) -> torch.Tensor:
+        u, d, m = self.parts()
+        n, k = u.shape
+        w = u.to(torch.float32).view(n, k // GROUP, GROUP) * d[..., None] + m[..., None]
+        return w.reshape(n, k)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.d.nbytes + self.m.nbytes
+
+
+def blockq_linear_ref(x: torch.Tensor, weight: BlockQLinear) -> torch.Tensor:
+    from sluice.kernels import cpu_blockq
+
+    rows = _rows(x)
+    out = cpu_blockq.linear_ref(rows, *weight.parts())
+    return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+BlockParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # u [N, K] uint8, d and m [N, K/32]
+
+
+def float_to_block(weight: torch.Tensor, bits: int) -> BlockParts:
+    """8 bits: symmetric per block (Q8_0's rule: q = round(w / d), d = max|w| / 127, held as
+    u = q + 128, m = -128 d). 4 bits: min/max per block (u = round((w - min) / d), m = min)."""
+    n, k = weight.shape
+    g = weight.to(torch.float32).reshape(n, k // GROUP, GROUP)
+    if bits == 8:
+        d = (g.abs().amax(-1) / 127).clamp_min(_TINY)
+        q = torch.round(g / d[..., None]).clamp_(-127, 127) + 128
+        return q.to(torch.uint8).reshape(n, k), d, -128 * d
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = ((hi - lo) / 15).clamp_min(_TINY)
+    u = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8)
+    return u.reshape(n, k), d, lo
+
+
+def _gguf_block_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> BlockParts:
+    """GGUF Q4_0 / Q4_1 / Q8_0 blocks -> (u, d, m) with w = d u + m, exactly."""
+    n, k = shape
+    if kind == "Q8_0":
+        b = blocks.view(n, k // GROUP, 34)
+        d = _f16(b[..., 0:2])
+        q = b[..., 2:].contiguous().view(torch.int8).to(torch.int16) + 128
+        return q.to(torch.uint8).reshape(n, k), d, -128 * d
+    if kind == "Q4_1":
+        b = blocks.view(n, k // GROUP, 20)
+        return _q4_nibbles(b[..., 4:]).reshape(n, k), _f16(b[..., 0:2]), _f16(b[..., 2:4])
+    b = blocks.view(n, k // GROUP, 18)
+    d = _f16(b[..., 0:2])
+    return _q4_nibbles(b[..., 2:]).reshape(n, k), d, -8 * d
+
+
+BLOCK_BITS = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+
+
+def block_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int], bits: int) -> BlockParts | None:
+    """The parts of a GGUF tensor for a ``bits``-bit block weight, None if that would round it
+    (an 8-bit tensor for a 4-bit weight): a 4-bit file tensor fits 8 bits as it is."""
+    if kind not in BLOCK_BITS or BLOCK_BITS[kind] > bits:
+        return None
+    return _gguf_block_parts(kind, blocks, shape)
+
+
 # ---- embeddings: int8 blocks of 32 (GGUF Q8_0 held as stored) -------------------------------------
 class BlockInt8Embedding:
     """Rows of ``q`` [V, H] int8 with a float32 scale per block of 32: row r = q[r] * scale[r] per block.
@@ -304,5 +415,10 @@ def embedding_from_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> BlockIn
 
 # Per format: the class that holds the transformer's projections, and the one for the LM head.
 # The LM head is int8 under int4 too: a Q8_0 head (the usual one) would lose more bits as int4.
-LINEAR_CLASSES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear}
-HEAD_CLASSES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Linear}
+# w8a8 / w4a8 (BlockQLinear) are built by loaders.quantized from the file's blocks; both keep the
+# LM head in 8-bit blocks (a Q8_0 head as stored).
+LINEAR_CLASSES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int4Linear, "w8a8": BlockQLinear,
+                  "w4a8": BlockQLinear}
+HEAD_CLASSES = {"bf16": Bf16Linear, "int8": Int8Linear, "int4": Int8Linear, "w8a8": BlockQLinear,
+                "w4a8": BlockQLinear}
+BLOCK_FORMATS = {"w8a8": 8, "w4a8": 4}

@@ -33,10 +33,10 @@ from sluice.engine.sampling_params import SamplingParams
 from tests.model.test_logits import PROMPTS, _prefill_logits
 from tests.model_files import smollm2_gguf
 
-FORMATS = ("bf16", "int8", "int4")
-MAX_LOGIT_CHANGE = {"bf16": 0.65, "int8": 2.5, "int4": 1.3}
-MEAN_LOGIT_CHANGE = {"bf16": 0.08, "int8": 0.3, "int4": 0.11}
-PERPLEXITY_BOUND = {"bf16": 0.01, "int8": 0.01, "int4": 0.05}
+FORMATS = ("bf16", "int8", "int4", "w8a8", "w4a8")
+MAX_LOGIT_CHANGE = {"bf16": 0.65, "int8": 2.5, "int4": 1.3, "w8a8": 2.5, "w4a8": 2.5}
+MEAN_LOGIT_CHANGE = {"bf16": 0.08, "int8": 0.3, "int4": 0.11, "w8a8": 0.23, "w4a8": 0.23}
+PERPLEXITY_BOUND = {"bf16": 0.01, "int8": 0.01, "int4": 0.05, "w8a8": 0.01, "w4a8": 0.01}
 TEXT = (Path(__file__).parent / "perplexity_text.txt").read_text()
 CHAT_PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at",
                 "A short poem about the sea:"]
@@ -117,7 +117,8 @@ def test_weights_are_held_in_the_format(formats, smollm2, fmt):
     ids = torch.tensor([0, 1, 504, 49151, 504])
     assert torch.equal(model.quant_embedding(ids), smollm2.model.embed_tokens(ids))
     ratio = _weight_bytes(model) / _weight_bytes(smollm2.model)
-    assert ratio < {"bf16": 0.5, "int8": 0.28, "int4": 0.21}[fmt], f"{fmt} holds {ratio:.2f}x float32's bytes"
+    assert ratio < {"bf16": 0.5, "int8": 0.28, "int4": 0.21, "w8a8": 0.36, "w4a8": 0.25}[fmt], \
+        f"{fmt} holds {ratio:.2f}x float32's bytes"
 
 
 def test_int4_projections_are_the_files_q4_1_values(formats, smollm2):
@@ -133,6 +134,18 @@ def test_int4_projections_are_the_files_q4_1_values(formats, smollm2):
             step = ((blocks.amax(-1) - blocks.amin(-1)) / 15)[..., None]   # >= d where a block spans its range
             bound = (16 * step + blocks.abs().amax(-1, keepdim=True)) * 2.0 ** -8
             assert ((got.view_as(blocks) - blocks).abs() <= bound).all(), f"layer {layer} {name}"
+
+
+@pytest.mark.parametrize("fmt", ("w4a8", "w8a8"))
+def test_block_formats_hold_the_files_values_exactly(formats, smollm2, fmt):
+    """w4a8 and w8a8 keep the Q4_1 projections' values and float16 scales as the file stores them
+    (and the Q8_0 LM head's): the weights they multiply by are float32's, bit for bit."""
+    model = formats(fmt).model
+    for layer in (0, 29):
+        for name in ("mlp.gate_up_proj", "self_attn.qkv_proj", "mlp.down_proj"):
+            got = model.layers[layer].get_submodule(name).dense_weight()
+            assert torch.equal(got, smollm2.model.layers[layer].get_submodule(name).dense_weight()), name
+    assert torch.equal(model.quant_lm_head.dequantize(), smollm2.model.embed_tokens.weight)
 
 
 # ---- accuracy ---------------------------------------------------------------------------------
@@ -179,7 +192,8 @@ def test_greedy_continuations_mostly_agree_with_float32(formats, float_greedy, f
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
         same.append(n)
     share = sum(same) / (24 * len(same))
-    assert share >= {"bf16": 0.6, "int8": 0.4, "int4": 0.4}[fmt], f"{fmt}: agreeing prefix per prompt {same}"
+    assert share >= {"bf16": 0.6, "int8": 0.4, "int4": 0.4, "w8a8": 0.4, "w4a8": 0.4}[fmt], \
+        f"{fmt}: agreeing prefix per prompt {same}"
 
 
 # ---- batching cannot change a token -----------------------------------------------------------
@@ -204,9 +218,9 @@ def test_alone_and_in_a_batch_of_8_give_the_same_tokens(formats, fmt):
 
 
 # ---- choosing and refusing --------------------------------------------------------------------
-def test_auto_picks_int4_for_the_q4_1_file_and_none_off_cpu(gguf):
+def test_auto_picks_w4a8_for_the_q4_1_file_and_none_off_cpu(gguf):
     _arch, weights, _reader = gguf
-    assert resolve_quantization("auto", weights, torch.device("cpu")) == "int4"
+    assert resolve_quantization("auto", weights, torch.device("cpu")) == "w4a8"
     assert resolve_quantization("auto", weights, torch.device("cuda")) == "none"
     assert resolve_quantization("int8", weights, torch.device("cpu")) == "int8"
 

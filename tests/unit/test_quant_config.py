@@ -17,9 +17,9 @@ from sluice.engine.loaders.quantized import resolve_quantization
 
 def test_device_config_validates_quantization():
     assert DeviceConfig().quantization == "none"
-    for fmt in ("none", "bf16", "int8", "int4", "auto"):
+    for fmt in ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto"):
         assert DeviceConfig(device="cpu", quantization=fmt).quantization == fmt
-    with pytest.raises(ValueError, match="quantization: must be one of none, bf16, int8, int4, auto, got 'int3'"):
+    with pytest.raises(ValueError, match="quantization: must be one of none, bf16, int8, int4, w8a8, w4a8, auto, got 'int3'"):
         DeviceConfig(quantization="int3")
     with pytest.raises(ValueError, match="quantization: int4 runs on CPU only; use none \\(or auto\\) with device cuda:1"):
         DeviceConfig(device="cuda:1", quantization="int4")
@@ -89,15 +89,34 @@ class _Typed(dict):
         return self._types[name]
 
 
-@pytest.mark.parametrize("types, picked", [
-    ({"a.q_proj.weight": "Q4_0", "a.down_proj.weight": "Q4_1", "norm.weight": "F32"}, "int4"),
-    ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q6_K"}, "none"),
-    ({"a.q_proj.weight": "Q8_0", "a.down_proj.weight": "Q8_0"}, "none"),
-    ({"a.q_proj.weight": "BF16"}, "none"),
+# (storage types, auto's pick with sluice's C++ kernels, and without them: no compiler here)
+@pytest.mark.parametrize("types, picked, without_kernels", [
+    ({"a.q_proj.weight": "Q4_0", "a.down_proj.weight": "Q4_1", "norm.weight": "F32"}, "w4a8", "int4"),
+    ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q6_K"}, "none", "none"),
+    ({"a.q_proj.weight": "Q8_0", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "BF16"}, "none", "none"),
 ])
-def test_auto_rule(types, picked):
+def test_auto_rule(types, picked, without_kernels, monkeypatch):
+    from sluice.kernels import cpu_ext
+
+    assert cpu_ext.available(), cpu_ext.unavailable_reason()
     assert resolve_quantization("auto", _Typed(types), torch.device("cpu")) == picked
     assert resolve_quantization("auto", _Typed(types), torch.device("cuda")) == "none"
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)
+    assert resolve_quantization("auto", _Typed(types), torch.device("cpu")) == without_kernels
+
+
+def test_block_formats_without_the_kernels_are_a_clear_error(monkeypatch):
+    from sluice.engine.loaders.quantized import check_quantization
+    from sluice.kernels import cpu_ext
+
+    monkeypatch.setattr(cpu_ext, "available", lambda: False)
+    monkeypatch.setattr(cpu_ext, "unavailable_reason", lambda: "CalledProcessError: no compiler")
+    for fmt in ("w4a8", "w8a8"):
+        with pytest.raises(ValueError, match=f"quantization: {fmt} needs the block-quantized CPU kernels, "
+                                             r"which could not be built here \(CalledProcessError: no compiler\)"):
+            check_quantization(fmt, torch.device("cpu"), torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +126,7 @@ def tiny_folder(tmp_path_factory):
     return write_tiny_folder(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "auto"])
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4", "w8a8", "w4a8", "auto"])
 def test_a_float_safetensors_folder_runs_in_every_format(tiny_folder, fmt):
     from sluice.engine.llm import LLM
     from sluice.engine.sampling_params import SamplingParams

@@ -1,0 +1,257 @@
+// Block-quantized linear layers for CPU decoding and prefill: y = x @ W^T.
+//
+// W [N, K] is held as unsigned integers u (4 or 8 bits) in blocks of 32 along K, each block with
+// a float32 scale d and offset m per output row: w = d * u + m. GGUF's Q4_0 (u = q, m = -8 d),
+// Q4_1 (u = q, m as stored) and Q8_0 (u = q + 128, m = -128 d) are exactly this, so their weights
+// are used as the file stores them. The input x [M, K] float32 is quantized per row and per block
+// of 32 to int8 a with a scale s (x ~ s a, s = max|x| / 127), and each block contributes
+//     sum_i w_i x_i ~ d s (sum_i u_i a_i) + m s (sum_i a_i),
+// the integer sum computed exactly by AVX512-VNNI (vpdpbusd: unsigned u times signed a).
+//
+// Layout (packed once at load, kernels/cpu_blockq.py): output rows in tiles of 16, one 512-bit
+// lane per row. For tile t and block b the weights are 8 groups of 4 consecutive k; a group is 64
+// bytes (16 rows x 4 k). 8-bit: the 8 groups in order. 4-bit: 4 pairs of 64 bytes, pair p holding
+// group 2p in the low nibbles and group 2p + 1 in the high ones. d and m are [tiles, blocks, 16].
+//
+// Every output element accumulates its blocks in order with the same two fused multiply-adds,
+// whatever M, the row tile or the thread split: a row's result is bitwise the same alone and in
+// a batch (tests/unit/test_cpu_blockq.py checks it).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>   // OpenMP inline: built with -fopenmp (cpu_ext.py)
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SLUICE_VNNI 1
+#include <immintrin.h>
+#else
+#define SLUICE_VNNI 0
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kTile = 16;
+constexpr int64_t kPanel = 128;   // input rows per pass over a thread's weight tiles (stay in L2)
+
+// x [M, K] float32 -> a [M, K] int8, s [M, K/32] (block scale), ss [M, K/32] (s * sum a).
+void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, float* s, float* ss) {
+  const int64_t nb = k / kBlock;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        const float* xb = x + r * k + b * kBlock;
+        int8_t* ab = a + r * k + b * kBlock;
+#if SLUICE_VNNI
+        // The scalar loop below, 16 lanes at a time (cvtps rounds half to even, as nearbyint).
+        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+        const float vmax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const __m512 vinv = _mm512_set1_ps(vmax > 0.f ? 127.f / vmax : 0.f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vinv));
+        const __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vinv));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ab), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(ab + 16), _mm512_cvtsepi32_epi8(q1));
+        const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+        const int32_t vsum = _mm512_reduce_add_epi32(
+            _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q0, lo), hi),
+                             _mm512_min_epi32(_mm512_max_epi32(q1, lo), hi)));
+        s[r * nb + b] = vmax / 127.f;
+        ss[r * nb + b] = (vmax / 127.f) * static_cast<float>(vsum);
+        continue;
+#endif
+        float amax = 0.f;
+        for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+        const float scale = amax / 127.f;
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          float q = std::nearbyint(xb[i] * inv);
+          q = std::fmin(127.f, std::fmax(-127.f, q));
+          ab[i] = static_cast<int8_t>(q);
+          sum += ab[i];
+        }
+        s[r * nb + b] = scale;
+        ss[r * nb + b] = scale * static_cast<float>(sum);
+      }
+    }
+  });
+}
+
+#if SLUICE_VNNI
+// One tile of 16 output rows for MR input rows.
+template <int MR, int BITS>
+inline void tile_rows(const uint8_t* w, const float* d, const float* m, int64_t nb,
+                      const int8_t* a, const float* s, const float* ss, int64_t k,
+                      float* out, int64_t ldo, __mmask16 mask) {
+  __m512 acc[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i isum[MR];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) isum[r] = _mm512_setzero_si512();
+    const int32_t* ab = reinterpret_cast<const int32_t*>(a + b * kBlock);   // 8 groups of 4 int8
+    if (BITS == 4) {
+      const uint8_t* wb = w + b * 256;
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * p);
+        const __m512i w0 = _mm512_and_si512(v, low4);
+        const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* ar = ab + r * (k / 4);
+          isum[r] = _mm512_dpbusd_epi32(isum[r], w0, _mm512_set1_epi32(ar[2 * p]));
+          isum[r] = _mm512_dpbusd_epi32(isum[r], w1, _mm512_set1_epi32(ar[2 * p + 1]));
+        }
+      }
+    } else {
+      const uint8_t* wb = w + b * 512;
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+        const __m512i v = _mm512_loadu_si512(wb + 64 * g);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* ar = ab + r * (k / 4);
+          isum[r] = _mm512_dpbusd_epi32(isum[r], v, _mm512_set1_epi32(ar[g]));
+        }
+      }
+    }
+    const __m512 dv = _mm512_loadu_ps(d + b * kTile);
+    const __m512 mv = _mm512_loadu_ps(m + b * kTile);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int64_t nbr = r * nb + b;
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), _mm512_mul_ps(dv, _mm512_set1_ps(s[nbr])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(ss[nbr]), acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, mask, acc[r]);
+}
+
+template <int BITS>
+void tile_any(int64_t mr, const uint8_t* w, const float* d, const float* m, int64_t nb,
+              const int8_t* a, const float* s, const float* ss, int64_t k, float* out, int64_t ldo,
+              __mmask16 mask) {
+  switch (mr) {
+    case 8: tile_rows<8, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    case 7: tile_rows<7, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    case 6: tile_rows<6, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    case 5: tile_rows<5, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    case 4: tile_rows<4, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    case 3: tile_rows<3, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    case 2: tile_rows<2, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+    default: tile_rows<1, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, mask); break;
+  }
+}
+#endif
+
+// The same arithmetic in portable C++ (no AVX512-VNNI): the same per-block sums and the same two
+// fused multiply-adds per block, so results agree with the vector path bit for bit.
+void tile_scalar(int bits, int64_t rows, const uint8_t* w, const float* d, const float* m,
+                 int64_t nb, const int8_t* a, const float* s, const float* ss, int64_t k,
+                 float* out, int64_t ldo, int64_t lanes) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t isum = 0;
+        const int8_t* ab = a + r * k + b * kBlock;
+  #pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+          for (int j = 0; j < 4; ++j) {
+            int u;
+            if (bits == 4) {
+              const uint8_t byte = w[b * 256 + 64 * (g / 2) + lane * 4 + j];
+              u = (g % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
+            } else {
+              u = w[b * 512 + 64 * g + lane * 4 + j];
+            }
+            isum += u * static_cast<int32_t>(ab[4 * g + j]);
+          }
+        }
+        const float scale = d[b * kTile + lane] * s[r * nb + b];
+        acc = std::fma(static_cast<float>(isum), scale, acc);
+        acc = std::fma(m[b * kTile + lane], ss[r * nb + b], acc);
+      }
+      out[r * ldo + lane] = acc;
+    }
+  }
+}
+
+void check_inputs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
+                  const torch::Tensor& m, int64_t bits, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "blockq: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "blockq: x must be a contiguous float32 [M, K]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "blockq: K must be a multiple of 32, got ", k);
+  const int64_t tiles = (n + kTile - 1) / kTile, nb = k / kBlock;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+                  w.numel() == tiles * nb * (bits == 4 ? 256 : 512),
+              "blockq: packed weight does not match N = ", n, ", K = ", k, ", bits = ", bits);
+  for (const auto* t : {&d, &m}) {
+    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+                    t->numel() == tiles * nb * kTile,
+                "blockq: scales must be contiguous float32 [tiles, K/32, 16]");
+  }
+}
+
+}  // namespace
+
+// y [M, n] = x [M, K] @ W^T for W packed as above.
+torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m,
+                            int64_t bits, int64_t n) {
+  check_inputs(x, w, d, m, bits, n);
+  const int64_t rows = x.size(0), k = x.size(1), nb = k / kBlock;
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  auto a = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({rows, nb}, x.options());
+  auto ss = torch::empty({rows, nb}, x.options());
+  quantize_rows(x.data_ptr<float>(), rows, k, a.data_ptr<int8_t>(), s.data_ptr<float>(),
+                ss.data_ptr<float>());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float* dp = d.data_ptr<float>();
+  const float* mp = m.data_ptr<float>();
+  const int8_t* ap = a.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  const float* ssp = ss.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t wtile = nb * (bits == 4 ? 256 : 512);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
+      const int64_t p1 = std::min(rows, p0 + kPanel);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t lanes = std::min(kTile, n - t * kTile);
+        const uint8_t* wt = wp + t * wtile;
+        const float* dt = dp + t * nb * kTile;
+        const float* mt = mp + t * nb * kTile;
+#if SLUICE_VNNI
+        const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+        for (int64_t r0 = p0; r0 < p1; r0 += 8) {
+          const int64_t mr = std::min<int64_t>(8, p1 - r0);
+          if (bits == 4) {
+            tile_any<4>(mr, wt, dt, mt, nb, ap + r0 * k, sp + r0 * nb, ssp + r0 * nb, k,
+                        op + r0 * n + t * kTile, n, mask);
+          } else {
+            tile_any<8>(mr, wt, dt, mt, nb, ap + r0 * k, sp + r0 * nb, ssp + r0 * nb, k,
+                        op + r0 * n + t * kTile, n, mask);
+          }
+        }
+#else
+        tile_scalar(static_cast<int>(bits), p1 - p0, wt, dt, mt, nb, ap + p0 * k, sp + p0 * nb,
+                    ssp + p0 * nb, k, op + p0 * n + t * kTile, n, lanes);
+#endif
+      }
+    }
+  });
+  return out;
+}
+
+bool blockq_vectorized() { return SLUICE_VNNI != 0; }

@@ -1,0 +1,108 @@
+"""Block-quantized CPU linear layers (``cpu_blockq.cpp``): weights as GGUF stores them, int8 dot products.
+
+The weight of a projection is held as unsigned integers ``u`` (4 or 8 bits) in blocks of 32 along
+the input with a float32 scale ``d`` and offset ``m`` per row and block, ``w = d u + m``; the
+input is quantized to int8 per row and block of 32 (``x ~ s a``, ``s = max|x| / 127``) and each
+block's integer dot product is exact (AVX512-VNNI, or the same arithmetic in portable C++). This
+is the arithmetic of llama.cpp's CPU kernels for these files, with a layout of our own.
+
+The C++ source is built with the other CPU ops on first use (``cpu_ext``); ``available()`` says
+whether that worked and ``unavailable_reason()`` why not. Nothing here falls back silently:
+``quantization=w4a8`` / ``w8a8`` fail with that reason, and ``auto`` picks another format.
+"""
+from __future__ import annotations
+
+import torch
+
+from sluice.kernels import cpu_ext
+
+BLOCK = 32
+TILE = 16
+available = cpu_ext.available
+unavailable_reason = cpu_ext.unavailable_reason
+
+
+def vectorized() -> bool:
+    """Whether the AVX512-VNNI path was compiled (else the portable C++ loop, correct but slow)."""
+    return cpu_ext.available() and bool(cpu_ext.module().blockq_vectorized())
+
+
+# ---- packing ------------------------------------------------------------------------------------
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % TILE
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def pack_weights(u: torch.Tensor, bits: int) -> torch.Tensor:
+    """u [N, K] integers in 0..2^bits - 1 -> the kernel's layout (flat uint8)."""
+    if bits not in (4, 8):
+        raise ValueError(f"blockq: bits must be 4 or 8, got {bits}")
+    n, k = u.shape
+    if k % BLOCK:
+        raise ValueError(f"blockq: K must be a multiple of {BLOCK}, got {k}")
+    q = _pad_rows(u.to(torch.uint8))
+    tiles, nb = q.shape[0] // TILE, k // BLOCK
+    if bits == 8:
+        # [t, r, b, g, j] -> [t, b, g, r, j]
+        return q.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+    if int(u.max(), ) > 15:
+        raise ValueError("blockq: 4-bit values must lie in 0..15")
+    v = q.view(tiles, TILE, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)          # [t, b, p, h, r, j]
+    return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).contiguous().view(-1)
+
+
+def pack_scales(x: torch.Tensor) -> torch.Tensor:
+    """d or m [N, K/32] -> [tiles, K/32, 16] float32 (padded rows are 0)."""
+    p = _pad_rows(x.to(torch.float32))
+    return p.view(p.shape[0] // TILE, TILE, p.shape[1]).transpose(1, 2).contiguous()
+
+
+def unpack_weights(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
+    """Inverse of ``pack_weights``: [N, K] uint8."""
+    tiles, nb = -(-n // TILE), k // BLOCK
+    if bits == 8:
+        u = packed.view(tiles, nb, 8, TILE, 4).permute(0, 3, 1, 2, 4)
+    else:
+        v = packed.view(tiles, nb, 4, TILE, 4)
+        u = torch.stack((v & 15, v >> 4), dim=3).permute(0, 4, 1, 2, 3, 5)   # [t, r, b, p, h, j]
+    return u.reshape(tiles * TILE, k)[:n]
+
+
+def unpack_scales(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.transpose(1, 2).reshape(-1, x.shape[1])[:n]
+
+
+def kernel():
+    """The compiled ``linear(x, packed, d, m, bits, n)`` itself (no Python wrapper), for hot loops."""
+    return cpu_ext.module().blockq_linear
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+           n: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) -> [M, n] float32."""
+    return cpu_ext.module().blockq_linear(x, packed, d, m, bits, n)
+
+
+# ---- the reference ------------------------------------------------------------------------------
+def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (a [M, K] int values as float, s [M, K/32]) with the kernel's rounding."""
+    rows, k = x.shape
+    xb = x.to(torch.float32).view(rows, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    a = torch.round(xb * inv[..., None]).clamp_(-127, 127)
+    return a.view(rows, k), amax / 127.0
+
+
+def linear_ref(x: torch.Tensor, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The kernel's product in float64: sum over blocks of d s (u . a) + m s (sum a)."""
+    a, s = quantize_input(x)
+    rows, k = a.shape
+    nb = k // BLOCK
+    ab = a.double().view(rows, nb, BLOCK)
+    ub = u.double().view(u.shape[0], nb, BLOCK)
+    dots = torch.einsum("mbi,nbi->mnb", ab, ub)                                   # [M, N, nb]
+    sums = ab.sum(-1)                                                             # [M, nb]
+    sd = s.double()
+    out = (dots * d.double()[None] * sd[:, None]).sum(-1) + ((m.double()[None] * (sd * sums)[:, None]).sum(-1))
+    return out.float()

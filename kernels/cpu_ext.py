@@ -1,0 +1,77 @@
+"""sluice's C++ CPU kernels (``cpu_blockq.cpp``, ``cpu_ops.cpp``), built on first use.
+
+They are compiled once per machine, torch version and source by ``torch.utils.cpp_extension``
+(which needs a C++ compiler and the ``ninja`` package) into ``$SLUICE_CACHE_DIR/ext`` (default
+``~/.cache/sluice/ext``); the first build takes about a minute on 2 cores, later loads are
+instant. ``-march=native``: the AVX512-VNNI paths are compiled where the CPU has them, portable
+C++ with the same arithmetic elsewhere. Nothing falls back silently: ``available()`` is False
+with ``unavailable_reason()`` when the build fails, and callers that need the kernels say so.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_blockq.cpp", "cpu_ops.cpp")]
+_lock = threading.Lock()
+_module = None
+_error: str | None = None
+
+
+def _cpu_flags() -> bytes:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""
+
+
+def build_dir() -> Path:
+    root = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "ext"
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + _cpu_flags())
+    return root / f"cpu-{key.hexdigest()[:16]}"
+
+
+def _load():
+    global _module, _error
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        try:
+            from torch.utils import cpp_extension
+
+            build = build_dir()
+            build.mkdir(parents=True, exist_ok=True)
+            _module = cpp_extension.load(
+                name="sluice_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(build),
+                # -fopenmp: at::parallel_for is OpenMP inline in the headers; without it the loops
+                # run on one thread. The libgomp.so.1 that torch has loaded is the one used.
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                verbose=False)
+        except Exception as exc:                      # no compiler, no ninja, a build error
+            text = str(exc).strip()
+            _error = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc!r}"
+        return _module
+
+
+def available() -> bool:
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    _load()
+    return _error
+
+
+def module():
+    """The compiled module; RuntimeError with the reason when it could not be built."""
+    mod = _load()
+    if mod is None:
+        raise RuntimeError(f"sluice's C++ CPU kernels are not available: {_error}")
+    return mod

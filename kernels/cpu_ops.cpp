@@ -1,0 +1,312 @@
+// The float32 CPU decode path: the small per-layer ops of a Llama-family layer, paged decode
+// attention, and a whole-stack decode step (LlamaDecoder) that runs every layer in C++ with the
+// block-quantized projections of cpu_blockq.cpp, so that a decode step makes one call from Python.
+//
+// Each op has a torch reference it is tested against (tests/unit/test_cpu_ops.py):
+//   rms_norm        F.rms_norm
+//   add_rms_norm    (h + d, F.rms_norm(h + d))
+//   rotary          models.rope.apply_rotary (rotate-half layout)
+//   silu_mul        F.silu(gate) * up over a fused [T, 2I] gate/up
+//   store_kv        attention.torch_backend.store_kv
+//   paged_decode    attention.torch_backend's decode (one query token per sequence, GQA)
+// Every row is computed on its own, in an order that does not depend on the batch: a sequence's
+// bits are the same alone and among others.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m,
+                            int64_t bits, int64_t n);
+bool blockq_vectorized();
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
+                  t.dim() == dim,
+              "cpu_ops: ", name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void rms_norm_rows(const float* x, const float* w, float* out, int64_t rows, int64_t h, double eps) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * h;
+      float* o = out + r * h;
+      const float inv = 1.f / std::sqrt(dot(xr, xr, h) / static_cast<float>(h) + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) o[i] = xr[i] * inv * w[i];
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_f32(x, "x", 2);
+  check_f32(w, "weight", 1);
+  TORCH_CHECK(w.size(0) == x.size(1), "rms_norm: weight has ", w.size(0), " features, x ", x.size(1));
+  auto out = torch::empty_like(x);
+  rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
+  return out;
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, double eps) {
+  check_f32(h, "h", 2);
+  check_f32(d, "delta", 2);
+  TORCH_CHECK(h.sizes() == d.sizes(), "add_rms_norm: h and delta differ in shape");
+  auto sum = torch::empty_like(h);
+  const int64_t n = h.numel();
+  const float *hp = h.data_ptr<float>(), *dp = d.data_ptr<float>();
+  float* sp = sum.data_ptr<float>();
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) sp[i] = hp[i] + dp[i];
+  return {sum, rms_norm(sum, w, eps)};
+}
+
+// x [T, H, D] (any strides with a unit last stride), cos/sin [T, 1, D/2] -> new [T, H, D].
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == torch::kFloat32 && x.stride(2) == 1,
+              "rotary: x must be float32 [T, H, D] with a unit last stride");
+  const int64_t t = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  auto c = cos.reshape({t, half}).contiguous(), s = sin.reshape({t, half}).contiguous();
+  auto out = torch::empty({t, heads, dim}, x.options());
+  const float *xp = x.data_ptr<float>(), *cp = c.data_ptr<float>(), *sp = s.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, t, 32, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      const float *ci = cp + i * half, *si = sp + i * half;
+      for (int64_t hh = 0; hh < heads; ++hh) {
+        const float* x1 = xp + i * st + hh * sh;
+        const float* x2 = x1 + half;
+        float* o = op + (i * heads + hh) * dim;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float a = x1[j] * ci[j], b = x2[j] * si[j];
+          const float e = x2[j] * ci[j], f = x1[j] * si[j];
+          o[j] = a - b;
+          o[half + j] = e + f;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up", 2);
+  const int64_t t = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({t, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      const float* g = gp + i * 2 * inter;
+      const float* u = g + inter;
+      float* o = op + i * inter;
+      for (int64_t j = 0; j < inter; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+    }
+  });
+  return out;
+}
+
+// k/v [T, Hkv, D] (unit last stride) into the caches [blocks, block_size, Hkv, D] at flat slots.
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
+  check_f32(kc, "key_cache", 4);
+  check_f32(vc, "value_cache", 4);
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "store_kv: slots must be int64");
+  const int64_t t = k.size(0), heads = kc.size(2), dim = kc.size(3);
+  const int64_t total = kc.size(0) * kc.size(1);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (const auto* src_dst : {&k, &v}) {
+    const torch::Tensor& src = *src_dst;
+    TORCH_CHECK(src.dim() == 3 && src.size(0) == t && src.size(1) == heads && src.size(2) == dim &&
+                    src.stride(2) == 1 && src.scalar_type() == torch::kFloat32,
+                "store_kv: k and v must be float32 [T, Hkv, D]");
+  }
+  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const float *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < total, "store_kv: slot ", sl[i], " outside the cache");
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      std::copy_n(ks + i * k.stride(0) + hh * k.stride(1), dim, kp + (sl[i] * heads + hh) * dim);
+      std::copy_n(vs + i * v.stride(0) + hh * v.stride(1), dim, vp + (sl[i] * heads + hh) * dim);
+    }
+  }
+}
+
+namespace {
+
+// One sequence, one KV head: the group of query heads that share it attend over seq_len tokens.
+void attend_one(const float* q, float* out, int64_t group, int64_t dim, const float* kc,
+                const float* vc, int64_t kv_heads, int64_t kvh, const int32_t* table,
+                int64_t block_size, int64_t seq_len, float scale, std::vector<float>& scores) {
+  scores.resize(static_cast<size_t>(group * seq_len));
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * dim;
+    float* sg = scores.data() + g * seq_len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+      sg[t] = dot(qg, kc + (slot * kv_heads + kvh) * dim, dim) * scale;
+      mx = std::max(mx, sg[t]);
+    }
+    float total = 0.f;
+    for (int64_t t = 0; t < seq_len; ++t) {
+      sg[t] = std::exp(sg[t] - mx);
+      total += sg[t];
+    }
+    float* og = out + g * dim;
+    std::fill_n(og, dim, 0.f);
+    for (int64_t t = 0; t < seq_len; ++t) {
+      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+      const float* vt = vc + (slot * kv_heads + kvh) * dim;
+      const float p = sg[t];
+#pragma omp simd
+      for (int64_t j = 0; j < dim; ++j) og[j] += p * vt[j];
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) og[j] *= inv;
+  }
+}
+
+}  // namespace
+
+// q [B, Hq, D] (unit last stride; heads of one KV head adjacent), caches [blocks, bs, Hkv, D],
+// block_tables [B, max_blocks] int32, seq_lens [B] int32 -> [B, Hq, D].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  check_f32(kc, "key_cache", 4);
+  check_f32(vc, "value_cache", 4);
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32 [B, Hq, D]");
+  auto qc = q.contiguous();
+  auto bt = block_tables.to(torch::kInt32).contiguous();
+  auto sl = seq_lens.to(torch::kInt32).contiguous();
+  const int64_t batch = qc.size(0), heads = qc.size(1), dim = qc.size(2);
+  const int64_t block_size = kc.size(1), kv_heads = kc.size(2);
+  TORCH_CHECK(kc.size(3) == dim && heads % kv_heads == 0, "paged_decode: head shapes do not match the cache");
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch && sl.numel() == batch, "paged_decode: one table and length per row");
+  const int64_t group = heads / kv_heads, width = bt.size(1);
+  const int32_t* lens = sl.data_ptr<int32_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "paged_decode: seq_len ", lens[b],
+                " does not fit the block table");
+  }
+  auto out = torch::empty({batch, heads, dim}, qc.options());
+  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  const int32_t* tp = bt.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, batch * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = i / kv_heads, kvh = i % kv_heads;
+      attend_one(qp + (b * heads + kvh * group) * dim, op + (b * heads + kvh * group) * dim, group, dim,
+                 kp, vp, kv_heads, kvh, tp + b * width, block_size, lens[b], static_cast<float>(scale), scores);
+    }
+  });
+  return out;
+}
+
+// ---- a whole decode step ----------------------------------------------------------------------
+namespace {
+
+struct BlockWeight {
+  torch::Tensor packed, d, m;
+  int64_t bits = 0, n = 0;
+  torch::Tensor operator()(const torch::Tensor& x) const { return blockq_linear(x, packed, d, m, bits, n); }
+};
+
+struct Layer {
+  torch::Tensor input_norm, post_norm;
+  BlockWeight qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+// The layers of a Llama-family model whose projections are all block-quantized and bias-free.
+// forward() is LlamaForCausalLM.forward for a step where every sequence has one new token:
+// embeddings in, the final norm's output out.
+class LlamaDecoder {
+ public:
+  LlamaDecoder(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> shapes,
+               torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
+               double scale)
+      : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {
+    TORCH_CHECK(tensors.size() == shapes.size(), "LlamaDecoder: one shape list per layer");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const auto& t = tensors[i];
+      const auto& s = shapes[i];
+      TORCH_CHECK(t.size() == 14 && s.size() == 8, "LlamaDecoder: layer ", i, " needs 14 tensors and 8 sizes");
+      Layer layer;
+      layer.input_norm = t[0];
+      layer.post_norm = t[1];
+      BlockWeight* w[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      for (int j = 0; j < 4; ++j) {
+        *w[j] = BlockWeight{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], s[2 * j], s[2 * j + 1]};
+      }
+      layers_.push_back(layer);
+    }
+  }
+
+  torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                        std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
+                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
+    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
+                "LlamaDecoder: one cache pair per layer");
+    const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_, rows = h.size(0);
+    auto bt = block_tables.to(torch::kInt32).contiguous();
+    auto sl = seq_lens.to(torch::kInt32).contiguous();
+    auto cs = cos.contiguous(), sn = sin.contiguous();
+    torch::Tensor normed = rms_norm(h, layers_[0].input_norm, eps_);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& L = layers_[i];
+      auto qkv = L.qkv(normed);                                                     // [T, q + 2 kv]
+      auto qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({rows, heads_ + kv_heads_, dim_}), cs, sn);
+      auto k = qk.narrow(1, heads_, kv_heads_);
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads_, dim_});
+      store_kv(k, v, key_caches[i], value_caches[i], slots);
+      auto attn = paged_decode(qk.narrow(1, 0, heads_), key_caches[i], value_caches[i], bt, sl, scale_);
+      auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, eps_);
+      auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
+      const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
+      auto hn2 = add_rms_norm(hn[0], mlp, next_norm, eps_);
+      h = hn2[0];
+      normed = hn2[1];
+    }
+    return normed;
+  }
+
+ private:
+  std::vector<Layer> layers_;
+  torch::Tensor final_norm_;
+  int64_t heads_, kv_heads_, dim_;
+  double eps_, scale_;
+};
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("blockq_linear", &blockq_linear, "y = x @ W^T for a block-quantized W (cpu_blockq.cpp)");
+  mod.def("blockq_vectorized", &blockq_vectorized, "whether the AVX512-VNNI path was compiled");
+  mod.def("rms_norm", &rms_norm);
+  mod.def("add_rms_norm", &add_rms_norm);
+  mod.def("rotary", &rotary);
+  mod.def("silu_mul", &silu_mul);
+  mod.def("store_kv", &store_kv);
+  mod.def("paged_decode", &paged_decode);
+  pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder")
+      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
+                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &LlamaDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

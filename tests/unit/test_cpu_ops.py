@@ -1,0 +1,226 @@
+"""sluice's C++ CPU kernels (kernels/cpu_blockq.cpp, kernels/cpu_ops.cpp) against their torch
+references, on tiny random tensors.
+
+* The block-quantized product (w4a8 / w8a8) equals its float64 reference (``linear_ref``: the
+  same int8 rounding of the input, exact integer sums) to float32 rounding, and a row's bits are
+  the same alone and among other rows; GGUF Q4_0 / Q4_1 / Q8_0 blocks become weights that
+  dequantize to exactly what gguf's own ``dequantize`` gives.
+* Each small op (RMSNorm, residual + RMSNorm, RoPE, SwiGLU, the KV store, paged decode attention)
+  matches the torch code it replaces.
+* The whole C++ decode step (LlamaDecoder) equals the Python layers on the tiny model, and
+  greedy tokens do not depend on the batch.
+
+The extension is built on first use (about a minute on 2 cores, then cached): if it cannot be
+built here, these tests fail with the reason, they do not skip.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize, quantize
+
+from sluice.engine.attention.torch_backend import TorchAttentionBackend, store_kv
+from sluice.engine.models import quant
+from sluice.engine.models.rope import apply_rotary
+from sluice.kernels import cpu_blockq, cpu_ext
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_ext.available(), f"the C++ CPU kernels did not build: {cpu_ext.unavailable_reason()}"
+    return cpu_ext.module()
+
+
+def _weights(n: int, k: int, bits: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4
+    m = -torch.rand(n, k // 32, generator=g) * 0.1
+    return u, d, m
+
+
+# ---- block-quantized products ---------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("n,k,rows", [(16, 32, 1), (40, 96, 3), (200, 576, 13), (33, 64, 130)])
+def test_block_product_matches_its_float64_reference(ops, bits, n, k, rows):
+    u, d, m = _weights(n, k, bits, seed=n + k)
+    w = quant.BlockQLinear(u, d, m, bits)
+    x = torch.randn(rows, k) * torch.linspace(0.1, 3.0, k)          # channels of unequal size
+    got = w(x)
+    want = quant.blockq_linear_ref(x, w)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    # The weight it multiplies by is d u + m, as given (n not a multiple of the 16-row tile too).
+    got_u, got_d, got_m = w.parts()
+    assert torch.equal(got_u, u) and torch.equal(got_d, d) and torch.equal(got_m, m)
+    # int8 rounding of the input costs what it should: close to the float product.
+    exact = x.double() @ w.dequantize().double().t()
+    assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_rows_bits_do_not_depend_on_the_batch(ops, bits):
+    u, d, m = _weights(50, 192, bits, seed=3)
+    w = quant.BlockQLinear(u, d, m, bits)
+    x = torch.randn(37, 192)
+    full = w(x)
+    for i in (0, 8, 36):
+        assert torch.equal(w(x[i:i + 1].contiguous())[0], full[i])
+    torch.set_num_threads(1)
+    try:
+        assert torch.equal(w(x), full)
+    finally:
+        torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("kind,bits", [(T.Q4_0, 4), (T.Q4_1, 4), (T.Q8_0, 8), (T.Q4_1, 8)])
+def test_gguf_blocks_are_used_as_stored(ops, kind, bits):
+    rng = np.random.default_rng(int(kind))
+    w = (rng.standard_normal((48, 128)) * rng.uniform(0.01, 1.0, (48, 1)) + 0.1).astype(np.float32)
+    blocks = torch.from_numpy(np.ascontiguousarray(quantize(w, kind)))
+    want = torch.from_numpy(dequantize(blocks.numpy(), kind))
+    parts = quant.block_parts(kind.name, blocks, (48, 128), bits)
+    got = quant.BlockQLinear(*parts, bits).dequantize()
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-7 * float(want.abs().max()))
+    # An 8-bit tensor does not fit a 4-bit weight: the caller re-quantizes from floats instead.
+    assert quant.block_parts("Q8_0", blocks, (48, 128), 4) is None or kind != T.Q8_0
+
+
+def test_float_weights_quantize_per_block(ops):
+    w = torch.randn(32, 64) * 0.05
+    for bits, tol in ((8, 1 / 254), (4, 1 / 30)):
+        q = quant.BlockQLinear.from_float(w, bits).dequantize()
+        span = w.view(32, 2, 32).abs().amax(-1, keepdim=True) * 2
+        assert ((q - w).view(32, 2, 32).abs() <= tol * span + 1e-7).all(), bits
+
+
+def test_bad_block_inputs_are_clear_errors(ops):
+    u, d, m = _weights(16, 64, 4, seed=1)
+    with pytest.raises(ValueError, match="values must lie in 0..15"):
+        quant.BlockQLinear(u * 0 + 16, d, m, 4)
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        quant.BlockQLinear(u[:, :40], d, m, 4)
+    w = quant.BlockQLinear(u, d, m, 4)
+    with pytest.raises(ValueError, match="input has 32 features, expected 64"):
+        w(torch.randn(2, 1, 32))
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        cpu_blockq.linear(torch.randn(1, 48), w.packed, w.d, w.m, 4, 16)
+
+
+# ---- the small ops ---------------------------------------------------------------------------------
+def test_norms_rope_and_swiglu_match_torch(ops):
+    x, w = torch.randn(7, 96), torch.randn(96)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), F.rms_norm(x, (96,), w, 1e-5))
+    delta = torch.randn(7, 96)
+    total, normed = ops.add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(normed, F.rms_norm(x + delta, (96,), w, 1e-6))
+    # RoPE on a strided view (the Q/K part of a fused projection), cos/sin [T, 1, D/2].
+    qkv = torch.randn(5, 12 * 16)
+    qk = qkv[:, :8 * 16].view(5, 8, 16)
+    cos, sin = torch.randn(5, 1, 8), torch.randn(5, 1, 8)
+    torch.testing.assert_close(ops.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
+    gu = torch.randn(4, 2 * 40)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:])
+
+
+def _cache(blocks=12, block_size=4, kv_heads=2, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(blocks, block_size, kv_heads, dim, generator=g),
+            torch.randn(blocks, block_size, kv_heads, dim, generator=g))
+
+
+def test_store_kv_matches_torch(ops):
+    ours, ref = _cache(), _cache()
+    k, v = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    slots = torch.tensor([5, 0, 47])
+    ops.store_kv(k, v, ours[0], ours[1], slots)
+    store_kv(k, v, ref, slots)
+    assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.store_kv(k, v, ours[0], ours[1], torch.tensor([5, 0, 48]))
+
+
+def test_paged_decode_matches_sdpa_per_sequence(ops):
+    kc, vc = _cache(blocks=16, block_size=4, kv_heads=2, dim=16)
+    # Three sequences over scattered blocks, GQA 6 query heads over 2 KV heads.
+    tables = torch.tensor([[3, 9, 1, 0], [7, 0, 0, 0], [2, 15, 4, 11]], dtype=torch.int32)
+    lens = torch.tensor([10, 1, 16], dtype=torch.int32)
+    q = torch.randn(3, 6, 16)
+    got = ops.paged_decode(q, kc, vc, tables, lens, 0.25)
+    want = TorchAttentionBackend._decode(q, (kc, vc), tables, lens, 16, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    alone = ops.paged_decode(q[2:].contiguous(), kc, vc, tables[2:], lens[2:], 0.25)
+    assert torch.equal(alone[0], got[2])
+    with pytest.raises(RuntimeError, match="does not fit the block table"):
+        ops.paged_decode(q, kc, vc, tables, torch.tensor([10, 1, 17], dtype=torch.int32), 0.25)
+
+
+# ---- the whole decode step -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_w4a8(tiny_smollm2):
+    from sluice.engine.loaders import load_model
+
+    return load_model(str(tiny_smollm2), quantization="w4a8")
+
+
+def test_cpu_decode_step_equals_the_python_layers(ops, tiny_w4a8):
+    from sluice.engine.llm import LLM
+    from sluice.engine.sampling_params import SamplingParams
+
+    prompts = ["hello there", "a b c d e f g", "x"]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    model = tiny_w4a8.model
+    llm = LLM(loaded=tiny_w4a8, quantization="w4a8", kv_cache_memory_bytes=8 << 20)
+    fast = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    assert model._decoder, "the C++ decode step was not used"
+    # The same steps through the Python layers (which use the same C++ ops).
+    decoder, model._decoder = model._decoder, False
+    try:
+        slow = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    finally:
+        model._decoder = decoder
+    assert fast == slow
+    alone = [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    assert alone == fast
+
+
+def test_cpu_decode_step_logits_match_a_torch_only_forward(ops, tiny_w4a8):
+    """One decode step's hidden state from LlamaDecoder against the layers run with plain torch
+    ops (F.rms_norm, apply_rotary, SDPA): the same up to float32 rounding."""
+    from sluice.engine.attention.base import AttentionMetadata
+
+    model = tiny_w4a8.model
+    arch = model.arch
+    model._cpu_decoder()
+    caches = [_cache(blocks=4, block_size=16, kv_heads=arch.num_key_value_heads, dim=arch.head_dim, seed=i)
+              for i in range(arch.num_hidden_layers)]
+    plain = [(k.clone(), v.clone()) for k, v in caches]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([9, 16 + 3]), query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32),
+        seq_lens=torch.tensor([10, 20], dtype=torch.int32), context_lens=torch.tensor([9, 19], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 3], [2, 1]], dtype=torch.int32), block_size=16, max_query_len=1,
+        max_seq_len=20, query_lens_cpu=(1, 1), seq_lens_cpu=(10, 20))
+    ids, pos = torch.tensor([5, 17]), torch.tensor([9, 19])
+    attn = TorchAttentionBackend()
+    got = model(ids, pos, caches, meta, attn)
+    fast = [m for m in model.modules() if getattr(m, "fast", None) is not None]
+    saved = [(m, m.fast) for m in fast]
+    decoder, model._decoder = model._decoder, False
+    try:
+        for m in fast:
+            m.fast = None
+        attn_plain = TorchAttentionBackend()
+        want = model(ids, pos, plain, meta, attn_plain)
+    finally:
+        model._decoder = decoder
+        for m, f in saved:
+            m.fast = f
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    for (k, v), (pk, pv) in zip(caches, plain):
+        torch.testing.assert_close(k, pk, rtol=1e-5, atol=1e-5)
