@@ -17,8 +17,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                             int64_t bits, int64_t n);
@@ -32,10 +37,22 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
               "cpu_ops: ", name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
 }
 
+// One fixed summation order per length n, whichever row or thread calls it.
 inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
   float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+#if defined(__AVX512F__)
+  if (n >= 32) {
+    __m512 acc0 = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
+    __m512 acc1 = _mm512_mul_ps(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(b + 16));
+    for (i = 32; i + 32 <= n; i += 32) {
+      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
+      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+    }
+    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+  }
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
@@ -149,44 +166,210 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor 
 
 namespace {
 
-// One sequence, one KV head: the group of query heads that share it attend over seq_len tokens.
+// e^x for x <= 0 (softmax after subtracting the maximum), to about 2 ulp: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n through the exponent bits. Plain C++ so that
+// GCC vectorizes the loops that call it; every path computes it the same way.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = std::fma(n, -0.693145751953125f, std::fma(n, -1.428606765330187e-06f, x));
+  float p = 1.f / 720.f;
+  p = std::fma(p, r, 1.f / 120.f);
+  p = std::fma(p, r, 1.f / 24.f);
+  p = std::fma(p, r, 1.f / 6.f);
+  p = std::fma(p, r, 0.5f);
+  p = std::fma(p, r, 1.f);
+  p = std::fma(p, r, 1.f);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// x[i] = e^(x[i] - shift) for x[i] <= shift: exp_nonpositive, 16 lanes at a time with the same
+// operations (so the same bits), then the scalar function for the tail.
+void exp_shifted(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sh = _mm512_set1_ps(shift), lo = _mm512_set1_ps(-87.f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 c1 = _mm512_set1_ps(-0.693145751953125f), c2 = _mm512_set1_ps(-1.428606765330187e-06f);
+  const float coef[7] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh), lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fmadd_ps(k, c1, _mm512_fmadd_ps(k, c2, v));
+    __m512 p = _mm512_set1_ps(coef[0]);
+    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef[c]));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - shift);
+}
+
+#if defined(__AVX512F__)
+// attend_one for G query heads per KV head and a head size of 16 * CH, everything in registers.
+// The per-row arithmetic is fixed by (G, CH): every row of every step takes this same path.
+template <int G, int CH>
+void attend_fixed(const float* q, float* out, const float* kc, const float* vc, int64_t kv_heads,
+                  int64_t kvh, const int32_t* table, int64_t block_size, int64_t seq_len, float scale,
+                  std::vector<float>& scores) {
+  constexpr int64_t dim = 16 * CH;
+  scores.resize(static_cast<size_t>(G * seq_len));
+  float* sc = scores.data();
+  const int64_t row = kv_heads * dim;
+  __m512 qv[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) qv[g][c] = _mm512_loadu_ps(q + g * dim + 16 * c);
+  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+    const float* kb = kc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
+    const int64_t t1 = std::min(seq_len, t0 + block_size);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* kt = kb + (t - t0) * row;
+      __m512 kv[CH];
+      for (int c = 0; c < CH; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        __m512 a0 = _mm512_mul_ps(qv[g][0], kv[0]);
+        __m512 a1 = _mm512_mul_ps(qv[g][1], kv[1]);
+        for (int c = 2; c + 1 < CH; c += 2) {
+          a0 = _mm512_fmadd_ps(qv[g][c], kv[c], a0);
+          a1 = _mm512_fmadd_ps(qv[g][c + 1], kv[c + 1], a1);
+        }
+        sc[g * seq_len + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+      }
+    }
+  }
+  float inv[G];
+  for (int g = 0; g < G; ++g) {
+    float* sg = sc + g * seq_len;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < seq_len; ++t) mx = std::max(mx, sg[t]);
+    exp_shifted(sg, seq_len, mx);
+    // 16 running sums, then one fixed reduction.
+    __m512 tot = _mm512_setzero_ps();
+    int64_t t = 0;
+    for (; t + 16 <= seq_len; t += 16) tot = _mm512_add_ps(tot, _mm512_loadu_ps(sg + t));
+    float total = _mm512_reduce_add_ps(tot);
+    for (; t < seq_len; ++t) total += sg[t];
+    inv[g] = 1.f / total;
+  }
+  __m512 acc[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+    const float* vb = vc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
+    const int64_t t1 = std::min(seq_len, t0 + block_size);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* vt = vb + (t - t0) * row;
+      __m512 vv[CH];
+      for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(sc[g * seq_len + t]);
+        for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < CH; ++c)
+      _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+}
+
+using AttendFn = void (*)(const float*, float*, const float*, const float*, int64_t, int64_t,
+                          const int32_t*, int64_t, int64_t, float, std::vector<float>&);
+
+template <int CH>
+AttendFn pick_group(int64_t group) {
+  switch (group) {
+    case 1: return attend_fixed<1, CH>;
+    case 2: return attend_fixed<2, CH>;
+    case 3: return attend_fixed<3, CH>;
+    case 4: return attend_fixed<4, CH>;
+    default: return nullptr;
+  }
+}
+
+// The specialised kernel for this shape, or nullptr (then attend_one's general loops).
+AttendFn pick_attend(int64_t group, int64_t dim) {
+  if (dim == 64) return pick_group<4>(group);
+  if (dim == 128) return pick_group<8>(group);
+  return nullptr;
+}
+#endif
+
+// One query row, one KV head: the group of query heads that share it attend over the first
+// seq_len tokens of the row's sequence. Scores, the softmax and the weighted sum of values each
+// run over the tokens in order, so a row's result depends only on its query and its prefix.
 void attend_one(const float* q, float* out, int64_t group, int64_t dim, const float* kc,
                 const float* vc, int64_t kv_heads, int64_t kvh, const int32_t* table,
                 int64_t block_size, int64_t seq_len, float scale, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(group * seq_len));
+  const int64_t row = kv_heads * dim;                    // floats from one token to the next
+  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+    const float* kb = kc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
+    const int64_t t1 = std::min(seq_len, t0 + block_size);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* kt = kb + (t - t0) * row;
+      for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * dim, kt, dim) * scale;
+    }
+  }
+  std::vector<float> inv(static_cast<size_t>(group));
   for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * dim;
     float* sg = scores.data() + g * seq_len;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < seq_len; ++t) {
-      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-      sg[t] = dot(qg, kc + (slot * kv_heads + kvh) * dim, dim) * scale;
-      mx = std::max(mx, sg[t]);
-    }
+    for (int64_t t = 0; t < seq_len; ++t) mx = std::max(mx, sg[t]);
+    exp_shifted(sg, seq_len, mx);
     float total = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) {
-      sg[t] = std::exp(sg[t] - mx);
-      total += sg[t];
+    for (int64_t t = 0; t < seq_len; ++t) total += sg[t];
+    inv[g] = 1.f / total;
+  }
+  // The weighted sum of values: one running sum per output lane, over the tokens in order. With
+  // AVX512 and dim a multiple of 16 (up to 128) and up to 8 heads per KV head, all the group's
+  // outputs are held at once, so that each token's values are loaded once.
+  int64_t done = 0;
+#if defined(__AVX512F__)
+  const int64_t chunks = dim / 16;
+  if (dim % 16 == 0 && chunks <= 8 && group <= 8) {
+    __m512 acc[64];
+    for (int64_t a = 0; a < group * chunks; ++a) acc[a] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+      const float* vb = vc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
+      const int64_t t1 = std::min(seq_len, t0 + block_size);
+      for (int64_t t = t0; t < t1; ++t) {
+        const float* vt = vb + (t - t0) * row;
+        for (int64_t g = 0; g < group; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * seq_len + t]);
+          for (int64_t c = 0; c < chunks; ++c)
+            acc[g * chunks + c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16 * c), acc[g * chunks + c]);
+        }
+      }
     }
-    float* og = out + g * dim;
-    std::fill_n(og, dim, 0.f);
-    for (int64_t t = 0; t < seq_len; ++t) {
-      const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-      const float* vt = vc + (slot * kv_heads + kvh) * dim;
-      const float p = sg[t];
-#pragma omp simd
-      for (int64_t j = 0; j < dim; ++j) og[j] += p * vt[j];
+    for (int64_t g = 0; g < group; ++g)
+      for (int64_t c = 0; c < chunks; ++c)
+        _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g * chunks + c], _mm512_set1_ps(inv[g])));
+    done = 1;
+  }
+#endif
+  if (!done) {
+    for (int64_t g = 0; g < group; ++g) {
+      for (int64_t j = 0; j < dim; ++j) {
+        float acc = 0.f;
+        for (int64_t t = 0; t < seq_len; ++t) {
+          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
+          acc = std::fma(scores[g * seq_len + t], vc[(slot * kv_heads + kvh) * dim + j], acc);
+        }
+        out[g * dim + j] = acc * inv[g];
+      }
     }
-    const float inv = 1.f / total;
-#pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) og[j] *= inv;
   }
 }
 
 }  // namespace
 
-// q [B, Hq, D] (unit last stride; heads of one KV head adjacent), caches [blocks, bs, Hkv, D],
-// block_tables [B, max_blocks] int32, seq_lens [B] int32 -> [B, Hq, D].
+// q [B, Hq, D] (heads of one KV head adjacent), caches [blocks, bs, Hkv, D], block_tables
+// [B, max_blocks] int32, seq_lens [B] int32 -> [B, Hq, D]. Row b attends over the first
+// seq_lens[b] tokens of the sequence block_tables[b] describes: a decode row is its sequence's
+// last token, and a prefill or verification row is one row per token with its own length.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   check_f32(kc, "key_cache", 4);
@@ -209,10 +392,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   const int32_t* tp = bt.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
+#if defined(__AVX512F__)
+  const AttendFn fixed = pick_attend(group, dim);
+#endif
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / kv_heads, kvh = i % kv_heads;
+#if defined(__AVX512F__)
+      if (fixed != nullptr) {
+        fixed(qp + (b * heads + kvh * group) * dim, op + (b * heads + kvh * group) * dim, kp, vp, kv_heads,
+              kvh, tp + b * width, block_size, lens[b], static_cast<float>(scale), scores);
+        continue;
+      }
+#endif
       attend_one(qp + (b * heads + kvh * group) * dim, op + (b * heads + kvh * group) * dim, group, dim,
                  kp, vp, kv_heads, kvh, tp + b * width, block_size, lens[b], static_cast<float>(scale), scores);
     }

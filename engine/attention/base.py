@@ -44,6 +44,21 @@ class AttentionMetadata:
         return self.max_query_len == 1
 
 
+def row_prefixes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query row: its sequence's block table and the length of its causal prefix (its
+    position + 1), ``([num_tokens, max_blocks] int32, [num_tokens] int32)``: the input of a
+    kernel that attends row by row (``kernels/cpu_ops.cpp``'s paged_decode). A decode step's rows
+    are its sequences, so it is the step's own tables and lengths."""
+    if meta.is_pure_decode:
+        return meta.block_tables, meta.seq_lens
+    q_lens = torch.tensor(meta.query_lens_cpu)
+    seq = torch.repeat_interleave(torch.arange(meta.num_seqs), q_lens)
+    starts = torch.repeat_interleave(meta.query_start_loc[:-1].long().cpu(), q_lens)
+    within = torch.arange(int(q_lens.sum())) - starts
+    lens = meta.context_lens.long().cpu()[seq] + within + 1
+    return meta.block_tables[seq.to(meta.block_tables.device)], lens.to(torch.int32).to(meta.seq_lens.device)
+
+
 class AttentionBackend(ABC):
     """Stores this step's K/V into the paged cache, then attends through the block tables."""
 

@@ -36,14 +36,11 @@ _SHORT_QUERY = 16
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
-    # Set by a model that runs its decode steps in C++ (LlamaForCausalLM._cpu_decoder): decode rows
-    # then attend through that kernel in every step, so that their bits match its own.
-    cpu_decode = None
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
         store_kv(key, value, kv_cache, meta.slot_mapping)
         if meta.is_pure_decode:
-            return self._decode_rows(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+            return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(query)
         decode_rows, decode_seqs, start = [], [], 0
         for i, q_len in enumerate(meta.query_lens_cpu):
@@ -55,8 +52,8 @@ class TorchAttentionBackend(AttentionBackend):
             dev = query.device
             rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
             seqs = torch.tensor(decode_seqs, dtype=torch.long, device=dev)
-            out[rows] = self._decode_rows(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
-                                          max(meta.seq_lens_cpu[i] for i in decode_seqs), scale)
+            out[rows] = self._decode(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
+                                     max(meta.seq_lens_cpu[i] for i in decode_seqs), scale)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len > 1:   # decode rows were done above
@@ -91,11 +88,6 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.bmm(probs, v.transpose(0, 1))                            # [Hkv, group * Lq, D]
         return out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
-
-    def _decode_rows(self, query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):
-        if self.cpu_decode is not None and query.dtype == torch.float32:
-            return self.cpu_decode(query, kv_cache[0], kv_cache[1], block_tables, seq_lens, scale)
-        return self._decode(query, kv_cache, block_tables, seq_lens, max_seq_len, scale)
 
     @staticmethod
     def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, row_prefixes
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models import quant
 from sluice.engine.models.config import ModelArchConfig
@@ -129,11 +129,7 @@ class RMSNorm(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.ones(size, **factory))
         self.eps = eps
 
-    fast = None               # kernels.cpu_ext's module when the model runs its C++ decode step
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast is not None and x.dim() == 2 and x.is_contiguous():
-            return self.fast.rms_norm(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             # One fused op instead of five: the norm runs 61 times per token.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -153,15 +149,12 @@ class LlamaAttention(torch.nn.Module):
         self.qkv_proj = _Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.attention_bias, **factory)
         self.o_proj = _Linear(self.q_size, arch.hidden_size, bias=False, **factory)
 
-    fast = None               # as RMSNorm.fast
-
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, attn: AttentionBackend):
         # x [T, hidden]
         qkv = self.qkv_proj(x)                                                 # [T, q + 2 kv]
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
         # Q and K heads rotate in one call: they sit side by side in the fused projection.
-        qk = qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
-        qk = apply_rotary(qk, cos, sin) if self.fast is None else self.fast.rotary(qk, cos, sin)
+        qk = apply_rotary(qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)              # [T, Hq, D], [T, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
         out = attn.forward(q, k, v, kv_cache, meta, self.scale)                  # [T, Hq, D]
@@ -175,11 +168,7 @@ class LlamaMLP(torch.nn.Module):
         self.gate_up_proj = _Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False, **factory)
         self.down_proj = _Linear(arch.intermediate_size, arch.hidden_size, bias=False, **factory)
 
-    fast = None               # as RMSNorm.fast
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fast is not None:
-            return self.down_proj(self.fast.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
         return self.down_proj(F.silu(gate) * up)                                 # [T, hidden]
 
@@ -222,7 +211,6 @@ class LlamaForCausalLM(torch.nn.Module):
         self.quant_embedding = None
         self.quant_lm_head = None
         self._decoder = None      # _cpu_decoder(): built on the first step
-        self._decoder_ops = None
 
     def forward(
         self,
@@ -235,23 +223,20 @@ class LlamaForCausalLM(torch.nn.Module):
         h = self.embed(input_ids)                              # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)     # [T, 1, D/2] each, shared by all layers
         if attn.name == "torch" and self._cpu_decoder() is not None:
-            if meta.is_pure_decode:
-                keys, values = zip(*kv_caches)
-                return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping,
-                                             meta.block_tables, meta.seq_lens)
-            # Other steps run the layers below with the same C++ ops (norms, RoPE, SwiGLU, and
-            # decode rows' attention), so that a sequence's bits do not depend on which of the
-            # two paths a step took, nor on what else was in it.
-            attn.cpu_decode = self._decoder_ops.paged_decode
+            keys, values = zip(*kv_caches)
+            tables, lens = row_prefixes(meta)
+            return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping, tables, lens)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, attn)
         return self.norm(h)
 
     def _cpu_decoder(self):
-        """The C++ decode step (``kernels/cpu_ops.cpp``'s LlamaDecoder) when every projection is
-        block-quantized (``w4a8`` / ``w8a8``) and bias-free; None otherwise. A pure-decode step then
-        runs all the layers in one call, with the same arithmetic as the layers here (norms,
-        RoPE, SwiGLU, residuals in float32; attention over the paged cache per sequence)."""
+        """The C++ layer stack (``kernels/cpu_ops.cpp``'s LlamaDecoder) when every projection is
+        block-quantized (``w4a8`` / ``w8a8``) and bias-free; None otherwise. Every step (prefill,
+        decode, verification, mixed) then runs all the layers in one call, with the arithmetic of
+        the layers here (norms, RoPE, SwiGLU, residuals in float32), each row attending over its
+        own causal prefix (``row_prefixes``): a token's bits depend only on its sequence, not on
+        the batch, the chunking, a prefix-cache hit or speculation."""
         if self._decoder is None:
             self._decoder = False
             linears = [m for m in self.modules() if isinstance(m, _Linear)]
@@ -270,10 +255,6 @@ class LlamaForCausalLM(torch.nn.Module):
                 self._decoder = ops.LlamaDecoder(
                     tensors, shapes, self.norm.weight.detach(), arch.num_attention_heads,
                     arch.num_key_value_heads, arch.head_dim, float(arch.rms_norm_eps), arch.head_dim ** -0.5)
-                self._decoder_ops = ops
-                for module in self.modules():
-                    if isinstance(module, (RMSNorm, LlamaAttention, LlamaMLP)):
-                        module.fast = ops
         return self._decoder or None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
