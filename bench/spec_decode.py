@@ -198,6 +198,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--quantization", default="none",
+                   help="the target's weight format (none: float32, the figures in the README; w4a8...)")
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--k", type=int, default=5, help="spec_draft_length")
     p.add_argument("--max-tokens", type=int, default=160)
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.max_tokens, args.num_prompts, args.streams, args.stream_tokens, args.sweep = 8, 1, 4, 4, [1, 2]
-    loaded = load_model(args.model, dtype="float32", device=args.device)
+    loaded = load_model(args.model, dtype="float32", device=args.device, quantization=args.quantization)
     rows = []
     for section in args.sections.split(","):
         rows += {"batch1": batch1, "concurrent": concurrent, "sweep": sweep}[section](loaded, args)

@@ -46,8 +46,8 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overrides", default="",
                    help='"key=value;..." e.g. "max_num_sequence=32;max_total_seq_length=4096;spec_draft_length=4"')
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
-                   help="weights in memory: none (float32) | bf16 | int8 | int4 | auto, CPU only "
-                        "(default: none, or the quantization override)")
+                   help="weights in memory: none (float32) | bf16 | int8 | int4 | w8a8 | w4a8 (CPU only) | "
+                        "auto: the fastest that keeps the file's weights (default: auto, or the override)")
     p.add_argument("--speculative-mode", default="disable", metavar="MODE",
                    help="disable | ngram | small_draft | eagle | medusa; small_draft, eagle and medusa "
                         "need --additional-models (default: disable)")

@@ -64,9 +64,10 @@ class DeviceConfig:
     attention_backend: str = "auto"        # auto: triton (+ flash-attn prefill if installed) on CUDA, torch on CPU
     sampler_backend: str = "auto"          # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None         # torch intra-op threads on CPU
-    # Weights as stored in memory: none (float32) | bf16 | int8 | int4 | auto (CPU only, but
-    # auto: the fastest format that keeps the file's precision; engine.loaders.quantized).
-    quantization: str = "none"
+    # Weights as stored in memory: none (float32) | bf16 | int8 | int4 | w8a8 | w4a8 (CPU only)
+    # | auto: the fastest format that keeps the file's weights as stored (w4a8 for a Q4_0/Q4_1
+    # GGUF on CPU, none for float checkpoints and on CUDA; engine.loaders.quantized).
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         d = self.device

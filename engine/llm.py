@@ -43,7 +43,7 @@ class LLM:
                  **options) -> None:
         """``options`` are the fields of the per-subsystem configs (block_size, max_num_seqs,
         max_num_batched_tokens, kv_cache_memory_bytes, device, dtype, attention_backend,
-        quantization = none | bf16 | int8 | int4 | auto, ...).
+        quantization = none | bf16 | int8 | int4 | w8a8 | w4a8 | auto (the default), ...).
         ``loaded`` reuses weights already in memory (tests build several engines on one model);
         ``draft_loaded`` does the same for small_draft's draft model (``additional_models``), and
         ``heads`` for eagle's or medusa's heads module (``spec_decode.heads``)."""

@@ -32,10 +32,24 @@ def _cpu_flags() -> bytes:
     return b""
 
 
-def build_dir() -> Path:
+def build_dir(portable: bool = False) -> Path:
     root = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "ext"
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + _cpu_flags())
-    return root / f"cpu-{key.hexdigest()[:16]}"
+    return root / f"cpu-{'portable-' if portable else ''}{key.hexdigest()[:16]}"
+
+
+def _build(portable: bool):
+    from torch.utils import cpp_extension
+
+    build = build_dir(portable)
+    build.mkdir(parents=True, exist_ok=True)
+    # -fopenmp: at::parallel_for is OpenMP inline in the headers; without it the loops run on one
+    # thread. The libgomp.so.1 that torch has loaded is the one used.
+    arch = "-march=x86-64-v2" if portable else "-march=native"
+    return cpp_extension.load(
+        name="sluice_cpu_portable" if portable else "sluice_cpu", sources=[str(p) for p in _SOURCES],
+        build_directory=str(build), extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"],
+        verbose=False)
 
 
 def _load():
@@ -44,20 +58,17 @@ def _load():
         if _module is not None or _error is not None:
             return _module
         try:
-            from torch.utils import cpp_extension
-
-            build = build_dir()
-            build.mkdir(parents=True, exist_ok=True)
-            _module = cpp_extension.load(
-                name="sluice_cpu", sources=[str(p) for p in _SOURCES], build_directory=str(build),
-                # -fopenmp: at::parallel_for is OpenMP inline in the headers; without it the loops
-                # run on one thread. The libgomp.so.1 that torch has loaded is the one used.
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                verbose=False)
+            _module = _build(portable=False)
         except Exception as exc:                      # no compiler, no ninja, a build error
             text = str(exc).strip()
             _error = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc!r}"
         return _module
+
+
+def portable_module():
+    """The same sources built without AVX-512 (x86-64-v2): the portable C++ paths, for tests that
+    hold them to the vector ones. Raises when the build fails."""
+    return _build(portable=True)
 
 
 def available() -> bool:
@@ -75,3 +86,13 @@ def module():
     if mod is None:
         raise RuntimeError(f"sluice's C++ CPU kernels are not available: {_error}")
     return mod
+
+
+if __name__ == "__main__":       # `python -m sluice.kernels.cpu_ext`: build now (make setup does)
+    import sys
+
+    if available():
+        print(f"sluice CPU kernels: built in {build_dir()}")
+    else:
+        print(f"sluice CPU kernels: not available ({unavailable_reason()}); quantization=auto will not pick "
+              "w4a8/w8a8", file=sys.stderr)

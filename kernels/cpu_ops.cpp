@@ -498,7 +498,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("silu_mul", &silu_mul);
   mod.def("store_kv", &store_kv);
   mod.def("paged_decode", &paged_decode);
-  pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder")
+  pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())
       .def("forward", &LlamaDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());

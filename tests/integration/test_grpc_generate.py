@@ -39,7 +39,7 @@ async def _run_concurrently(target: str) -> tuple[list[tuple[str, int]], list[Ch
     return events, list(choices)
 
 
-def test_16_concurrent_streams_interleave_and_equal_the_offline_api(engine_server, smollm2) -> None:
+def test_16_concurrent_streams_interleave_and_equal_the_offline_api(engine_server) -> None:
     events, choices = asyncio.run(_run_concurrently(engine_server.target))
 
     firsts = [n for n, (kind, _) in enumerate(events) if kind == "first"]
@@ -52,9 +52,8 @@ def test_16_concurrent_streams_interleave_and_equal_the_offline_api(engine_serve
     from sluice.engine.overrides import build_engine_config
     from sluice.engine.sampling_params import SamplingParams
 
-    # The session's SmolLM2 weights (tests/conftest.py), in an engine configured as the server's.
-    llm = LLM(config=build_engine_config("smollm2", mode="local", overrides=MAIN_OVERRIDES, device="cpu"),
-              loaded=smollm2)
+    # An engine configured as the server's, so in its weight format too (auto: w4a8 on CPU).
+    llm = LLM(config=build_engine_config("smollm2", mode="local", overrides=MAIN_OVERRIDES, device="cpu"))
     params = [SamplingParams(max_tokens=6, temperature=0.8, top_p=0.95, seed=100 + i, ignore_eos=True)
               for i in range(16)]
     offline = llm.generate(PROMPTS, params)

@@ -112,6 +112,30 @@ def test_bad_block_inputs_are_clear_errors(ops):
         cpu_blockq.linear(torch.randn(1, 48), w.packed, w.d, w.m, 4, 16)
 
 
+def test_the_portable_build_computes_what_the_avx512_one_does(ops):
+    """The same sources without AVX-512 (what a CPU without AVX512-VNNI runs): block products
+    bit for bit (the same integer sums and fused multiply-adds), the other ops to rounding."""
+    import platform
+
+    assert platform.machine() in ("x86_64", "AMD64"), "this build check is written for x86-64"
+    assert ops.blockq_vectorized(), "the native build here should have the AVX512-VNNI path"
+    portable = cpu_ext.portable_module()
+    assert not portable.blockq_vectorized()
+    for bits in (4, 8):
+        u, d, m = _weights(40, 96, bits, seed=bits)
+        w = quant.BlockQLinear(u, d, m, bits)
+        x = torch.randn(9, 96)
+        assert torch.equal(portable.blockq_linear(x, w.packed, w.d, w.m, bits, 40), w(x))
+    x, wn = torch.randn(5, 64), torch.randn(64)
+    torch.testing.assert_close(portable.rms_norm(x, wn, 1e-5), ops.rms_norm(x, wn, 1e-5))
+    kc, vc = _cache(blocks=16, block_size=4, kv_heads=3, dim=64)
+    tables = torch.tensor([[3, 9, 1, 0], [2, 15, 4, 11]], dtype=torch.int32)
+    lens = torch.tensor([10, 16], dtype=torch.int32)
+    q = torch.randn(2, 9, 64)
+    torch.testing.assert_close(portable.paged_decode(q, kc, vc, tables, lens, 0.125),
+                               ops.paged_decode(q, kc, vc, tables, lens, 0.125), rtol=1e-5, atol=1e-6)
+
+
 # ---- the small ops ---------------------------------------------------------------------------------
 def test_norms_rope_and_swiglu_match_torch(ops):
     x, w = torch.randn(7, 96), torch.randn(96)

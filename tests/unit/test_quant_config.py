@@ -16,7 +16,7 @@ from sluice.engine.loaders.quantized import resolve_quantization
 
 
 def test_device_config_validates_quantization():
-    assert DeviceConfig().quantization == "none"
+    assert DeviceConfig().quantization == "auto"
     for fmt in ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto"):
         assert DeviceConfig(device="cpu", quantization=fmt).quantization == fmt
     with pytest.raises(ValueError, match="quantization: must be one of none, bf16, int8, int4, w8a8, w4a8, auto, got 'int3'"):
