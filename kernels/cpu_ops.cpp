@@ -208,6 +208,18 @@ void exp_shifted(float* x, int64_t n, float shift) {
   for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - shift);
 }
 
+// Calls fn(t, pointer to token t's row for this KV head) for t = 0 .. seq_len - 1, walking the
+// sequence's blocks in order (one table lookup per block).
+template <typename Fn>
+inline void each_token(const float* cache, const int32_t* table, int64_t block_size, int64_t row,
+                       int64_t offset, int64_t seq_len, Fn&& fn) {
+  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
+    const float* base = cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + offset;
+    const int64_t t1 = std::min(seq_len, t0 + block_size);
+    for (int64_t t = t0; t < t1; ++t) fn(t, base + (t - t0) * row);
+  }
+}
+
 #if defined(__AVX512F__)
 // attend_one for G query heads per KV head and a head size of 16 * CH, everything in registers.
 // The per-row arithmetic is fixed by (G, CH): every row of every step takes this same path.
@@ -222,24 +234,19 @@ void attend_fixed(const float* q, float* out, const float* kc, const float* vc, 
   __m512 qv[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) qv[g][c] = _mm512_loadu_ps(q + g * dim + 16 * c);
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* kb = kc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
-    const int64_t t1 = std::min(seq_len, t0 + block_size);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* kt = kb + (t - t0) * row;
-      __m512 kv[CH];
-      for (int c = 0; c < CH; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        __m512 a0 = _mm512_mul_ps(qv[g][0], kv[0]);
-        __m512 a1 = _mm512_mul_ps(qv[g][1], kv[1]);
-        for (int c = 2; c + 1 < CH; c += 2) {
-          a0 = _mm512_fmadd_ps(qv[g][c], kv[c], a0);
-          a1 = _mm512_fmadd_ps(qv[g][c + 1], kv[c + 1], a1);
-        }
-        sc[g * seq_len + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+  each_token(kc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* kt) {
+    __m512 kv[CH];
+    for (int c = 0; c < CH; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 a0 = _mm512_mul_ps(qv[g][0], kv[0]);
+      __m512 a1 = _mm512_mul_ps(qv[g][1], kv[1]);
+      for (int c = 2; c + 1 < CH; c += 2) {
+        a0 = _mm512_fmadd_ps(qv[g][c], kv[c], a0);
+        a1 = _mm512_fmadd_ps(qv[g][c + 1], kv[c + 1], a1);
       }
+      sc[g * seq_len + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
     }
-  }
+  });
   float inv[G];
   for (int g = 0; g < G; ++g) {
     float* sg = sc + g * seq_len;
@@ -257,19 +264,14 @@ void attend_fixed(const float* q, float* out, const float* kc, const float* vc, 
   __m512 acc[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* vb = vc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
-    const int64_t t1 = std::min(seq_len, t0 + block_size);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* vt = vb + (t - t0) * row;
-      __m512 vv[CH];
-      for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
-      for (int g = 0; g < G; ++g) {
-        const __m512 p = _mm512_set1_ps(sc[g * seq_len + t]);
-        for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-      }
+  each_token(vc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* vt) {
+    __m512 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(sc[g * seq_len + t]);
+      for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
-  }
+  });
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c)
       _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
@@ -305,14 +307,9 @@ void attend_one(const float* q, float* out, int64_t group, int64_t dim, const fl
                 int64_t block_size, int64_t seq_len, float scale, std::vector<float>& scores) {
   scores.resize(static_cast<size_t>(group * seq_len));
   const int64_t row = kv_heads * dim;                    // floats from one token to the next
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* kb = kc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
-    const int64_t t1 = std::min(seq_len, t0 + block_size);
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* kt = kb + (t - t0) * row;
-      for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * dim, kt, dim) * scale;
-    }
-  }
+  each_token(kc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* kt) {
+    for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * dim, kt, dim) * scale;
+  });
   std::vector<float> inv(static_cast<size_t>(group));
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores.data() + g * seq_len;
@@ -322,45 +319,21 @@ void attend_one(const float* q, float* out, int64_t group, int64_t dim, const fl
     float total = 0.f;
     for (int64_t t = 0; t < seq_len; ++t) total += sg[t];
     inv[g] = 1.f / total;
+    std::fill_n(out + g * dim, dim, 0.f);
   }
-  // The weighted sum of values: one running sum per output lane, over the tokens in order. With
-  // AVX512 and dim a multiple of 16 (up to 128) and up to 8 heads per KV head, all the group's
-  // outputs are held at once, so that each token's values are loaded once.
-  int64_t done = 0;
-#if defined(__AVX512F__)
-  const int64_t chunks = dim / 16;
-  if (dim % 16 == 0 && chunks <= 8 && group <= 8) {
-    __m512 acc[64];
-    for (int64_t a = 0; a < group * chunks; ++a) acc[a] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-      const float* vb = vc + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + kvh * dim;
-      const int64_t t1 = std::min(seq_len, t0 + block_size);
-      for (int64_t t = t0; t < t1; ++t) {
-        const float* vt = vb + (t - t0) * row;
-        for (int64_t g = 0; g < group; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * seq_len + t]);
-          for (int64_t c = 0; c < chunks; ++c)
-            acc[g * chunks + c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vt + 16 * c), acc[g * chunks + c]);
-        }
-      }
-    }
-    for (int64_t g = 0; g < group; ++g)
-      for (int64_t c = 0; c < chunks; ++c)
-        _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g * chunks + c], _mm512_set1_ps(inv[g])));
-    done = 1;
-  }
-#endif
-  if (!done) {
+  // The weighted sum of values: one running sum per output element, over the tokens in order.
+  each_token(vc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* vt) {
     for (int64_t g = 0; g < group; ++g) {
-      for (int64_t j = 0; j < dim; ++j) {
-        float acc = 0.f;
-        for (int64_t t = 0; t < seq_len; ++t) {
-          const int64_t slot = static_cast<int64_t>(table[t / block_size]) * block_size + t % block_size;
-          acc = std::fma(scores[g * seq_len + t], vc[(slot * kv_heads + kvh) * dim + j], acc);
-        }
-        out[g * dim + j] = acc * inv[g];
-      }
+      const float p = scores[g * seq_len + t];
+      float* og = out + g * dim;
+#pragma omp simd
+      for (int64_t j = 0; j < dim; ++j) og[j] = std::fma(p, vt[j], og[j]);
     }
+  });
+  for (int64_t g = 0; g < group; ++g) {
+    float* og = out + g * dim;
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) og[j] *= inv[g];
   }
 }
 

@@ -41,6 +41,18 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_groups(what: str, q: torch.Tensor, top: int, *per_group: tuple[str, torch.Tensor]) -> tuple[int, int]:
+    """q [N, K] (K a multiple of GROUP) with values in 0..top, and each per-group tensor [N, K/32]."""
+    _check(q.dim() == 2 and q.shape[1] % GROUP == 0, f"{what}: expected [N, K] with K a multiple of "
+           f"{GROUP}, got {tuple(q.shape)}")
+    n, k = q.shape
+    groups = (n, k // GROUP)
+    for name, t in per_group:
+        _check(tuple(t.shape) == groups, f"{what}: {name} {tuple(t.shape)}, expected {groups}")
+    _check(int(q.min()) >= 0 and int(q.max()) <= top, f"{what}: values must lie in 0..{top}")
+    return n, k
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
@@ -128,13 +140,7 @@ class Int4Linear:
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
-        _check(q.dim() == 2 and q.shape[1] % GROUP == 0, f"int4 weight: expected [N, K] with K a multiple of "
-               f"{GROUP}, got {tuple(q.shape)}")
-        n, k = q.shape
-        groups = (n, k // GROUP)
-        _check(tuple(scales.shape) == groups and tuple(zeros.shape) == groups,
-               f"int4 weight: scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)}, expected {groups}")
-        _check(int(q.min()) >= 0 and int(q.max()) <= 15, "int4 weight: values must lie in 0..15")
+        n, k = _check_groups("int4 weight", q, 15, ("scales", scales), ("zeros", zeros))
         pad = -n % _INT4_ROW_TILE
         self.out_features, self.in_features = n, k
         self.packed = _pack_int4(torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)))     # [Np, K/2]
@@ -224,13 +230,7 @@ class BlockQLinear:
         from sluice.kernels import cpu_blockq
 
         _check(bits in (4, 8), f"block weight: bits must be 4 or 8, got {bits}")
-        _check(u.dim() == 2 and u.shape[1] % GROUP == 0, f"block weight: expected [N, K] with K a multiple "
-               f"of {GROUP}, got {tuple(u.shape)}")
-        n, k = u.shape
-        groups = (n, k // GROUP)
-        _check(tuple(d.shape) == groups and tuple(m.shape) == groups,
-               f"block weight: d {tuple(d.shape)} and m {tuple(m.shape)}, expected {groups}")
-        _check(int(u.min()) >= 0 and int(u.max()) < 2 ** bits, f"block weight: values must lie in 0..{2 ** bits - 1}")
+        n, k = _check_groups("block weight", u, 2 ** bits - 1, ("d", d), ("m", m))
         self.out_features, self.in_features, self.bits = n, k, bits
         self.packed = cpu_blockq.pack_weights(u, bits)
         self.d, self.m = cpu_blockq.pack_scales(d), cpu_blockq.pack_scales(m)
