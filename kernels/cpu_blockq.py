@@ -89,7 +89,9 @@ def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, k = x.shape
     xb = x.to(torch.float32).view(rows, k // BLOCK, BLOCK)
     amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # torch.div, not ``127.0 / amax``: torch computes a scalar over a tensor as a reciprocal times
+    # the scalar, which rounds differently from the kernel's true division.
+    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), torch.zeros_like(amax))
     a = torch.round(xb * inv[..., None]).clamp_(-127, 127)
     return a.view(rows, k), amax / 127.0
 

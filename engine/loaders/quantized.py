@@ -1,18 +1,23 @@
 """A checkpoint's tensors into one of ``models.quant``'s weight formats, at load time.
 
-GGUF Q4_0 / Q4_1 projections go straight from their blocks into the int4 layout, and a Q8_0
-embedding is kept as stored; every other tensor is read one at a time as float32 (dequantized by
+GGUF Q4_0 / Q4_1 / Q8_0 projections go straight from their blocks into the w4a8 / w8a8 / int4
+layouts, and a Q8_0 embedding is kept as stored; every other tensor is read one at a time as float32 (dequantized by
 gguf, or from safetensors) and quantized, so the load never holds a float32 copy of the model.
 
 ``auto`` (``resolve_quantization``) picks the fastest format that keeps the precision the file
 has, judged by the types of its projection weights:
 
 * not on CPU: ``none`` (these formats have CPU kernels only);
-* every projection Q4_0 / Q4_1: ``int4`` (the file's own 4-bit values and its float16 scales
-  rounded to bfloat16). The LM head is int8 whatever the file (there is no kernel for per-block
-  scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured int4 error, which is
-  still under int8's (mean |logit change| 0.07, perplexity -0.2%);
-* anything else (Q8_0, the K-quants, float16, bfloat16, float32): ``none``. int8 re-rounds each
+* with sluice's C++ kernels built (``kernels.cpu_ext``): every projection Q4_0 / Q4_1: ``w4a8``,
+  every projection Q4_0 / Q4_1 / Q8_0: ``w8a8``. Both keep the file's blocks as stored (values and
+  float16 scales), the LM head's Q8_0 too, and round activations to int8 per block of 32 as
+  llama.cpp does (perplexity +0.2-0.3% on SmolLM2, bench/README.md); they are 4-7x float32's
+  decode rate here;
+* without them, every projection Q4_0 / Q4_1: ``int4`` (the file's own 4-bit values and its
+  float16 scales rounded to bfloat16). Its LM head is int8 whatever the file (torch has no
+  kernel for per-block scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured
+  int4 error, which is still under int8's (mean |logit change| 0.07, perplexity -0.2%);
+* anything else (the K-quants, float16, bfloat16, float32; and Q8_0 without the kernels): ``none``. int8 re-rounds each
   weight to a per-row scale (coarser than Q8_0's per-32 blocks), and measured on SmolLM2-135M
   that is not negligible: mean |logit change| 0.19 against 0.05 for the bfloat16 rounding of
   activations alone (bf16), and the top token changed on 5% of positions (bench/README.md).

@@ -12,6 +12,10 @@ attention and the KV cache stay float32, and each projection's input is rounded 
   group (asymmetric; the tinygemm convention ``w = (q - 8) * scale + zero``), multiplied by
   ``torch._weight_int4pack_mm_for_cpu``. GGUF Q4_0 / Q4_1 blocks map onto it directly
   (``q4_0_to_int4`` / ``q4_1_to_int4``). The LM head is int8 (``HEAD_CLASSES``).
+* ``w4a8`` / ``w8a8`` (``BlockQLinear``): GGUF-style blocks of 32 with a float32 scale and
+  offset each (Q4_0 / Q4_1 / Q8_0 exactly as stored), multiplied by sluice's own C++ kernel
+  (``kernels/cpu_blockq.cpp``) with the input rounded to int8 per block of 32 instead of to
+  bfloat16: integer dot products, fast at every row count. The LM head is 8-bit blocks.
 
 The int8 and int4 kernels compute every row on its own: a row's bits are the same alone and
 among any number of rows (tests/unit/test_quant_kernels.py), so one kernel serves every row
@@ -223,7 +227,7 @@ class BlockQLinear:
     """``u`` [N, K] unsigned ``bits``-bit values with float32 ``d`` and ``m`` [N, K/32]:
     w = d u + m per block of 32. The input is quantized to int8 per row and block of 32 and each
     block's dot product is an exact integer sum (``kernels.cpu_blockq``). GGUF Q4_0, Q4_1 and
-    Q8_0 blocks are exactly this form (``blockq_from_gguf``), so their weights are used unrounded.
+    Q8_0 blocks are exactly this form (``block_parts``), so their weights are used unrounded.
     """
 
     def __init__(self, u: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int) -> None:
