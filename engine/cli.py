@@ -87,6 +87,8 @@ def _build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--port", type=int, default=50051, help="0 picks a free port (printed on start)")
     eng.add_argument("--grace", type=float, default=30.0,
                      help="seconds in-flight requests may run on after SIGTERM/SIGINT (default: 30)")
+    eng.add_argument("--ready-fd", type=int, default=None, metavar="FD",
+                     help="write 'ready' to this inherited file descriptor once serving (sluice serve uses it)")
     add_embedding_options(eng)
     eng.set_defaults(func=_cmd_engine)
 
@@ -145,7 +147,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from sluice.engine.engine_core import EngineCore
     from sluice.engine.rpc.server import ServerConfig, serve
 
-    server_config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace)
+    server_config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace, ready_fd=args.ready_fd)
     config = _engine_config(args)
 
     def on_started(port: int) -> None:

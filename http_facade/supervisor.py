@@ -1,8 +1,9 @@
 """``sluice serve``: the engine and the facade as two child processes, supervised.
 
-Start the engine (``python -m sluice.engine.cli engine MODEL --port <free port>``), wait for its gRPC
-health to say SERVING, start the facade (``python -m sluice.http_facade.cli facade --engine ...``),
-wait for its ``/health``, then watch both:
+Start the engine (``python -m sluice.engine.cli engine MODEL --port <free port> --ready-fd N``),
+wait for it to write "ready" to that pipe (it does once its gRPC health says SERVING), start the
+facade (``python -m sluice.http_facade.cli facade --engine ...``), wait for its ``/health``, then
+watch both:
 
 * one child exits → the other is stopped and ``serve`` exits non-zero (never a hung port);
 * SIGTERM / SIGINT → the facade stops taking requests, the engine drains, exit 0.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -25,9 +27,6 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from sluice.http_facade.auth import ENV_KEYS
 from sluice.http_facade.cli import afs_config, facade_config
 from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
@@ -35,8 +34,6 @@ from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
 log = logging.getLogger("sluice.serve")
 
 _POLL_S = 0.2
-_PROBE_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-                  ("grpc.max_reconnect_backoff_ms", 500)]
 _FACADE_START_S = 60.0
 
 
@@ -81,7 +78,10 @@ class Supervisor:
         self.stopping = False
         self.engine: subprocess.Popen | None = None
         self.facade: subprocess.Popen | None = None
-        self._probe: grpc.Channel | None = None       # the engine health probe's channel
+        # The read end of the engine's readiness pipe. No gRPC client runs in this process: an
+        # earlier health-probe channel hit grpc/grpc#38251 ("thd.h:170 Check failed: state_ ==
+        # FAILED", an abort in gRPC core's thread start-up) twice under grpcio 1.71.2.
+        self._ready_r: int | None = None
 
     def _on_signal(self, signum: int, frame) -> None:
         self.stopping = True
@@ -95,17 +95,23 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
-    def _spawn(self, cmd: tuple[str, ...], env: dict[str, str] | None = None) -> subprocess.Popen:
-        return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
+    def _spawn(self, cmd: tuple[str, ...], env: dict[str, str] | None = None,
+               pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        return subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True, pass_fds=pass_fds,
                                 preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
 
     def _run(self) -> int:
-        self.engine = self._spawn(self.plan.engine_cmd)
+        self._ready_r, ready_w = os.pipe()
+        try:
+            self.engine = self._spawn((*self.plan.engine_cmd, "--ready-fd", str(ready_w)), pass_fds=(ready_w,))
+        finally:
+            os.close(ready_w)
         try:
             if not self._wait(self._engine_serving, self.plan.ready_timeout_s, "the engine to load"):
                 return 0 if self.stopping else 1
         finally:
-            self._close_probe()
+            os.close(self._ready_r)
+            self._ready_r = None
         self.facade = self._spawn(self.plan.facade_cmd, self.plan.facade_env)
         if not self._wait(self._facade_healthy, _FACADE_START_S, "the facade to listen"):
             return 0 if self.stopping else 1
@@ -138,23 +144,10 @@ class Supervisor:
         return False
 
     def _engine_serving(self) -> bool:
-        # One channel for the whole wait, with a short reconnect backoff (the engine listens
-        # within a second or two of starting), instead of a new channel per poll: each channel
-        # set-up puts work on gRPC core's executor, whose thread start-up can abort the process
-        # (grpc/grpc#38251, "thd.h:170 Check failed: state_ == FAILED", seen once here with
-        # grpcio 1.71.2). It is closed before the facade is forked (_close_probe).
-        if self._probe is None:
-            self._probe = grpc.insecure_channel(self.plan.engine_addr, options=_PROBE_OPTIONS)
-        try:
-            resp = health_pb2_grpc.HealthStub(self._probe).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-        except grpc.RpcError:
-            return False
-        return resp.status == health_pb2.HealthCheckResponse.SERVING
-
-    def _close_probe(self) -> None:
-        if self._probe is not None:
-            self._probe.close()
-            self._probe = None
+        """Whether the engine wrote "ready" (it closes the pipe unwritten if the model failed to
+        load, and then exits, which _wait sees)."""
+        readable, _, _ = select.select([self._ready_r], [], [], 0)
+        return bool(readable) and os.read(self._ready_r, 16).startswith(b"ready")
 
     def _facade_healthy(self) -> bool:
         try:

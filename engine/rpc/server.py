@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from typing import Callable
@@ -34,6 +35,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     grace_s: float = 30.0          # how long in-flight requests may run on after SIGTERM
+    # A file descriptor to write b"ready\n" to (then close) once SERVING, closed unwritten if the
+    # model fails to load: how ``sluice serve`` learns the engine is up without a gRPC client.
+    ready_fd: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -59,6 +63,7 @@ class EngineServer:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port = 0
+        self.config_ready_fd = config.ready_fd
 
     async def start(self) -> int:
         """Bind and start serving (NOT_SERVING until the model is ready). Returns the bound port."""
@@ -70,6 +75,18 @@ class EngineServer:
         await self.server.start()
         log.info("gRPC server listening on %s:%d (loading the model)", self.config.host, self.port)
         return self.port
+
+    def _signal_ready(self, ready: bool) -> None:
+        fd, self.config_ready_fd = self.config_ready_fd, None
+        if fd is None:
+            return
+        try:
+            if ready:
+                os.write(fd, b"ready\n")
+        except OSError:            # the reader is gone (its supervisor died): nothing to tell
+            pass
+        finally:
+            os.close(fd)
 
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
@@ -86,8 +103,10 @@ class EngineServer:
             if loaded.exception() is not None:
                 log.error("model failed to load: %s", loaded.exception())
                 code = 1
+                self._signal_ready(False)
             else:
                 await self._set_health(_SERVING)
+                self._signal_ready(True)
                 emb = self.engine.embedding
                 log.info("engine ready: %s%s", self.engine.model_info.name,
                          f" (embeddings: {emb.model.name if emb.model else 'none'}, rerank: {emb.rerank_method})"
@@ -95,6 +114,7 @@ class EngineServer:
                 await stopping
         else:
             loaded.cancel()
+            self._signal_ready(False)
         stopping.cancel()
         await self.shutdown()
         return code

@@ -61,3 +61,41 @@ def test_a_child_still_running_after_the_grace_is_killed(tmp_path):
     sup._stop_all()
     assert time.monotonic() - t0 < 5
     assert sup.facade.returncode == -9 and sup.engine.returncode == 0
+
+
+# ---- start-up: the engine says it is ready through a pipe (no gRPC client in the supervisor) ----
+ENGINE = """
+import os, sys, time
+fd = int(sys.argv[sys.argv.index("--ready-fd") + 1])
+if sys.argv[1] == "fail":
+    os.close(fd)          # as the engine does when the model fails to load, then exits
+    sys.exit(3)
+time.sleep(1.5)
+os.write(fd, b"ready\\n")
+os.close(fd)
+time.sleep(30)
+"""
+
+
+def _start_plan(mode: str, ready_timeout_s: float = 20.0) -> ServePlan:
+    # The facade stand-in exits at once: the test looks only at the engine's start-up.
+    return ServePlan((sys.executable, "-c", ENGINE, mode), (sys.executable, "-c", "pass"), "127.0.0.1:1",
+                     "http://127.0.0.1:1", {}, ready_timeout_s, 1.0)
+
+
+def test_the_facade_starts_only_once_the_engine_wrote_ready(capsys):
+    sup = Supervisor(_start_plan("ok"))
+    t0 = time.monotonic()
+    assert sup.run() == 1                                   # the stand-in facade "died" at once
+    assert time.monotonic() - t0 >= 1.5                     # ... but only after "ready"
+    assert sup.facade is not None and sup.engine.poll() is not None
+    assert "the facade exited" in capsys.readouterr().err
+
+
+def test_an_engine_that_fails_to_load_ends_serve_at_once(capsys):
+    sup = Supervisor(_start_plan("fail"))
+    t0 = time.monotonic()
+    assert sup.run() == 1
+    assert time.monotonic() - t0 < 10
+    assert sup.facade is None                               # never started
+    assert "the engine exited with code 3 while waiting for the engine to load" in capsys.readouterr().err
