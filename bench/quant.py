@@ -7,6 +7,10 @@
 Per format, in a fresh process (so that the resident memory is that format's alone):
 * ``rss_load_mib``: VmRSS after ``load_model`` (weights, tokenizer, interpreter), its peak
   during the load (VmHWM), and ``weights_mib``, the bytes of the weights as held;
+* memory of a serving engine: ``rss_served_mib``, VmRSS of the engine (a 64 MiB KV pool) after
+  every run below, split into ``rss_runtime_mib`` (the interpreter, torch and sluice's modules,
+  measured before the load) and the rest, which is given as a multiple of the model file and
+  set against issue #13's goal (at most 1.5x the file plus the KV pool);
 * ``decode_tok_s``: single-stream greedy decode (EOS ignored), tokens after the first ÷ time
   after the first, from a short prompt;
 * ``prefill_tok_s``: a ``--prefill-len``-token prompt's tokens ÷ its time to first token;
@@ -32,6 +36,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+KV_POOL_MIB = 64
 FORMATS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8")
 FILLER = ("the river carried stone and sand past the old mill while the village slept and the lamps of the "
           "harbour burned low over boats that waited for morning tide").split()
@@ -164,12 +169,18 @@ def run_one(fmt: str, args) -> dict:
     from sluice.engine.loaders import load_model
     from sluice.engine.sampling_params import SamplingParams
 
+    from sluice.engine.loaders import resolve_path
+
+    runtime = _rss_mib()
+    path = resolve_path(args.model)
+    file_bytes = path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype="float32", device="cpu", quantization=fmt)
     out = {"format": loaded.quantization, "load_s": time.perf_counter() - t0,
+           "rss_runtime_mib": runtime, "file_mib": file_bytes / 2**20, "kv_pool_mib": KV_POOL_MIB,
            "rss_load_mib": _rss_mib(), "peak_load_mib": _rss_mib("VmHWM"), "weights_mib": _weight_bytes(loaded.model) / 2**20}
     llm = LLM(args.model, loaded=loaded, device="cpu", quantization=loaded.quantization,
-              kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+              kv_cache_memory_bytes=KV_POOL_MIB << 20, max_num_seqs=8)
     out["rss_engine_mib"] = _rss_mib()
     tok = llm.tokenizer
     params = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
@@ -193,6 +204,7 @@ def run_one(fmt: str, args) -> dict:
     res = llm.generate(batch, params)
     out["batch8_tok_s"] = sum(len(r.outputs[0].token_ids) for r in res) / (time.perf_counter() - t0)
     out["profile_ms"] = _profile(llm, tok, args.profile_steps)
+    out["rss_served_mib"] = _rss_mib()
     return out
 
 
@@ -205,6 +217,13 @@ def _table(results: list[dict]) -> str:
                     f"{r['decode_tok_s'] / base['decode_tok_s']:.2f} | {r['prefill_tok_s']:.0f} | "
                     f"{r['prefill_tok_s'] / base['prefill_tok_s']:.2f} | {r['batch8_tok_s']:.1f} | "
                     f"{r['batch8_tok_s'] / base['batch8_tok_s']:.2f} |")
+    rows += ["", "| format | engine RSS MiB | runtime MiB | the rest MiB | the rest ÷ file | goal: ≤ 1.5 × file + KV pool |",
+             "|" + " --- |" * 6]
+    for r in results:
+        rest = r["rss_served_mib"] - r["rss_runtime_mib"]
+        goal = 1.5 * r["file_mib"] + r["kv_pool_mib"]
+        rows.append(f"| {r['format']} | {r['rss_served_mib']:.0f} | {r['rss_runtime_mib']:.0f} | {rest:.0f} | "
+                    f"{rest / r['file_mib']:.2f} | {goal:.0f} MiB: {'met' if rest <= goal else 'missed'} |")
     parts = list(results[0]["profile_ms"])
     rows += ["", "| ms per decode step | " + " | ".join(parts) + " |", "|" + " --- |" * (len(parts) + 1)]
     for r in results:

@@ -19,6 +19,15 @@ the server's ``usage.prompt_tokens`` is reported beside the target. Outputs run 
 ``--output-len`` tokens (``ignore_eos`` plus a -100 logit bias on the end tokens, for servers
 without ``ignore_eos``). ``conversations``: ``bench/data/conversations.jsonl`` through
 ``/v1/chat/completions`` (greedy; natural stops, capped by each chat's ``max_tokens``).
+``grounded`` / ``open``: the chat prompts of ``bench/prompts.py`` (input-grounded edits and
+rewrites, where n-gram speculation finds matches; open-ended questions), greedy, natural stops,
+``--output-len`` (default 128) tokens at most.
+
+Every load point gets prompts of its own (synthetic: drawn afresh; the fixed sets: taken in turn
+from the set), and the warm-up's prompts are not measured ones. Reusing the prompts of an earlier
+load point measures prefix caching instead: llama-server keeps each slot's last prompt, so at
+``--concurrency 1,32`` its 32 slots would still hold the 32 prompts of the c=1 pass and its
+"burst" would prefill one token per request. ``--repeat-prompts`` asks for exactly that.
 
 Metrics. TTFT: request sent → first non-empty content chunk. TPOT = (E2E − TTFT) / (output
 tokens − 1). ITL: gaps between content chunks. Output tokens come from the server's usage
@@ -51,6 +60,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+
+from prompts import GROUNDED, OPEN  # noqa: E402
 
 START_TIMEOUT_S = 300.0
 CONVERSATIONS = Path(__file__).resolve().parent / "data" / "conversations.jsonl"
@@ -106,6 +117,12 @@ def synthetic_items(tok, n: int, input_len: int, output_len: int, seed: int) -> 
         text, ids = _exact_prompt(tok, rng, input_len)
         items.append(Item("completion", output_len, True, text=text, token_ids=tuple(ids)))
     return items
+
+
+def chat_items(prompts: list[str], n: int, output_len: int, start: int = 0) -> list[Item]:
+    """``n`` single-turn chats taken in turn from ``prompts``, from index ``start``."""
+    return [Item("chat", output_len, False, messages=({"role": "user", "content": prompts[(start + i) % len(prompts)]},))
+            for i in range(n)]
 
 
 def conversation_items(path: Path, n: int, output_len: int | None) -> list[Item]:
@@ -291,6 +308,8 @@ def _launch_commands(args: argparse.Namespace, model_path: Path) -> list[tuple[s
         sub = ["-m", "sluice.http_facade.cli", "serve"] if kind == "http" else ["-m", "sluice.engine.cli", "engine"]
         cmd = [py, *sub, args.model, "--device", "cpu", "--mode", "server", "--overrides", args.sluice_overrides,
                "--port", str(port)]
+        if args.sluice_speculative_mode:
+            cmd += ["--speculative-mode", args.sluice_speculative_mode]
         addr = f"http://127.0.0.1:{port}" if kind == "http" else f"127.0.0.1:{port}"
         out.append((f"sluice-{kind}", "openai" if kind == "http" else "grpc", False, cmd, addr))
     if args.peer == "llamacpp":
@@ -508,6 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start sluice itself: http = `sluice serve` (facade+engine), grpc = `sluice engine`")
     g.add_argument("--sluice-overrides", default="max_num_sequence=32;max_total_seq_length=16384",
                    help="--overrides for a launched sluice (default: %(default)s)")
+    g.add_argument("--sluice-speculative-mode", metavar="MODE",
+                   help="--speculative-mode for a launched sluice (ngram, eagle, ...; default: the server's)")
     g.add_argument("--peer", choices=("llamacpp", "llama-server"),
                    help="start a llama.cpp peer on the GGUF: llama-cpp-python's server (one request at a time) "
                         "or the C++ llama-server with --peer-slots parallel slots")
@@ -519,11 +540,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="smollm2", help="model short name or GGUF path (tokenizer, launches)")
     ap.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count() or 1),
                     help="CPU threads of every server this run starts (default: $OMP_NUM_THREADS or all cores)")
-    ap.add_argument("--dataset", choices=("synthetic", "conversations"), default="synthetic")
+    ap.add_argument("--dataset", choices=("synthetic", "conversations", "grounded", "open"), default="synthetic",
+                    help="synthetic word prompts, the conversation set, or bench/prompts.py's chats")
+    ap.add_argument("--repeat-prompts", action="store_true",
+                    help="send the same prompts at every load point (measures prefix-cache reuse across them)")
     ap.add_argument("--prompt-format", choices=("text", "ids"), default="text")
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=128)
-    ap.add_argument("--output-len", type=int, default=None, help="synthetic default 64; caps conversations")
+    ap.add_argument("--output-len", type=int, default=None,
+                    help="synthetic default 64 (exact); caps the chats (grounded/open default 128)")
     load = ap.add_mutually_exclusive_group()
     load.add_argument("--concurrency", type=lambda s: _numbers(s, int), help="e.g. 1,8,32 (default: 8)")
     load.add_argument("--request-rate", type=lambda s: _numbers(s, float), help="Poisson arrivals/s, e.g. 1,2,4")
@@ -554,13 +579,23 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             raise SystemExit(2) from None
 
 
-def _items(args: argparse.Namespace, tok) -> list[Item]:
+def _items(args: argparse.Namespace, tok, num_loads: int) -> tuple[list[Item], list[list[Item]]]:
+    """The warm-up's requests, and each load point's own (the same ones with ``--repeat-prompts``)."""
+    n, fresh = args.num_prompts, not args.repeat_prompts
+    warmup = synthetic_items(tok, 2, args.input_len, 8, args.seed + 10_000)
+    if args.dataset in ("grounded", "open"):
+        prompts = GROUNDED if args.dataset == "grounded" else OPEN
+        return warmup, [chat_items(prompts, n, args.output_len or 128, i * n if fresh else 0) for i in range(num_loads)]
     if args.dataset == "conversations":
-        return conversation_items(CONVERSATIONS, args.num_prompts, args.output_len)
-    return synthetic_items(tok, args.num_prompts, args.input_len, args.output_len or 64, args.seed)
+        return warmup, [conversation_items(CONVERSATIONS, n, args.output_len)] * num_loads
+    if not fresh:
+        return warmup, [synthetic_items(tok, n, args.input_len, args.output_len or 64, args.seed)] * num_loads
+    return warmup, [synthetic_items(tok, n, args.input_len, args.output_len or 64, args.seed + i)
+                    for i in range(num_loads)]
 
 
-async def _measure(targets: list[Target], items: list[Item], args, stop_ids: list[int]) -> list[dict]:
+async def _measure(targets: list[Target], warmup: list[Item], loads: list[list[Item]], args,
+                   stop_ids: list[int]) -> list[dict]:
     slo = {"ttft_ms": args.slo_ttft_ms, "tpot_ms": args.slo_tpot_ms, "e2e_ms": args.slo_e2e_ms}
     kind, values = ("concurrency", args.concurrency) if args.request_rate is None else ("request_rate", args.request_rate)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
@@ -571,9 +606,9 @@ async def _measure(targets: list[Target], items: list[Item], args, stop_ids: lis
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         sends = {t.name: t.sender(session, args.prompt_format, stop_ids, clients) for t in targets}
         for name, send in sends.items():   # warm-up: not measured
-            await asyncio.gather(*(send(it) for it in items[:2]))
+            await asyncio.gather(*(send(it) for it in warmup))
         # Interleave the targets at each load point, so drift on a shared machine hits them alike.
-        for value in values:
+        for value, items in zip(values, loads):
             for t in targets:
                 conc, rate = (value, None) if kind == "concurrency" else (None, value)
                 records, duration = await run_load(sends[t.name], items, conc, rate, args.seed)
@@ -593,14 +628,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = [8]
     tok = _load_tokenizer(args.model)
-    items = _items(args, tok)
+    warmup, loads = _items(args, tok, len(args.concurrency or args.request_rate))
     stop_ids = sorted(tok.eos_token_ids)
     baseline = None
     if args.hf_baseline:   # before any server starts, so it has the CPU to itself
         from offline import hf_sequential
-        baseline = hf_sequential(args.model, tok, items[:args.hf_baseline])
+        baseline = hf_sequential(args.model, tok, loads[0][:args.hf_baseline])
     with open_targets(args) as targets:
-        results = asyncio.run(_measure(targets, items, args, stop_ids))
+        results = asyncio.run(_measure(targets, warmup, loads, args, stop_ids))
     peer = next((t.name for t in targets if t.is_peer), None)
     ratio_rows = [row for t in targets if peer and not t.is_peer for row in ratios(results, t.name, peer)]
     print_report(results, ratio_rows, baseline)

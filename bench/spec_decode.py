@@ -33,22 +33,10 @@ from sluice.engine.loaders import load_model  # noqa: E402
 from sluice.engine.sampling_params import SamplingParams  # noqa: E402
 from sluice.engine.spec_decode.config import DEFAULT_MIN_DRAFT_PROB  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from prompts import GROUNDED, OPEN  # noqa: E402
+
 SECTIONS = ("batch1", "concurrent", "sweep")
-TEXT = ("The river rose for three days. On the fourth morning the bridge was under water, the school was "
-        "closed, and the baker on Mill Street handed out bread to anyone who came to his door. By evening "
-        "the water had reached the steps of the town hall, where the mayor stood with a lantern and a list "
-        "of names, counting the families who had not yet been seen.")
-CODE = ("def mean(values):\n    total = 0\n    for value in values:\n        total = total + value\n"
-        "    return total / len(values)\n\n\ndef variance(values):\n    m = mean(values)\n    total = 0\n"
-        "    for value in values:\n        total = total + (value - m) ** 2\n    return total / len(values)\n")
-GROUNDED = [
-    f"Repeat the following text exactly, but write 'creek' instead of 'river':\n\n{TEXT}",
-    f"Rewrite this Python code, renaming the variable 'total' to 'acc'. Output only the code.\n\n{CODE}",
-    f"Correct the spelling in this text and output the corrected text:\n\n{TEXT.replace('the', 'teh')}",
-    f"Summarise this text, quoting its most important sentence:\n\n{TEXT}",
-]
-OPEN = ["Write a short story about a lighthouse keeper.", "Explain how a refrigerator works.",
-        "Give me ten tips for learning to cook.", "Describe a walk through a forest in autumn."]
 
 
 def chat_prompts(llm: LLM, prompts: list[str]) -> list[str]:

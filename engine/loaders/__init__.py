@@ -5,6 +5,8 @@ architecture, a missing or misshapen tensor) raises ``ModelLoadError`` naming th
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,20 @@ def build_model(
     return model
 
 
+def _release_freed_memory() -> None:
+    """Hand the heap that the load freed (float32 staging of quantized weights, file buffers)
+    back to the OS. glibc keeps freed chunks in its arenas, where they stay resident: ~80 MiB
+    after loading the default model in w4a8. Elsewhere (musl, macOS) there is nothing to do."""
+    gc.collect()
+    try:
+        libc = ctypes.CDLL(None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+
+
 def load_model(
     path_or_name: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -122,6 +138,8 @@ def load_model(
         model = build_model(arch, weights, dtype, device, max_seq_len, quantization=fmt)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
+    del weights
+    _release_freed_memory()
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, name=str(path_or_name),
                        path=path, dtype=dtype, device=device, quantization=fmt)
 

@@ -316,8 +316,12 @@ class LlamaForCausalLM(torch.nn.Module):
             if quantizer is not None:
                 head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
                 self.quant_lm_head = quantizer.head(weights, head, tuple(vocab_shape))
-                self.lm_head = None
                 self.quant_embedding = quantizer.embedding(weights, "model.embed_tokens.weight", tuple(vocab_shape))
+                if (self.quant_embedding is not None and self.lm_head is None
+                        and isinstance(self.quant_lm_head, quant.BlockQLinear)):
+                    # A tied Q8_0 table: the block head holds it as stored, so lookups read the head.
+                    self.quant_embedding = quant.TiedBlockEmbedding(self.quant_lm_head)
+                self.lm_head = None
             if self.quant_embedding is None:
                 self.embed_tokens.weight.copy_(_take(weights, "model.embed_tokens.weight", vocab_shape))
             else:

@@ -255,6 +255,25 @@ class BlockQLinear:
         out = self._kernel(flat, self.packed, self.d, self.m, self.bits, self.out_features)
         return out.reshape(*x.shape[:-1], self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows ``ids`` [T] dequantized, [T, K] float32: a tied LM head serves the token
+        embedding's lookups from its own blocks, so the table is not held twice. d u + m is exact
+        in float32 for Q8_0's and Q4's blocks (a float16 d times at most 8 bits, and an m that is a
+        multiple of d's last bit or a float16), so the rows are the file's values."""
+        from sluice.kernels.cpu_blockq import TILE
+
+        ids = ids.reshape(-1).long()
+        tile, r = ids // TILE, ids % TILE
+        nb = self.in_features // GROUP
+        if self.bits == 8:
+            u = self.packed.view(-1, nb, 8, TILE, 4)[tile, :, :, r]                       # [T, nb, 8, 4]
+        else:
+            v = self.packed.view(-1, nb, 4, TILE, 4)[tile, :, :, r]                  # [T, nb, 4, 4]
+            u = torch.stack((v & 15, v >> 4), dim=3)                                       # [T, nb, 4, 2, 4]
+        u = u.reshape(len(ids), nb, GROUP).to(torch.float32)
+        w = u * self.d[tile, :, r][..., None] + self.m[tile, :, r][..., None]
+        return w.reshape(len(ids), self.in_features)
+
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(u [N, K] uint8, d, m [N, K/32]) as given."""
         from sluice.kernels import cpu_blockq
@@ -408,6 +427,23 @@ def int4_from_q4_0(blocks: torch.Tensor, shape: tuple[int, int]) -> Int4Linear:
 
 def int4_from_q4_1(blocks: torch.Tensor, shape: tuple[int, int]) -> Int4Linear:
     return Int4Linear(*q4_1_to_int4(blocks, shape))
+
+
+class TiedBlockEmbedding:
+    """The token embedding of a tied model served from its block LM head (``BlockQLinear.rows``):
+    the table is held once, as the head's blocks."""
+
+    def __init__(self, head: BlockQLinear) -> None:
+        self.head = head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.rows(ids).reshape(*ids.shape, self.embedding_dim)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.head.dequantize()
+
+    nbytes = 0   # the head's bytes, counted there
 
 
 def embedding_from_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> BlockInt8Embedding:

@@ -71,6 +71,26 @@ def test_conversation_set_is_multi_turn_and_ends_with_a_user_turn():
     assert sum(any(m["role"] == "assistant" for m in c["messages"]) for c in convs) >= 10
 
 
+def test_each_load_point_gets_its_own_prompts_unless_asked_to_repeat(tiny_smollm2):
+    # Reused prompts would let llama-server answer a later load point from the KV its slots kept.
+    tok = serving._load_tokenizer(str(tiny_smollm2))
+    args = serving.build_parser().parse_args(["--url", "http://x", "--num-prompts", "3", "--input-len", "10",
+                                              "--concurrency", "1,4"])
+    warmup, loads = serving._items(args, tok, 2)
+    texts = [[it.text for it in items] for items in loads]
+    assert len(loads) == 2 and all(len(t) == 3 for t in texts)
+    assert not set(texts[0]) & set(texts[1]) and not {w.text for w in warmup} & set(texts[0] + texts[1])
+    assert all(len(it.token_ids) == 10 and it.exact for items in loads for it in items)
+    args.repeat_prompts = True
+    assert serving._items(args, tok, 2)[1][0] == serving._items(args, tok, 2)[1][1] == loads[0]
+    args.repeat_prompts, args.dataset, args.num_prompts = False, "grounded", 4
+    chats = [[it.messages[0]["content"] for it in items] for items in serving._items(args, tok, 2)[1]]
+    assert chats[0] == chats[1] == serving.GROUNDED                     # 4 prompts: the set, in turn
+    args.num_prompts = 2
+    chats = [[it.messages[0]["content"] for it in items] for items in serving._items(args, tok, 2)[1]]
+    assert chats == [serving.GROUNDED[:2], serving.GROUNDED[2:]]
+
+
 def test_serving_needs_a_target_and_positive_lengths():
     r = _run(["bench/serving.py", "--concurrency", "2"], timeout=60)
     assert r.returncode == 2 and "give a target" in r.stderr

@@ -27,7 +27,7 @@ def test_prompts_are_distinct_bounded_and_not_the_benchmarks():
     every = train.training_prompts(len(train.TASKS) * len(train.SUBJECTS))
     assert len(set(every)) == len(every) == 1152
     assert train.training_prompts(5, seed=1) == train.training_prompts(5, seed=1) != train.training_prompts(5)
-    from bench.spec_decode import GROUNDED, OPEN
+    from bench.prompts import GROUNDED, OPEN
     assert not set(every) & set(GROUNDED + OPEN)
 
 
