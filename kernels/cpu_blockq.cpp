@@ -1,7 +1,7 @@
 // Block-quantized linear layers for CPU decoding and prefill: y = x @ W^T.
 //
 // W [N, K] is held as unsigned integers u (4 or 8 bits) in blocks of 32 along K, each block with
-// a float32 scale d and offset m per output row: w = d * u + m. GGUF's Q4_0 (u = q, m = -8 d),
+// a float16 scale d and offset m per output row (as GGUF stores them): w = d * u + m. GGUF's Q4_0 (u = q, m = -8 d),
 // Q4_1 (u = q, m as stored) and Q8_0 (u = q + 128, m = -128 d) are exactly this, so their weights
 // are used as the file stores them. The input x [M, K] float32 is quantized per row and per block
 // of 32 to int8 a with a scale s (x ~ s a, s = max|x| / 127), and each block contributes
@@ -11,7 +11,8 @@
 // Layout (packed once at load, kernels/cpu_blockq.py): output rows in tiles of 16, one 512-bit
 // lane per row. For tile t and block b the weights are 8 groups of 4 consecutive k; a group is 64
 // bytes (16 rows x 4 k). 8-bit: the 8 groups in order. 4-bit: 4 pairs of 64 bytes, pair p holding
-// group 2p in the low nibbles and group 2p + 1 in the high ones. d and m are [tiles, blocks, 16].
+// group 2p in the low nibbles and group 2p + 1 in the high ones. d and m are [tiles, blocks, 16]
+// float16, widened to float32 exactly where they are read.
 //
 // Every output element accumulates its blocks in order with the same two fused multiply-adds,
 // whatever M, the row tile or the thread split: a row's result is bitwise the same alone and in
@@ -82,7 +83,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, float* s,
 #if SLUICE_VNNI
 // One tile of 16 output rows for MR input rows.
 template <int MR, int BITS>
-inline void tile_rows(const uint8_t* w, const float* d, const float* m, int64_t nb,
+inline void tile_rows(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
                       const int8_t* a, const float* s, const float* ss, int64_t k,
                       float* out, int64_t ldo, __mmask16 mask) {
   __m512 acc[MR];
@@ -120,8 +121,8 @@ inline void tile_rows(const uint8_t* w, const float* d, const float* m, int64_t 
         }
       }
     }
-    const __m512 dv = _mm512_loadu_ps(d + b * kTile);
-    const __m512 mv = _mm512_loadu_ps(m + b * kTile);
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(d + b * kTile)));
+    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + b * kTile)));
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const int64_t nbr = r * nb + b;
@@ -134,7 +135,7 @@ inline void tile_rows(const uint8_t* w, const float* d, const float* m, int64_t 
 }
 
 template <int BITS>
-void tile_any(int64_t mr, const uint8_t* w, const float* d, const float* m, int64_t nb,
+void tile_any(int64_t mr, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
               const int8_t* a, const float* s, const float* ss, int64_t k, float* out, int64_t ldo,
               __mmask16 mask) {
   switch (mr) {
@@ -150,9 +151,12 @@ void tile_any(int64_t mr, const uint8_t* w, const float* d, const float* m, int6
 }
 #endif
 
+// float16 bits -> float32 (exact), without F16C.
+inline float widen(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
 // The same arithmetic in portable C++ (no AVX512-VNNI): the same per-block sums and the same two
 // fused multiply-adds per block, so results agree with the vector path bit for bit.
-void tile_scalar(int bits, int64_t rows, const uint8_t* w, const float* d, const float* m,
+void tile_scalar(int bits, int64_t rows, const uint8_t* w, const uint16_t* d, const uint16_t* m,
                  int64_t nb, const int8_t* a, const float* s, const float* ss, int64_t k,
                  float* out, int64_t ldo, int64_t lanes) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -174,9 +178,9 @@ void tile_scalar(int bits, int64_t rows, const uint8_t* w, const float* d, const
             isum += u * static_cast<int32_t>(ab[4 * g + j]);
           }
         }
-        const float scale = d[b * kTile + lane] * s[r * nb + b];
+        const float scale = widen(d[b * kTile + lane]) * s[r * nb + b];
         acc = std::fma(static_cast<float>(isum), scale, acc);
-        acc = std::fma(m[b * kTile + lane], ss[r * nb + b], acc);
+        acc = std::fma(widen(m[b * kTile + lane]), ss[r * nb + b], acc);
       }
       out[r * ldo + lane] = acc;
     }
@@ -195,9 +199,9 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& w, const torch::T
                   w.numel() == tiles * nb * (bits == 4 ? 256 : 512),
               "blockq: packed weight does not match N = ", n, ", K = ", k, ", bits = ", bits);
   for (const auto* t : {&d, &m}) {
-    TORCH_CHECK(t->scalar_type() == torch::kFloat32 && t->is_contiguous() &&
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() &&
                     t->numel() == tiles * nb * kTile,
-                "blockq: scales must be contiguous float32 [tiles, K/32, 16]");
+                "blockq: scales must be contiguous float16 [tiles, K/32, 16]");
   }
 }
 
@@ -217,8 +221,8 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
   quantize_rows(x.data_ptr<float>(), rows, k, a.data_ptr<int8_t>(), s.data_ptr<float>(),
                 ss.data_ptr<float>());
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* dp = d.data_ptr<float>();
-  const float* mp = m.data_ptr<float>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
   const int8_t* ap = a.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
   const float* ssp = ss.data_ptr<float>();
@@ -230,8 +234,8 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t lanes = std::min(kTile, n - t * kTile);
         const uint8_t* wt = wp + t * wtile;
-        const float* dt = dp + t * nb * kTile;
-        const float* mt = mp + t * nb * kTile;
+        const uint16_t* dt = dp + t * nb * kTile;
+        const uint16_t* mt = mp + t * nb * kTile;
 #if SLUICE_VNNI
         const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
         for (int64_t r0 = p0; r0 < p1; r0 += 8) {

@@ -1,7 +1,8 @@
 """Block-quantized CPU linear layers (``cpu_blockq.cpp``): weights as GGUF stores them, int8 dot products.
 
 The weight of a projection is held as unsigned integers ``u`` (4 or 8 bits) in blocks of 32 along
-the input with a float32 scale ``d`` and offset ``m`` per row and block, ``w = d u + m``; the
+the input with a float16 scale ``d`` and offset ``m`` per row and block, ``w = d u + m`` (GGUF's
+own precision for them; the float32 product of a float16 and an up-to-8-bit integer is exact); the
 input is quantized to int8 per row and block of 32 (``x ~ s a``, ``s = max|x| / 127``) and each
 block's integer dot product is exact (AVX512-VNNI, or the same arithmetic in portable C++). This
 is the arithmetic of llama.cpp's CPU kernels for these files, with a layout of our own.
@@ -52,8 +53,13 @@ def pack_weights(u: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def pack_scales(x: torch.Tensor) -> torch.Tensor:
-    """d or m [N, K/32] -> [tiles, K/32, 16] float32 (padded rows are 0)."""
-    p = _pad_rows(x.to(torch.float32))
+    """d or m [N, K/32], float16 values (ValueError otherwise: nothing is rounded here) ->
+    [tiles, K/32, 16] float16 (padded rows are 0)."""
+    h = x.to(torch.float16)
+    if not torch.equal(h.to(x.dtype), x):
+        raise ValueError("blockq: block scales and offsets must be float16 values (GGUF's precision); "
+                         "round them first (models.quant.float_to_block does)")
+    p = _pad_rows(h)
     return p.view(p.shape[0] // TILE, TILE, p.shape[1]).transpose(1, 2).contiguous()
 
 
@@ -69,7 +75,8 @@ def unpack_weights(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Ten
 
 
 def unpack_scales(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x.transpose(1, 2).reshape(-1, x.shape[1])[:n]
+    """Inverse of ``pack_scales``: [N, K/32] float32."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1])[:n].float()
 
 
 def kernel():

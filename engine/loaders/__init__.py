@@ -5,8 +5,6 @@ architecture, a missing or misshapen tensor) raises ``ModelLoadError`` naming th
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +13,7 @@ import torch
 
 from sluice.engine import envs
 from sluice.engine.errors import ModelLoadError
+from sluice.engine.heap import release_freed_heap
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.llama import LlamaForCausalLM
 from sluice.engine.models.registry import is_short_name, resolve_short_name
@@ -91,20 +90,6 @@ def build_model(
     return model
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap that the load freed (float32 staging of quantized weights, file buffers)
-    back to the OS. glibc keeps freed chunks in its arenas, where they stay resident: ~80 MiB
-    after loading the default model in w4a8. Elsewhere (musl, macOS) there is nothing to do."""
-    gc.collect()
-    try:
-        libc = ctypes.CDLL(None)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    trim(0)
-
-
 def load_model(
     path_or_name: str | Path,
     dtype: str | torch.dtype = "auto",
@@ -124,10 +109,11 @@ def load_model(
     if path.is_file():
         if path.suffix != ".gguf":
             raise ModelLoadError(f"{path}: a model file must be a .gguf (or give a Hugging Face folder)")
-        from sluice.engine.loaders.gguf_loader import load_gguf
+        from sluice.engine.loaders.gguf_loader import drop_vocabulary, load_gguf
 
         arch, weights, reader = load_gguf(path, report)
         tokenizer = Tokenizer.from_gguf(reader, path)
+        drop_vocabulary(reader)
     else:
         from sluice.engine.loaders.hf_loader import load_hf_folder
 
@@ -139,7 +125,7 @@ def load_model(
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     del weights
-    _release_freed_memory()
+    release_freed_heap(collect=True)   # the load's float32 staging and file buffers
     return LoadedModel(model=model, arch=arch, tokenizer=tokenizer, name=str(path_or_name),
                        path=path, dtype=dtype, device=device, quantization=fmt)
 

@@ -14,6 +14,7 @@ Facts this relies on (llama.cpp's ``convert_hf_to_gguf.py``, mirrored by transfo
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
@@ -251,6 +252,16 @@ class GGUFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+
+def drop_vocabulary(reader) -> None:
+    """Forget the reader's ``tokenizer.ggml.*`` arrays once the tokenizer is built. gguf's reader
+    holds every vocabulary entry and merge as numpy views of its own (~160 MiB of small objects for
+    a 49k vocabulary); freed before the model's weights are built, their memory is reused instead
+    of staying resident in fragments (~17 MiB for the default model)."""
+    for key in [k for k in reader.fields if k.startswith("tokenizer.ggml.")]:
+        del reader.fields[key]
+    gc.collect()
 
 
 def load_gguf(path: str | Path, progress: ProgressFn | None = None) -> tuple[ModelArchConfig, GGUFWeights, object]:

@@ -38,6 +38,7 @@ GROUP = 32                      # int4 group size along the input (= the GGUF bl
 _INT8_K_MULTIPLE = 16           # _weight_int8pack_mm's row length granule (see Int8Linear)
 _INT4_ROW_TILE = 64             # the CPU int4 layout interleaves rows in tiles of 64 (see _unpack_int4)
 _TINY = torch.finfo(torch.float32).tiny
+_HALF_TINY = 2.0 ** -24        # float16's smallest (subnormal) value: the scale of an all-zero block
 
 
 def _check(cond: bool, message: str) -> None:
@@ -224,8 +225,8 @@ def bf16_linear_ref(x: torch.Tensor, weight: Bf16Linear) -> torch.Tensor:
 
 # ---- w4a8 / w8a8: GGUF-style blocks of 32 with int8 activations (kernels/cpu_blockq) -------------
 class BlockQLinear:
-    """``u`` [N, K] unsigned ``bits``-bit values with float32 ``d`` and ``m`` [N, K/32]:
-    w = d u + m per block of 32. The input is quantized to int8 per row and block of 32 and each
+    """``u`` [N, K] unsigned ``bits``-bit values with ``d`` and ``m`` [N, K/32] (float16 values,
+    held as float16): w = d u + m per block of 32. The input is quantized to int8 per row and block of 32 and each
     block's dot product is an exact integer sum (``kernels.cpu_blockq``). GGUF Q4_0, Q4_1 and
     Q8_0 blocks are exactly this form (``block_parts``), so their weights are used unrounded.
     """
@@ -271,7 +272,7 @@ class BlockQLinear:
             v = self.packed.view(-1, nb, 4, TILE, 4)[tile, :, :, r]                  # [T, nb, 4, 4]
             u = torch.stack((v & 15, v >> 4), dim=3)                                       # [T, nb, 4, 2, 4]
         u = u.reshape(len(ids), nb, GROUP).to(torch.float32)
-        w = u * self.d[tile, :, r][..., None] + self.m[tile, :, r][..., None]
+        w = u * self.d[tile, :, r].float()[..., None] + self.m[tile, :, r].float()[..., None]
         return w.reshape(len(ids), self.in_features)
 
     def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -304,17 +305,25 @@ def blockq_linear_ref(x: torch.Tensor, weight: BlockQLinear) -> torch.Tensor:
 BlockParts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]      # u [N, K] uint8, d and m [N, K/32]
 
 
+def _half(x: torch.Tensor, what: str) -> torch.Tensor:
+    """x rounded to float16 values (held as float32); ValueError past float16's range."""
+    h = x.to(torch.float16)
+    _check(bool(torch.isfinite(h).all()), f"block weight: a block's {what} is beyond float16's range")
+    return h.to(torch.float32)
+
+
 def float_to_block(weight: torch.Tensor, bits: int) -> BlockParts:
     """8 bits: symmetric per block (Q8_0's rule: q = round(w / d), d = max|w| / 127, held as
-    u = q + 128, m = -128 d). 4 bits: min/max per block (u = round((w - min) / d), m = min)."""
+    u = q + 128, m = -128 d). 4 bits: min/max per block (u = round((w - m) / d), m = min). d and
+    m are float16 values, as GGUF stores them, rounded before the weights are."""
     n, k = weight.shape
     g = weight.to(torch.float32).reshape(n, k // GROUP, GROUP)
     if bits == 8:
-        d = (g.abs().amax(-1) / 127).clamp_min(_TINY)
+        d = _half(g.abs().amax(-1) / 127, "scale").clamp_min(_HALF_TINY)
         q = torch.round(g / d[..., None]).clamp_(-127, 127) + 128
         return q.to(torch.uint8).reshape(n, k), d, -128 * d
-    lo, hi = g.amin(-1), g.amax(-1)
-    d = ((hi - lo) / 15).clamp_min(_TINY)
+    lo = _half(g.amin(-1), "minimum")
+    d = _half((g.amax(-1) - lo) / 15, "scale").clamp_min(_HALF_TINY)
     u = torch.round((g - lo[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8)
     return u.reshape(n, k), d, lo
 

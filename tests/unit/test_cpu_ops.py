@@ -43,7 +43,7 @@ def _weights(n: int, k: int, bits: int, seed: int):
     u = torch.randint(0, 2 ** bits, (n, k), generator=g, dtype=torch.uint8)
     d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-4
     m = -torch.rand(n, k // 32, generator=g) * 0.1
-    return u, d, m
+    return u, d.half().float(), m.half().float()      # float16 values, as GGUF stores them
 
 
 # ---- block-quantized products ---------------------------------------------------------------------
@@ -138,6 +138,13 @@ def test_bad_block_inputs_are_clear_errors(ops):
         w(torch.randn(2, 1, 32))
     with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
         cpu_blockq.linear(torch.randn(1, 48), w.packed, w.d, w.m, 4, 16)
+    # Scales are held as float16: one that is not a float16 value is refused, not rounded.
+    with pytest.raises(ValueError, match="must be float16 values"):
+        quant.BlockQLinear(u, d + 1e-7, m, 4)
+    with pytest.raises(RuntimeError, match="scales must be contiguous float16"):
+        cpu_blockq.linear(torch.randn(1, 64), w.packed, w.d.float(), w.m, 4, 16)
+    with pytest.raises(ValueError, match="beyond float16's range"):
+        quant.BlockQLinear.from_float(torch.full((16, 32), 1e6), 4)
 
 
 def test_the_portable_build_computes_what_the_avx512_one_does(ops):
