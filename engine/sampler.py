@@ -6,7 +6,8 @@ CPU → device flow of one step:
      is skipped, so an all-greedy batch without penalties is a single ``argmax``.
   2. device: ``Sampler(backend, device)(logits, batch)`` — penalties and logit bias, then (for
      logprobs) a ``log_softmax`` of those processed logits, then temperature, the top-k / top-p
-     / min-p filters, and the draw. Nothing in it waits on the host.
+     / min-p filters, and the draw. On the triton backend nothing in it waits on the host;
+     the torch draw reads each row's count of kept tokens back once.
   3. host: the caller copies ``SamplerOutput`` back once.
 
 Two backends compute the same thing. ``torch`` (the reference; runs anywhere) masks the logits
@@ -14,12 +15,15 @@ stage by stage and draws as below. ``triton`` (the CUDA default) applies penalti
 with ``kernels.penalties`` and draws with ``kernels.sampling``, whose top-k → top-p → min-p
 order is the same as the masks here; greedy rows and logprobs are computed as in ``torch``.
 
-The draw is an exponential race: with ``q ~ Exp(1)`` i.i.d. per token, ``argmax(probs / q)``
-picks token ``i`` with probability ``probs[i]`` (the minimum of ``q_i / p_i`` is token ``i``
-with probability ``p_i``). It needs no cumulative sum, no sort and no host sync. Each seeded
-request draws its noise from its own ``torch.Generator`` (``V`` numbers per step, whatever else
-is in the batch), so a seed reproduces its tokens in any batch. Unseeded rows share one
-generator seeded from the engine seed, so whole runs are reproducible too.
+The torch draw (``_draw``) takes one of two exact routes per row, chosen by that row alone. A
+row that truncation left with at most 1/8 of the vocabulary runs an exponential race over the
+tokens it kept: with ``q ~ Exp(1)`` i.i.d. per kept token, ``argmax(probs / q)`` picks token ``i``
+with probability ``probs[i]`` (the minimum of ``q_i / p_i`` is token ``i`` with probability
+``p_i``). A wider row inverts its float64 cumulative distribution at one uniform draw. A
+full-vocabulary race cost ~50k exponentials per row and step, which was most of a 32-row CPU
+step. Each seeded request draws from its own ``torch.Generator``, and how many numbers it draws
+depends only on its own row, so a seed reproduces its tokens in any batch. Unseeded rows share
+one generator seeded from the engine seed, so whole runs are reproducible too.
 
 The triton draw keeps no generator state: a seeded row keys Philox with its seed and counts
 steps with its number of output tokens, so the same seed, prompt and parameters give the same
@@ -320,14 +324,33 @@ def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     logits: [B, V]; p: [B] in (0, 1], where 1 leaves the row unchanged. The most likely token is
     always kept; tokens tied with the least likely kept one are kept too, so the result does
     not depend on how a sort orders ties.
+
+    Only the ``TOP_P_CANDIDATES`` most likely tokens are sorted (``topk``); a row whose nucleus
+    may reach past them is sorted in full. The kept set is the same either way: the candidates
+    are the full sort's first values, and the running mass only grows after them. On CPU a full
+    sort of 32 rows of 49k tokens takes ~10x as long as their ``topk`` of 256.
     """
     probs = logits.softmax(dim=-1)                                   # [B, V]
-    sorted_probs = probs.sort(dim=-1, descending=True).values        # [B, V]
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs         # [B, V], exclusive prefix sum
-    n_keep = (mass_before < p.unsqueeze(-1)).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
-    threshold = sorted_probs.gather(-1, n_keep - 1)                  # [B, 1]
+    vocab = probs.shape[-1]
+    n = min(TOP_P_CANDIDATES, vocab)
+    threshold, n_keep = _nucleus_threshold(probs.topk(n, dim=-1).values, p)   # [B, 1] each
+    wider = ((n_keep == n) & (p.unsqueeze(-1) < 1.0)).squeeze(-1).nonzero().squeeze(-1)
+    if n < vocab and wider.numel():
+        full = probs.index_select(0, wider).sort(dim=-1, descending=True).values
+        threshold[wider] = _nucleus_threshold(full, p[wider])[0]
     threshold = threshold.masked_fill(p.unsqueeze(-1) >= 1.0, 0.0)
     return logits.masked_fill(probs < threshold, _NEG_INF)
+
+
+TOP_P_CANDIDATES = 256
+
+
+def _nucleus_threshold(sorted_probs: torch.Tensor, p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From each row's most likely probabilities in descending order [B, n]: (the least kept
+    probability [B, 1], how many are kept [B, 1]); n kept means the nucleus may go on past them."""
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs         # [B, n], exclusive prefix sum
+    n_keep = (mass_before < p.unsqueeze(-1)).sum(dim=-1, keepdim=True).clamp(min=1)  # [B, 1]
+    return sorted_probs.gather(-1, n_keep - 1), n_keep
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -422,17 +445,50 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _exponential_race(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B] int64: argmax(probs / q), q ~ Exp(1) from each row's generator; greedy rows get q = 1."""
-    q = torch.ones_like(probs)                                       # [B, V]
-    for row, gen in batch.seeded_rows:
-        q[row].exponential_(generator=gen)
+def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B] int64: a token drawn from each random row's ``probs`` with that row's generator;
+    greedy rows' entries are left for the caller to replace.
+
+    A row whose truncation (top-k, top-p, min-p) left at most 1/8 of the vocabulary races only
+    the tokens it kept: argmax(p / q), q ~ Exp(1), one q per kept token in vocabulary order. A
+    wider row inverts its cumulative distribution (float64) at one uniform draw: a 49k-token row
+    costs one cumulative sum instead of 49k exponentials, which were most of a 32-row CPU step.
+    Either way a zero-probability token is never drawn, and the path a row takes depends on that
+    row alone, so a seeded row draws the same tokens alone and in any batch.
+    """
+    vocab = probs.shape[-1]
+    rows = list(batch.seeded_rows)
     if batch.unseeded_rows is not None:
-        noise = torch.empty(batch.unseeded_rows.numel(), probs.shape[-1], dtype=probs.dtype,
-                            device=probs.device).exponential_(generator=batch.shared_generator)
-        q.index_copy_(0, batch.unseeded_rows, noise)
-    # Exp(1) can return exactly 0; clamp so that a zero-probability token never wins via 0 / 0.
-    return (probs / q.clamp_min(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
+        rows += [(row, batch.shared_generator) for row in batch.unseeded_rows.tolist()]
+    out = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
+    if not rows:
+        return out
+    kept = (probs > 0).sum(dim=-1).tolist()                          # [B] on the host, one sync
+    narrow = sorted(row for row, _ in rows if kept[row] * 8 <= vocab)
+    kept_ids: dict[int, torch.Tensor] = {}
+    if narrow:
+        # Each narrow row's nonzero tokens are its kept[row] most likely whatever the order of
+        # ties among them, sorted back into vocabulary order (topk is much faster than nonzero).
+        top = probs.topk(max(kept[row] for row in narrow), dim=-1).indices
+        kept_ids = {row: top[row, :kept[row]].sort().values for row in narrow}
+    tiny = torch.finfo(probs.dtype).tiny
+    for row, gen in sorted(rows, key=lambda r: r[0]):
+        ids = kept_ids.get(row)
+        if ids is not None:
+            p = probs[row].index_select(0, ids)
+            q = torch.empty_like(p).exponential_(generator=gen)
+            # Exp(1) can return exactly 0; clamp so that a zero-probability token never wins via 0 / 0.
+            out[row] = ids[(p / q.clamp_min(tiny)).argmax()]
+            continue
+        cdf = probs[row].double().cumsum(0)
+        u = torch.rand((), dtype=torch.float64, device=probs.device, generator=gen)
+        # The first token whose cumulative mass exceeds u * total, so never one of mass 0; where
+        # rounding lands u * total on the total itself, the last token of nonzero mass.
+        token = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True)[0])
+        if token >= vocab:
+            token = vocab - 1 - int((probs[row].flip(0) > 0).int().argmax())
+        out[row] = token
+    return out
 
 
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -538,7 +594,7 @@ class Sampler:
             token_ids = argmax
         elif self._kernels is None:
             probs = _truncate(logits, batch).softmax(dim=-1)         # [B, V]
-            token_ids = torch.where(batch.greedy, argmax, _exponential_race(probs, batch))
+            token_ids = torch.where(batch.greedy, argmax, _draw(probs, batch))
         else:
             token_ids = torch.where(batch.greedy, argmax, _draw_triton(self._kernels[1], logits, batch))
         if batch.max_num_logprobs is None:

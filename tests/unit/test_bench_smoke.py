@@ -145,3 +145,13 @@ def test_serving_against_real_facade_and_grpc_engine(tmp_path, tiny_smollm2):
         assert m["mean_prompt_tokens"] == 12 and m["mean_output_tokens"] == 4   # the servers' own usage
         assert m["goodput_req_s"] == pytest.approx(m["request_throughput"])
     assert "sluice-grpc" in r.stdout and "TTFT p90" in r.stdout
+
+
+def test_sampling_bench_times_every_setting_against_greedy(tmp_path, tiny_smollm2):
+    out = tmp_path / "sampling.json"
+    r = _run(["bench/sampling.py", "--model", str(tiny_smollm2), "--quick", "--json", str(out)], timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["ms_per_step"]) == {"greedy", "T=1.0", "T=0.7, top_p=0.9", "T=0.8, top_k=40", "T=1.0, min_p=0.05"}
+    assert all(ms > 0 for ms in res["ms_per_step"].values())
+    assert "| T=0.7, top_p=0.9 |" in r.stdout

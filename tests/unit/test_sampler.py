@@ -101,6 +101,31 @@ def test_top_p_matches_reference(probs, p, expected):
     assert _kept(out) == [expected]
 
 
+def _top_p_full_sort(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """apply_top_p's rule computed over a full sort of every row."""
+    probs = logits.softmax(dim=-1)
+    sorted_probs = probs.sort(dim=-1, descending=True).values
+    n_keep = ((sorted_probs.cumsum(-1) - sorted_probs) < p[:, None]).sum(-1, keepdim=True).clamp(min=1)
+    threshold = sorted_probs.gather(-1, n_keep - 1).masked_fill(p[:, None] >= 1.0, 0.0)
+    return logits.masked_fill(probs < threshold, NEG)
+
+
+def test_top_p_sorts_only_candidates_and_keeps_what_a_full_sort_keeps():
+    """Peaked rows (nucleus within the TOP_P_CANDIDATES most likely) and flat ones (past them,
+    sorted in full) in one batch, with ties: the same masked logits, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 5000
+    peaked = torch.randn(4, vocab, generator=g) * 6
+    flat = torch.randn(3, vocab, generator=g) * 0.05
+    tied = (torch.randn(2, vocab, generator=g) * 4).round()
+    logits = torch.cat([peaked, flat, tied])
+    p = torch.tensor([0.9, 0.5, 1.0, 0.99, 0.9, 0.3, 1.0, 0.8, 0.95])
+    out = apply_top_p(logits, p)
+    assert torch.equal(out, _top_p_full_sort(logits, p))
+    kept = [len(k) for k in _kept(out)]
+    assert max(kept[i] for i in (0, 1, 3)) < 256 < min(kept[i] for i in (4, 5))   # both paths ran
+
+
 def test_top_p_rows_are_independent():
     probs = torch.tensor([[0.05, 0.5, 0.15, 0.3], [0.4, 0.3, 0.2, 0.1]])
     out = apply_top_p(probs.log(), torch.tensor([0.7, 1.0]))
@@ -259,12 +284,18 @@ def _expected(logits: list[float], temperature: float, top_p: float) -> list[flo
     return [probs[i] / mass if i in kept else 0.0 for i in range(len(probs))]
 
 
+# 8 tokens: every random row draws over the whole vocabulary. 64 with a long tail: top-p keeps
+# at most 8 (1/8 of the vocabulary), so the rows draw only over the tokens they kept.
+_SMALL = [1.0, 0.2, -0.5, 2.0, 0.0, -1.0, 1.5, 0.7]
+_TAIL = [1.0, -6.0, 0.2, 2.0, -7.0, 0.0, 1.5, 0.7] + [-6.0] * 56
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("temperature,top_p", [(0.8, 0.9), (1.5, 1.0)])
-def test_sampled_frequencies_match_tempered_softmax_after_top_p(temperature, top_p, device):
+@pytest.mark.parametrize("base,temperature,top_p", [(_SMALL, 0.8, 0.9), (_SMALL, 1.5, 1.0), (_TAIL, 0.8, 0.95)],
+                         ids=["8-top-p", "8-all", "64-tail-top-p"])
+def test_sampled_frequencies_match_tempered_softmax_after_top_p(base, temperature, top_p, device):
     """Chi-square goodness of fit at level 1e-4: for a random engine seed the test fails with
     probability 1e-4 when the sampler is right; with the fixed seed it is deterministic."""
-    base = [1.0, 0.2, -0.5, 2.0, 0.0, -1.0, 1.5, 0.7]
     expected = _expected(base, temperature, top_p)
     rows, steps = 1000, 20
     reqs = [_req(f"r{i}", temperature=temperature, top_p=top_p) for i in range(rows)]
