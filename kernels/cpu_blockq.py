@@ -46,7 +46,7 @@ def pack_weights(u: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         # [t, r, b, g, j] -> [t, b, g, r, j]
         return q.view(tiles, TILE, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous().view(-1)
-    if int(u.max(), ) > 15:
+    if int(u.max()) > 15:
         raise ValueError("blockq: 4-bit values must lie in 0..15")
     v = q.view(tiles, TILE, nb, 4, 2, 4).permute(0, 2, 3, 4, 1, 5)          # [t, b, p, h, r, j]
     return (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).contiguous().view(-1)
