@@ -34,7 +34,10 @@ def _cpu_flags() -> bytes:
 
 def build_dir(portable: bool = False) -> Path:
     root = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "ext"
-    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + _cpu_flags())
+    # The sources' folder is part of the key: torch's build files name the sources by path, so two
+    # checkouts (or an install and a checkout) sharing one folder would rebuild on every switch.
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + _cpu_flags()
+                         + str(_SOURCES[0].resolve().parent).encode())
     return root / f"cpu-{'portable-' if portable else ''}{key.hexdigest()[:16]}"
 
 
