@@ -19,6 +19,7 @@ import torch
 
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
+from sluice.engine.penalty_rows import PenaltyRows
 from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
 from sluice.engine.spec_decode.rows import rows_of
 from sluice.engine.spec_decode.verify import DraftedSeq, verify
@@ -62,6 +63,8 @@ class ModelRunner:
         ]
         self.sampler = Sampler(backend=sampler_backend, device=device)
         self.generators = GeneratorCache(seed=seed, device=device)
+        self.penalty_rows = PenaltyRows()   # penalised requests' token tallies, kept across steps
+        self.block_tables = BlockTableRows()
         # engine.structured's manager (owned by the engine core): fills the grammar bitmask rows.
         self.grammar = grammar
         # request id -> [K, V] draft distributions for the drafts it carries into the next step,
@@ -78,11 +81,15 @@ class ModelRunner:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
         for request_id in out.finished_ids:
             self.generators.drop(request_id)
+            self.penalty_rows.drop(request_id)
+            self.block_tables.drop(request_id)
             self.draft_probs.pop(request_id, None)
+        for request_id in out.preempted_ids:
+            self.block_tables.drop(request_id)
         self.captured.clear()
         if not out.scheduled:
             return RunnerOutput()
-        batch = self.prepare(out.scheduled)
+        batch = self.prepare(out.scheduled, self.block_tables)
         hidden = self.forward(batch)
         if self.capture == "all":
             row = 0
@@ -129,7 +136,7 @@ class ModelRunner:
                 else:
                     plain_logits = logits
                 sb = SamplingBatch.from_requests(reqs, self.vocab_size, self.device, self.generators,
-                                                 self._bitmask([(r, ()) for r in reqs]))
+                                                 self._bitmask([(r, ()) for r in reqs]), self.penalty_rows)
                 self._to_output(reqs, self.sampler(plain_logits, sb), res)
             if plan.drafted:
                 self._verify(plan, logits, res)
@@ -144,7 +151,7 @@ class ModelRunner:
         idx = torch.tensor([plan.first_row[i] + j for i in plan.drafted
                             for j in range(len(plan.seqs[i][1]) + 1)], device=self.device)
         sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
-                                         self._bitmask([(s.request, s.draft_ids) for s in seqs]))
+                                         self._bitmask([(s.request, s.draft_ids) for s in seqs]), self.penalty_rows)
         for s, v in zip(seqs, verify(logits[idx], sb, seqs, self.generators, self.sampler.backend == "triton")):
             rid = s.request.request_id
             res.sampled_token_ids[rid] = v.token_ids
@@ -156,21 +163,33 @@ class ModelRunner:
         """[num_rows, ceil(V / 32)] grammar bitmask for (request, drafts) rows, or None."""
         return None if self.grammar is None else self.grammar.fill_bitmask(rows, self.device)
 
-    def prepare(self, scheduled) -> BatchInputs:
+    def prepare(self, scheduled, kept: BlockTableRows | None = None) -> BatchInputs:
+        """The step's input tensors. ``kept``: block-table rows kept across steps (``execute``
+        passes the runner's, whose requests' tables it sees freed); without it each table is
+        converted afresh (the draft and training runners, whose tables change under them)."""
         bs = self.block_size
+        if kept is not None:
+            tables_rows = [kept.row(s.request.request_id, s.block_ids) for s in scheduled]
+        else:
+            tables_rows = [np.asarray(s.block_ids, dtype=np.int32) for s in scheduled]
+        tables = np.zeros((len(scheduled), max(len(r) for r in tables_rows)), dtype=np.int32)
         ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
-        width = max(len(s.block_ids) for s in scheduled)
-        tables = np.zeros((len(scheduled), width), dtype=np.int32)
+        single = True
         row = 0
-        for i, s in enumerate(scheduled):
+        for i, (s, table) in enumerate(zip(scheduled, tables_rows)):
             req = s.request
             start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            ids.append(_token_slice(req, start, end))
-            p = np.arange(start, end, dtype=np.int64)
-            blocks = np.asarray(s.block_ids, dtype=np.int64)
-            pos.append(p)
-            slots.append(blocks[p // bs] * bs + p % bs)
-            tables[i, : len(blocks)] = blocks
+            tables[i, : len(table)] = table
+            if s.num_new_tokens == 1:   # decode: plain ints, no arrays
+                ids.append(_token_at(req, start))
+                pos.append(start)
+                slots.append(int(table[start // bs]) * bs + start % bs)
+            else:
+                single = False
+                ids.append(_token_slice(req, start, end))
+                p = np.arange(start, end, dtype=np.int64)
+                pos.append(p)
+                slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
             q_lens.append(s.num_new_tokens)
             seq_lens.append(end)
             ctx_lens.append(start)
@@ -178,11 +197,22 @@ class ModelRunner:
             if s.sample:   # the last known token's row, then one per draft
                 sample_rows.extend(range(row - 1 - _num_drafts(s), row))
         dev = self.device
-        qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
-        np.cumsum(q_lens, out=qsl[1:])
+        if single:
+            input_ids = torch.tensor(ids, dtype=torch.int64)
+            positions = torch.tensor(pos, dtype=torch.int64)
+            slot_mapping = torch.tensor(slots, dtype=torch.int64)
+            qsl = torch.arange(len(q_lens) + 1, dtype=torch.int32)
+        else:
+            as_array = lambda xs: [np.asarray([x], dtype=np.int64) if isinstance(x, int) else x for x in xs]
+            input_ids = torch.from_numpy(np.concatenate(as_array(ids)))
+            positions = torch.from_numpy(np.concatenate(as_array(pos)))
+            slot_mapping = torch.from_numpy(np.concatenate(as_array(slots)))
+            qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
+            np.cumsum(q_lens, out=qsl[1:])
+            qsl = torch.from_numpy(qsl)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            query_start_loc=torch.from_numpy(qsl).to(dev),
+            slot_mapping=slot_mapping.to(dev),
+            query_start_loc=qsl.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             block_tables=torch.from_numpy(tables).to(dev),
@@ -193,8 +223,8 @@ class ModelRunner:
             seq_lens_cpu=tuple(seq_lens),
         )
         return BatchInputs(
-            input_ids=torch.from_numpy(np.concatenate(ids)).to(dev),
-            positions=torch.from_numpy(np.concatenate(pos)).to(dev),
+            input_ids=input_ids.to(dev),
+            positions=positions.to(dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
@@ -238,6 +268,45 @@ def sample_plan(scheduled) -> SamplePlan:
         first.append(row)
         row += len(drafts) + 1
     return SamplePlan(seqs, first, plain, drafted)
+
+
+def _token_at(req, i: int) -> int:
+    """Token ``i`` of the request: prompt, then output, then this step's drafts."""
+    n_prompt = req.num_prompt_tokens
+    if i < n_prompt:
+        return req.prompt_token_ids[i]
+    i -= n_prompt
+    n_out = len(req.output_token_ids)
+    return req.output_token_ids[i] if i < n_out else req.spec_token_ids[i - n_out]
+
+
+class BlockTableRows:
+    """Each scheduled request's block table as a numpy row kept across steps: a step copies in only
+    the blocks allocated since the previous one (a table only grows while its request holds it).
+    ``drop`` forgets a request that finished or was preempted (its blocks went back to the pool)."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, list] = {}       # request id -> [int32 array (capacity), filled]
+
+    def row(self, request_id: str, block_ids) -> np.ndarray:
+        n = len(block_ids)
+        entry = self._rows.get(request_id)
+        if entry is None or entry[1] > n or (entry[1] and int(entry[0][0]) != block_ids[0]):
+            entry = self._rows[request_id] = [np.empty(max(16, 2 * n), dtype=np.int32), 0]
+        arr, filled = entry
+        if n > filled:
+            if n > len(arr):
+                arr = np.concatenate([arr[:filled], np.empty(max(n, 2 * len(arr)) - filled, dtype=np.int32)])
+                entry[0] = arr
+            arr[filled:n] = block_ids[filled:n]
+            entry[1] = n
+        return arr[:n]
+
+    def drop(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._rows)
 
 
 def _token_slice(req, start: int, end: int) -> np.ndarray:

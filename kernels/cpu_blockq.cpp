@@ -258,4 +258,57 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
   return out;
 }
 
+// Rows ids [T] of W dequantized, [T, K] float32: d * u + m per element, which is exact in float32
+// for these blocks (a float16 d times at most 8 bits, plus a float16 m or -2^(bits-1) d), so the
+// values equal the torch reference (models.quant.BlockQLinear.rows) bit for bit. A tied model's
+// token embedding reads its rows from the LM head's blocks this way.
+torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, torch::Tensor m,
+                          int64_t bits, int64_t n, int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 8, "blockq: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
+              "blockq rows: ids must be a contiguous int64 [T]");
+  TORCH_CHECK(k % kBlock == 0, "blockq: K must be a multiple of 32, got ", k);
+  const int64_t tiles = (n + kTile - 1) / kTile, nb = k / kBlock;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
+                  w.numel() == tiles * nb * (bits == 4 ? 256 : 512),
+              "blockq: packed weight does not match N = ", n, ", K = ", k, ", bits = ", bits);
+  for (const auto* t : {&d, &m}) {
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == tiles * nb * kTile,
+                "blockq: scales must be contiguous float16 [tiles, K/32, 16]");
+  }
+  const int64_t rows = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "blockq rows: id ", ip[r], " is outside 0..", n - 1);
+  }
+  auto out = torch::empty({rows, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr<at::Half>());
+  const uint16_t* mp = reinterpret_cast<const uint16_t*>(m.data_ptr<at::Half>());
+  float* op = out.data_ptr<float>();
+  const int64_t wtile = nb * (bits == 4 ? 256 : 512);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t t = ip[r] / kTile, lane = ip[r] % kTile;
+    const uint8_t* wt = wp + t * wtile;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float db = widen(dp[(t * nb + b) * kTile + lane]);
+      const float mb = widen(mp[(t * nb + b) * kTile + lane]);
+      float* o = op + r * k + b * kBlock;
+      for (int g = 0; g < 8; ++g) {
+        for (int j = 0; j < 4; ++j) {
+          int u;
+          if (bits == 4) {
+            const uint8_t byte = wt[b * 256 + 64 * (g / 2) + lane * 4 + j];
+            u = (g % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
+          } else {
+            u = wt[b * 512 + 64 * g + lane * 4 + j];
+          }
+          o[4 * g + j] = static_cast<float>(u) * db + mb;
+        }
+      }
+    }
+  }
+  return out;
+}
+
 bool blockq_vectorized() { return SLUICE_VNNI != 0; }

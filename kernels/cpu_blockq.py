@@ -84,6 +84,12 @@ def kernel():
     return cpu_ext.module().blockq_linear
 
 
+def rows_kernel():
+    """The compiled ``rows(ids [T] int64, packed, d, m, bits, n, k) -> [T, k] float32``: weight
+    rows dequantized (a tied model's embedding lookups from its LM head)."""
+    return cpu_ext.module().blockq_rows
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
            n: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) -> [M, n] float32."""

@@ -27,6 +27,8 @@
 
 torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                             int64_t bits, int64_t n);
+torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, torch::Tensor m,
+                          int64_t bits, int64_t n, int64_t k);
 bool blockq_vectorized();
 
 namespace {
@@ -463,7 +465,11 @@ class LlamaDecoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("blockq_linear", &blockq_linear, "y = x @ W^T for a block-quantized W (cpu_blockq.cpp)");
+  // The GIL is let go while the product runs (the LM head: ~2 ms a step), so the server's other
+  // threads (gRPC, asyncio) are not held up by it.
+  mod.def("blockq_linear", &blockq_linear, "y = x @ W^T for a block-quantized W (cpu_blockq.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("blockq_rows", &blockq_rows, "rows of a block-quantized W, dequantized (cpu_blockq.cpp)");
   mod.def("blockq_vectorized", &blockq_vectorized, "whether the AVX512-VNNI path was compiled");
   mod.def("rms_norm", &rms_norm);
   mod.def("add_rms_norm", &add_rms_norm);

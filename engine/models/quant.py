@@ -240,6 +240,7 @@ class BlockQLinear:
         self.packed = cpu_blockq.pack_weights(u, bits)
         self.d, self.m = cpu_blockq.pack_scales(d), cpu_blockq.pack_scales(m)
         self._kernel = cpu_blockq.kernel()
+        self._rows_kernel = cpu_blockq.rows_kernel()
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bits: int) -> "BlockQLinear":
@@ -258,9 +259,15 @@ class BlockQLinear:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weight rows ``ids`` [T] dequantized, [T, K] float32: a tied LM head serves the token
-        embedding's lookups from its own blocks, so the table is not held twice. d u + m is exact
-        in float32 for Q8_0's and Q4's blocks (a float16 d times at most 8 bits, and an m that is a
-        multiple of d's last bit or a float16), so the rows are the file's values."""
+        embedding's lookups from its own blocks, so the table is not held twice. One kernel call
+        (``cpu_blockq.cpp``'s blockq_rows); equal to ``rows_ref`` bit for bit."""
+        return self._rows_kernel(ids.reshape(-1).long().contiguous(), self.packed, self.d, self.m,
+                                 self.bits, self.out_features, self.in_features)
+
+    def rows_ref(self, ids: torch.Tensor) -> torch.Tensor:
+        """``rows`` in torch ops. d u + m is exact in float32 for Q8_0's and Q4's blocks (a float16
+        d times at most 8 bits, and an m that is a multiple of d's last bit or a float16), so the
+        rows are the file's values."""
         from sluice.kernels.cpu_blockq import TILE
 
         ids = ids.reshape(-1).long()

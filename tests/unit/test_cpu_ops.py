@@ -99,6 +99,11 @@ def test_weight_rows_are_the_dequantized_rows(ops, bits):
     w = quant.BlockQLinear.from_float(torch.randn(70, 96), bits)   # 70: the last tile is partial
     ids = torch.tensor([[0, 15, 16], [69, 3, 3]])
     assert torch.equal(w.rows(ids.flatten()), w.dequantize()[ids.flatten()])
+    assert torch.equal(w.rows(ids.flatten()), w.rows_ref(ids.flatten()))     # the kernel = torch ops
+    assert w.rows(torch.zeros(0, dtype=torch.long)).shape == (0, 96)
+    for bad in (70, -1):   # past the last row (inside the last tile's padding) and negative
+        with pytest.raises(RuntimeError, match=f"blockq rows: id {bad} is outside 0..69"):
+            w.rows(torch.tensor([3, bad]))
     emb = quant.TiedBlockEmbedding(w)
     assert emb(ids).shape == (2, 3, 96) and torch.equal(emb(ids)[1, 0], w.dequantize()[69])
 
@@ -143,6 +148,8 @@ def test_the_portable_build_computes_what_the_avx512_one_does(ops):
     for bits in (4, 8):
         u, d, m = _weights(40, 96, bits, seed=bits)
         w = quant.BlockQLinear(u, d, m, bits)
+        ids = torch.tensor([0, 39, 17])
+        assert torch.equal(portable.blockq_rows(ids, w.packed, w.d, w.m, bits, 40, 96), w.rows(ids))
         x = torch.randn(9, 96)
         assert torch.equal(portable.blockq_linear(x, w.packed, w.d, w.m, bits, 40), w(x))
     x, wn = torch.randn(5, 64), torch.randn(64)
