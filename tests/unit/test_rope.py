@@ -121,3 +121,21 @@ def test_normalize_accepts_old_and_new_spellings():
 def test_bad_rope_scaling_names_the_field(bad, match):
     with pytest.raises(ValueError, match=match):
         _arch(bad)
+
+
+@pytest.mark.parametrize("rope_scaling", SCALINGS, ids=lambda s: "default" if s is None else s["rope_type"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpu_table_gives_the_computed_values_alone_and_in_batches(rope_scaling, dtype):
+    """cos_sin reads a table of positions on the CPU; each row is what the ops give it on the fly,
+    for a position alone or among others, also after the table grew."""
+    rotary = RotaryEmbedding(_arch(rope_scaling, 80))
+    for positions in (torch.tensor([5]), torch.tensor([300, 2, 299, 0]), torch.arange(1000, 1100),
+                      torch.tensor([4000]), torch.tensor([17, 3999])):
+        got = rotary.cos_sin(positions, dtype)
+        want = rotary._compute(positions, dtype)
+        alone = [rotary._compute(p.reshape(1), dtype) for p in positions[:3]]
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and g.dtype == dtype and torch.equal(g, w)
+        for i, a in enumerate(alone):
+            assert torch.equal(got[0][i], a[0][0]) and torch.equal(got[1][i], a[1][0])
+    assert rotary._tables[dtype][0].shape[0] == 4096     # grown by doubling past position 3999
