@@ -160,6 +160,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--penalties", action="store_true", help=f"every request also sets {PENALTIES}")
     ap.add_argument("--context", type=int, default=0, help="about this many prompt tokens per stream")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"))
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks the plumbing, measures nothing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -169,7 +170,7 @@ def main(argv=None) -> int:
     from sluice.engine.llm import LLM
 
     kv = max(256 << 20, max(streams) * (args.context + args.steps + 64) * 64 << 10)   # SmolLM2: ~45 KiB a token
-    llm = LLM(args.model, kv_cache_memory_bytes=kv, max_num_seqs=max(streams))
+    llm = LLM(args.model, kv_cache_memory_bytes=kv, max_num_seqs=max(streams), kv_cache_dtype=args.kv_cache_dtype)
     core = llm.engine
     timers = instrument(core)
     params = {"temperature": 0.0, **(PENALTIES if args.penalties else {})}
@@ -181,7 +182,7 @@ def main(argv=None) -> int:
         results[n]["step_runs"] = [r["step"] for r in runs]
     fmt = core.loaded.quantization
     print(f"model {args.model} ({fmt}), {'greedy with penalties' if args.penalties else 'greedy'}"
-          f"{f', prompts of ~{args.context} tokens' if args.context else ''}, ms per decode step (median of {args.repeats} runs of {args.steps} steps)")
+          f"{f', prompts of ~{args.context} tokens' if args.context else ''}, KV cache {core.kv_dtype}, ms per decode step (median of {args.repeats} runs of {args.steps} steps)")
     print("| phase | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in streams) + " |")
     print("| --- |" + " ---: |" * len(streams))
     for phase in (*PHASES, "step"):

@@ -11,6 +11,9 @@ from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.structured.spec import StructuredOutputConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+# The KV cache's element type: auto = the model's dtype; float16 halves a CPU cache (and the
+# bytes attention reads per token) against float32.
+_KV_DTYPES = ("auto", "float32", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # Weight formats (engine.models.quant): none = float32; the others are CPU-only.
 _QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
@@ -30,9 +33,12 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # An explicit KV capacity in tokens (MLC's max_total_seq_length); overrides the byte budget.
     max_total_tokens: int | None = None
+    kv_cache_dtype: str = "auto"           # auto | float32 | float16 (_KV_DTYPES)
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_cache_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype: must be one of {', '.join(_KV_DTYPES)}, got {self.kv_cache_dtype!r}")
         if self.max_total_tokens is not None:
             _positive("max_total_tokens", self.max_total_tokens)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)

@@ -28,7 +28,7 @@ from sluice.engine.detokenizer import IncrementalDetokenizer
 from sluice.engine.errors import ContextLengthError, QueueFullError, UnsupportedError
 from sluice.engine.heap import release_freed_heap
 from sluice.engine.kv_cache import KVCacheManager, num_blocks_for_budget
-from sluice.engine.loaders import LoadedModel, load_model, resolve_dtype
+from sluice.engine.loaders import LoadedModel, load_model, resolve_dtype, resolve_kv_dtype
 from sluice.engine.model_runner import ModelRunner
 from sluice.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage
 from sluice.engine.request import Request, RequestStatus
@@ -161,10 +161,12 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(arch)
         block_size = config.cache.block_size
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
+        self.kv_dtype = kv_dtype
         # A byte budget is split between the two models' KV; a capacity in tokens holds for both.
         shared = self.draft if config.cache.max_total_tokens is None else None
-        num_blocks = shared_num_blocks(self._num_blocks(arch, dtype, device), arch, shared,
-                                       torch.tensor([], dtype=dtype).element_size(), block_size)
+        num_blocks = shared_num_blocks(self._num_blocks(arch, kv_dtype, device), arch, shared,
+                                       torch.tensor([], dtype=kv_dtype).element_size(), block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
         sched_config = replace(config.scheduler, num_speculative_tokens=config.speculative.num_speculative_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, block_size, self.max_model_len)
@@ -172,14 +174,14 @@ class EngineCore:
         self.runner = ModelRunner(
             self.loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
             head_dim=arch.head_dim, num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size,
-            device=device, dtype=dtype, attn=attn, sampler_backend=config.device.sampler_backend,
+            device=device, dtype=kv_dtype, attn=attn, sampler_backend=config.device.sampler_backend,
             seed=config.seed, grammar=self.structured,
         )
         draft_runner = None if self.draft is None else ModelRunner(
             self.draft.model, num_layers=self.draft.arch.num_hidden_layers,
             num_kv_heads=self.draft.arch.num_key_value_heads, head_dim=self.draft.arch.head_dim,
             num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size, device=device,
-            dtype=dtype, attn=attn, sampler_backend="torch", seed=config.seed)
+            dtype=kv_dtype, attn=attn, sampler_backend="torch", seed=config.seed)
         self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner,
                                        self.heads, config.seed)   # None: off
         # Every step size's projection primitives compiled now (a few hundred ms on CPU float32),

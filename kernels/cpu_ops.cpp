@@ -10,7 +10,8 @@
 //   store_kv        attention.torch_backend.store_kv
 //   paged_decode    attention.torch_backend's decode (one query token per sequence, GQA)
 // Every row is computed on its own, in an order that does not depend on the batch: a sequence's
-// bits are the same alone and among others.
+// bits are the same alone and among others. The KV caches hold float32 or float16
+// (kv_cache_dtype); float16 values are widened exactly where they are read.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -141,10 +143,44 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// k/v [T, Hkv, D] (unit last stride) into the caches [blocks, block_size, Hkv, D] at flat slots.
+namespace {
+
+// The caches hold float32 or float16 (kv_cache_dtype): the same type for K and V, 4 dims.
+void check_cache(const torch::Tensor& kc, const torch::Tensor& vc) {
+  for (const auto* t : {&kc, &vc}) {
+    TORCH_CHECK(t->device().is_cpu() && t->is_contiguous() && t->dim() == 4 &&
+                    (t->scalar_type() == torch::kFloat32 || t->scalar_type() == torch::kHalf),
+                "cpu_ops: the KV caches must be contiguous float32 or float16 CPU tensors with 4 dims");
+  }
+  TORCH_CHECK(kc.scalar_type() == vc.scalar_type() && kc.sizes() == vc.sizes(),
+              "cpu_ops: the key and value caches differ in dtype or shape");
+}
+
+// A row of n floats into a cache row of T: float16 rounds to nearest even, as torch's .to() does.
+inline void put_row(const float* src, float* dst, int64_t n) { std::copy_n(src, n, dst); }
+inline void put_row(const float* src, at::Half* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) dst[j] = at::Half(src[j]);
+}
+
+template <typename T>
+void store_rows(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& kc, torch::Tensor& vc,
+                const int64_t* sl, int64_t t, int64_t heads, int64_t dim, int64_t total) {
+  T *kp = kc.data_ptr<T>(), *vp = vc.data_ptr<T>();
+  const float *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
+  for (int64_t i = 0; i < t; ++i) {
+    TORCH_CHECK(sl[i] >= 0 && sl[i] < total, "store_kv: slot ", sl[i], " outside the cache");
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      put_row(ks + i * k.stride(0) + hh * k.stride(1), kp + (sl[i] * heads + hh) * dim, dim);
+      put_row(vs + i * v.stride(0) + hh * v.stride(1), vp + (sl[i] * heads + hh) * dim, dim);
+    }
+  }
+}
+
+}  // namespace
+
+// k/v [T, Hkv, D] float32 (unit last stride) into the caches [blocks, block_size, Hkv, D] at flat slots.
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots) {
-  check_f32(kc, "key_cache", 4);
-  check_f32(vc, "value_cache", 4);
+  check_cache(kc, vc);
   TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.is_contiguous(), "store_kv: slots must be int64");
   const int64_t t = k.size(0), heads = kc.size(2), dim = kc.size(3);
   const int64_t total = kc.size(0) * kc.size(1);
@@ -155,14 +191,10 @@ void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor 
                     src.stride(2) == 1 && src.scalar_type() == torch::kFloat32,
                 "store_kv: k and v must be float32 [T, Hkv, D]");
   }
-  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-  const float *ks = k.data_ptr<float>(), *vs = v.data_ptr<float>();
-  for (int64_t i = 0; i < t; ++i) {
-    TORCH_CHECK(sl[i] >= 0 && sl[i] < total, "store_kv: slot ", sl[i], " outside the cache");
-    for (int64_t hh = 0; hh < heads; ++hh) {
-      std::copy_n(ks + i * k.stride(0) + hh * k.stride(1), dim, kp + (sl[i] * heads + hh) * dim);
-      std::copy_n(vs + i * v.stride(0) + hh * v.stride(1), dim, vp + (sl[i] * heads + hh) * dim);
-    }
+  if (kc.scalar_type() == torch::kHalf) {
+    store_rows<at::Half>(k, v, kc, vc, sl, t, heads, dim, total);
+  } else {
+    store_rows<float>(k, v, kc, vc, sl, t, heads, dim, total);
   }
 }
 
@@ -210,35 +242,57 @@ void exp_shifted(float* x, int64_t n, float shift) {
   for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - shift);
 }
 
-// Calls fn(t, pointer to token t's row for this KV head) for t = 0 .. seq_len - 1, walking the
+// Calls fn(t, pointer to token t's row for this KV head) for t = t0 .. t1 - 1, walking the
 // sequence's blocks in order (one table lookup per block).
-template <typename Fn>
-inline void each_token(const float* cache, const int32_t* table, int64_t block_size, int64_t row,
-                       int64_t offset, int64_t seq_len, Fn&& fn) {
-  for (int64_t t0 = 0; t0 < seq_len; t0 += block_size) {
-    const float* base = cache + static_cast<int64_t>(table[t0 / block_size]) * block_size * row + offset;
-    const int64_t t1 = std::min(seq_len, t0 + block_size);
-    for (int64_t t = t0; t < t1; ++t) fn(t, base + (t - t0) * row);
+template <typename T, typename Fn>
+inline void each_token(const T* cache, const int32_t* table, int64_t block_size, int64_t row,
+                       int64_t offset, int64_t t0, int64_t t1, Fn&& fn) {
+  for (int64_t t = t0; t < t1;) {
+    const int64_t blk = t / block_size, end = std::min(t1, (blk + 1) * block_size);
+    const T* base = cache + static_cast<int64_t>(table[blk]) * block_size * row + offset;
+    for (; t < end; ++t) fn(t, base + (t % block_size) * row);
   }
 }
 
+// A row attends over its tokens in chunks of kChunk positions (the last may be shorter): per
+// chunk the scores' maximum m, the sum l of e^(score - m) and the unnormalised weighted sum of
+// values; then the chunks merge in order. The chunks depend on the row's length alone, so a row's
+// bits do not depend on the batch, and chunks of one row can run on different threads (a single
+// long sequence keeps both cores streaming its cache). A row of at most kChunk tokens is one chunk:
+// its result is acc / l, as before chunking existed.
+constexpr int64_t kChunk = 256;
+
+struct Partial {
+  float* acc;   // [G, D] unnormalised
+  float* m;     // [G]
+  float* l;     // [G]
+};
+
 #if defined(__AVX512F__)
-// attend_one for G query heads per KV head and a head size of 16 * CH, everything in registers.
+// One chunk for G query heads per KV head and a head size of 16 * CH, everything in registers.
 // The per-row arithmetic is fixed by (G, CH): every row of every step takes this same path.
-template <int G, int CH>
-void attend_fixed(const float* q, float* out, const float* kc, const float* vc, int64_t kv_heads,
-                  int64_t kvh, const int32_t* table, int64_t block_size, int64_t seq_len, float scale,
-                  std::vector<float>& scores) {
+// 16 cache elements as float32: float16 widens exactly (vcvtph2ps), so a float16 cache gives
+// the results of a float32 cache holding the same values, bit for bit.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+template <int G, int CH, typename T>
+void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t kv_heads,
+                 int64_t kvh, const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale,
+                 std::vector<float>& scores) {
   constexpr int64_t dim = 16 * CH;
-  scores.resize(static_cast<size_t>(G * seq_len));
+  const int64_t len = t1 - t0;
+  scores.resize(static_cast<size_t>(G * len));
   float* sc = scores.data();
   const int64_t row = kv_heads * dim;
   __m512 qv[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) qv[g][c] = _mm512_loadu_ps(q + g * dim + 16 * c);
-  each_token(kc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* kt) {
+  each_token(kc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* kt) {
     __m512 kv[CH];
-    for (int c = 0; c < CH; ++c) kv[c] = _mm512_loadu_ps(kt + 16 * c);
+    for (int c = 0; c < CH; ++c) kv[c] = load16(kt + 16 * c);
     for (int g = 0; g < G; ++g) {
       __m512 a0 = _mm512_mul_ps(qv[g][0], kv[0]);
       __m512 a1 = _mm512_mul_ps(qv[g][1], kv[1]);
@@ -246,96 +300,133 @@ void attend_fixed(const float* q, float* out, const float* kc, const float* vc, 
         a0 = _mm512_fmadd_ps(qv[g][c], kv[c], a0);
         a1 = _mm512_fmadd_ps(qv[g][c + 1], kv[c + 1], a1);
       }
-      sc[g * seq_len + t] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+      sc[g * len + (t - t0)] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
     }
   });
-  float inv[G];
   for (int g = 0; g < G; ++g) {
-    float* sg = sc + g * seq_len;
+    float* sg = sc + g * len;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < seq_len; ++t) mx = std::max(mx, sg[t]);
-    exp_shifted(sg, seq_len, mx);
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+    exp_shifted(sg, len, mx);
     // 16 running sums, then one fixed reduction.
     __m512 tot = _mm512_setzero_ps();
     int64_t t = 0;
-    for (; t + 16 <= seq_len; t += 16) tot = _mm512_add_ps(tot, _mm512_loadu_ps(sg + t));
+    for (; t + 16 <= len; t += 16) tot = _mm512_add_ps(tot, _mm512_loadu_ps(sg + t));
     float total = _mm512_reduce_add_ps(tot);
-    for (; t < seq_len; ++t) total += sg[t];
-    inv[g] = 1.f / total;
+    for (; t < len; ++t) total += sg[t];
+    part.m[g] = mx;
+    part.l[g] = total;
   }
   __m512 acc[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
-  each_token(vc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* vt) {
+  each_token(vc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* vt) {
     __m512 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+    for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(sc[g * seq_len + t]);
+      const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
       for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
     }
   });
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c)
-      _mm512_storeu_ps(out + g * dim + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(part.acc + g * dim + 16 * c, acc[g][c]);
 }
 
-using AttendFn = void (*)(const float*, float*, const float*, const float*, int64_t, int64_t,
-                          const int32_t*, int64_t, int64_t, float, std::vector<float>&);
+template <typename T>
+using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int64_t,
+                         const int32_t*, int64_t, int64_t, int64_t, float, std::vector<float>&);
 
-template <int CH>
-AttendFn pick_group(int64_t group) {
+template <int CH, typename T>
+ChunkFn<T> pick_group(int64_t group) {
   switch (group) {
-    case 1: return attend_fixed<1, CH>;
-    case 2: return attend_fixed<2, CH>;
-    case 3: return attend_fixed<3, CH>;
-    case 4: return attend_fixed<4, CH>;
+    case 1: return chunk_fixed<1, CH, T>;
+    case 2: return chunk_fixed<2, CH, T>;
+    case 3: return chunk_fixed<3, CH, T>;
+    case 4: return chunk_fixed<4, CH, T>;
     default: return nullptr;
   }
 }
 
-// The specialised kernel for this shape, or nullptr (then attend_one's general loops).
-AttendFn pick_attend(int64_t group, int64_t dim) {
-  if (dim == 64) return pick_group<4>(group);
-  if (dim == 128) return pick_group<8>(group);
+// The specialised kernel for this shape, or nullptr (then chunk_any's general loops).
+template <typename T>
+ChunkFn<T> pick_chunk(int64_t group, int64_t dim) {
+  if (dim == 64) return pick_group<4, T>(group);
+  if (dim == 128) return pick_group<8, T>(group);
   return nullptr;
 }
 #endif
 
-// One query row, one KV head: the group of query heads that share it attend over the first
-// seq_len tokens of the row's sequence. Scores, the softmax and the weighted sum of values each
-// run over the tokens in order, so a row's result depends only on its query and its prefix.
-void attend_one(const float* q, float* out, int64_t group, int64_t dim, const float* kc,
-                const float* vc, int64_t kv_heads, int64_t kvh, const int32_t* table,
-                int64_t block_size, int64_t seq_len, float scale, std::vector<float>& scores) {
-  scores.resize(static_cast<size_t>(group * seq_len));
-  const int64_t row = kv_heads * dim;                    // floats from one token to the next
-  each_token(kc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* kt) {
-    for (int64_t g = 0; g < group; ++g) scores[g * seq_len + t] = dot(q + g * dim, kt, dim) * scale;
+// One chunk, one KV head, any shape: the group of query heads that share the KV head score the
+// tokens t0 .. t1 - 1, then the softmax's pieces and the weighted sum of values, each over the
+// tokens in order.
+// A cache row as float32: the row itself, or its float16 values widened into buf.
+inline const float* as_float(const float* row, int64_t, float*) { return row; }
+inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
+  for (int64_t j = 0; j < n; ++j) buf[j] = static_cast<float>(row[j]);
+  return buf;
+}
+
+template <typename T>
+void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T* kc,
+               const T* vc, int64_t kv_heads, int64_t kvh, const int32_t* table,
+               int64_t block_size, int64_t t0, int64_t t1, float scale, std::vector<float>& scores) {
+  const int64_t len = t1 - t0;
+  scores.resize(static_cast<size_t>(group * len));
+  std::vector<float> buf(static_cast<size_t>(dim));
+  const int64_t row = kv_heads * dim;                    // elements from one token to the next
+  each_token(kc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* k16) {
+    const float* kt = as_float(k16, dim, buf.data());
+    for (int64_t g = 0; g < group; ++g) scores[g * len + (t - t0)] = dot(q + g * dim, kt, dim) * scale;
   });
-  std::vector<float> inv(static_cast<size_t>(group));
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores.data() + g * seq_len;
+    float* sg = scores.data() + g * len;
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < seq_len; ++t) mx = std::max(mx, sg[t]);
-    exp_shifted(sg, seq_len, mx);
+    for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
+    exp_shifted(sg, len, mx);
     float total = 0.f;
-    for (int64_t t = 0; t < seq_len; ++t) total += sg[t];
-    inv[g] = 1.f / total;
-    std::fill_n(out + g * dim, dim, 0.f);
+    for (int64_t t = 0; t < len; ++t) total += sg[t];
+    part.m[g] = mx;
+    part.l[g] = total;
+    std::fill_n(part.acc + g * dim, dim, 0.f);
   }
   // The weighted sum of values: one running sum per output element, over the tokens in order.
-  each_token(vc, table, block_size, row, kvh * dim, seq_len, [&](int64_t t, const float* vt) {
+  each_token(vc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* v16) {
+    const float* vt = as_float(v16, dim, buf.data());
     for (int64_t g = 0; g < group; ++g) {
-      const float p = scores[g * seq_len + t];
-      float* og = out + g * dim;
+      const float p = scores[g * len + (t - t0)];
+      float* og = part.acc + g * dim;
 #pragma omp simd
       for (int64_t j = 0; j < dim; ++j) og[j] = std::fma(p, vt[j], og[j]);
     }
   });
+}
+
+// out [G, D] from a row's chunks, merged in order: one chunk is acc / l; several are rescaled to
+// their common maximum first.
+void merge_chunks(const Partial* parts, int64_t n, int64_t group, int64_t dim, float* out) {
   for (int64_t g = 0; g < group; ++g) {
     float* og = out + g * dim;
+    if (n == 1) {
+      const float inv = 1.f / parts[0].l[g];
+      const float* a = parts[0].acc + g * dim;
 #pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) og[j] *= inv[g];
+      for (int64_t j = 0; j < dim; ++j) og[j] = a[j] * inv;
+      continue;
+    }
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, parts[c].m[g]);
+    float total = 0.f;
+    std::fill_n(og, dim, 0.f);
+    for (int64_t c = 0; c < n; ++c) {
+      const float w = exp_nonpositive(parts[c].m[g] - mx);
+      total = std::fma(w, parts[c].l[g], total);
+      const float* a = parts[c].acc + g * dim;
+#pragma omp simd
+      for (int64_t j = 0; j < dim; ++j) og[j] = std::fma(w, a[j], og[j]);
+    }
+    const float inv = 1.f / total;
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) og[j] *= inv;
   }
 }
 
@@ -345,10 +436,10 @@ void attend_one(const float* q, float* out, int64_t group, int64_t dim, const fl
 // [B, max_blocks] int32, seq_lens [B] int32 -> [B, Hq, D]. Row b attends over the first
 // seq_lens[b] tokens of the sequence block_tables[b] describes: a decode row is its sequence's
 // last token, and a prefill or verification row is one row per token with its own length.
+// Work is split into (row, chunk, KV head) items over the threads.
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  check_f32(kc, "key_cache", 4);
-  check_f32(vc, "value_cache", 4);
+  check_cache(kc, vc);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32 [B, Hq, D]");
   auto qc = q.contiguous();
   auto bt = block_tables.to(torch::kInt32).contiguous();
@@ -359,30 +450,73 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch && sl.numel() == batch, "paged_decode: one table and length per row");
   const int64_t group = heads / kv_heads, width = bt.size(1);
   const int32_t* lens = sl.data_ptr<int32_t>();
+  // Each row's first chunk, over (row, chunk): a row's chunks are consecutive. Rows of more than
+  // one chunk keep their partial results in a workspace (its slots: `slot`), merged afterwards;
+  // a one-chunk row is finished where it is computed.
+  std::vector<int64_t> first(static_cast<size_t>(batch + 1), 0), slot;
+  int64_t split = 0;
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "paged_decode: seq_len ", lens[b],
                 " does not fit the block table");
+    const int64_t n = (lens[b] + kChunk - 1) / kChunk;
+    first[b + 1] = first[b] + n;
+    for (int64_t c = 0; c < n; ++c) slot.push_back(n > 1 ? split++ : -1);
   }
+  const int64_t chunks = first[batch], per_part = group * (dim + 2);
   auto out = torch::empty({batch, heads, dim}, qc.options());
-  const float *qp = qc.data_ptr<float>(), *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  // Kept across calls (a long prefill's partials are tens of MB: fresh pages on every layer
+  // would cost more than the attention).
+  static thread_local std::vector<float> workspace;
+  workspace.resize(static_cast<size_t>(split * kv_heads * per_part));
+  const float* qp = qc.data_ptr<float>();
   const int32_t* tp = bt.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
+  float* wp = workspace.data();
+  auto part_in = [&](float* base) { return Partial{base, base + group * dim, base + group * dim + group}; };
+  std::vector<int64_t> row_of(static_cast<size_t>(chunks));
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t c = first[b]; c < first[b + 1]; ++c) row_of[c] = b;
+  // The chunks, for a cache of element type T (float or at::Half).
+  auto attend = [&](const auto* kp, const auto* vp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
 #if defined(__AVX512F__)
-  const AttendFn fixed = pick_attend(group, dim);
+    const ChunkFn<T> fixed = pick_chunk<T>(group, dim);
 #endif
+    at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t i0, int64_t i1) {
+      std::vector<float> scores, local(static_cast<size_t>(per_part));
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t c = i / kv_heads, kvh = i % kv_heads, b = row_of[c];
+        const int64_t t0 = (c - first[b]) * kChunk, t1 = std::min<int64_t>(lens[b], t0 + kChunk);
+        const float* qh = qp + (b * heads + kvh * group) * dim;
+        const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
+#if defined(__AVX512F__)
+        if (fixed != nullptr) {
+          fixed(qh, part, kp, vp, kv_heads, kvh, tp + b * width, block_size, t0, t1, static_cast<float>(scale), scores);
+        } else
+#endif
+        {
+          chunk_any(qh, part, group, dim, kp, vp, kv_heads, kvh, tp + b * width, block_size, t0, t1,
+                    static_cast<float>(scale), scores);
+        }
+        if (slot[c] < 0) merge_chunks(&part, 1, group, dim, op + (b * heads + kvh * group) * dim);
+      }
+    });
+  };
+  if (kc.scalar_type() == torch::kHalf) {
+    attend(kc.data_ptr<at::Half>(), vc.data_ptr<at::Half>());
+  } else {
+    attend(kc.data_ptr<float>(), vc.data_ptr<float>());
+  }
+  if (split == 0) return out;
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores;
+    std::vector<Partial> parts;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / kv_heads, kvh = i % kv_heads;
-#if defined(__AVX512F__)
-      if (fixed != nullptr) {
-        fixed(qp + (b * heads + kvh * group) * dim, op + (b * heads + kvh * group) * dim, kp, vp, kv_heads,
-              kvh, tp + b * width, block_size, lens[b], static_cast<float>(scale), scores);
-        continue;
-      }
-#endif
-      attend_one(qp + (b * heads + kvh * group) * dim, op + (b * heads + kvh * group) * dim, group, dim,
-                 kp, vp, kv_heads, kvh, tp + b * width, block_size, lens[b], static_cast<float>(scale), scores);
+      if (slot[first[b]] < 0) continue;   // one chunk: already written
+      parts.clear();
+      for (int64_t c = first[b]; c < first[b + 1]; ++c) parts.push_back(part_in(wp + (slot[c] * kv_heads + kvh) * per_part));
+      merge_chunks(parts.data(), static_cast<int64_t>(parts.size()), group, dim,
+                   op + (b * heads + kvh * group) * dim);
     }
   });
   return out;

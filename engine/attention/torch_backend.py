@@ -16,18 +16,22 @@ from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KV
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Scatter by slot; a cache of another dtype (kv_cache_dtype) takes the values rounded to it."""
     key_cache, value_cache = kv_cache
     num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
-    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
-    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """One sequence's cached K or V, densely: [seq_len, num_kv_heads, head_dim]."""
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One sequence's cached K or V, densely: [seq_len, num_kv_heads, head_dim], in ``dtype``
+    (the queries') when given."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     # index_select with int64 ids: indexing with an int32 tensor takes a far slower path on CPU.
-    return cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
+    out = cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
+    return out if dtype is None else out.to(dtype)
 
 
 # Queries of up to this many tokens over a longer context attend through _short (see forward).
@@ -75,8 +79,8 @@ class TorchAttentionBackend(AttentionBackend):
         q_len, num_heads, head_dim = query.shape
         num_kv = key_cache.shape[2]
         group = num_heads // num_kv
-        k = gather_kv(key_cache, block_table, seq_len)                       # [L, Hkv, D]
-        v = gather_kv(value_cache, block_table, seq_len)
+        k = gather_kv(key_cache, block_table, seq_len, query.dtype)          # [L, Hkv, D]
+        v = gather_kv(value_cache, block_table, seq_len, query.dtype)
         # [Hkv, group * Lq, D]: row g * Lq + j is query head (kv * group + g) at token j.
         q = query.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
         k_pos = torch.arange(seq_len, device=query.device)
@@ -98,6 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
         ids = block_tables[:, :num_blocks].reshape(-1).long()
         k = key_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])    # [B, L, Hkv, D]
         v = value_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])  # [B, L, Hkv, D]
+        k, v = k.to(query.dtype), v.to(query.dtype)   # a no-op unless the cache has its own dtype
         if batch == 1:
             k, v, bias = k[:, :max_seq_len], v[:, :max_seq_len], None
         else:
@@ -117,8 +122,8 @@ class TorchAttentionBackend(AttentionBackend):
         # query [Lq, Hq, D]: positions seq_len-Lq .. seq_len-1 of one sequence.
         key_cache, value_cache = kv_cache
         q_len = query.shape[0]
-        k = gather_kv(key_cache, block_table, seq_len).transpose(0, 1)    # [Hkv, L, D]
-        v = gather_kv(value_cache, block_table, seq_len).transpose(0, 1)  # [Hkv, L, D]
+        k = gather_kv(key_cache, block_table, seq_len, query.dtype).transpose(0, 1)    # [Hkv, L, D]
+        v = gather_kv(value_cache, block_table, seq_len, query.dtype).transpose(0, 1)  # [Hkv, L, D]
         q = query.transpose(0, 1)                                          # [Hq, Lq, D]
         if q_len == seq_len:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)

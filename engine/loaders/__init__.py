@@ -47,6 +47,23 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: "auto" is the model's dtype. float16 under a float32 model is
+    a CPU feature (the torch attention backend and the C++ layers read it); the CUDA kernels read
+    a cache of the model's own dtype only."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in ("float32", "float16"):
+        raise ValueError(f"kv_cache_dtype: must be auto, float32 or float16, got {kv_cache_dtype!r}")
+    want = _DTYPES[kv_cache_dtype]
+    if device.type == "cuda" and want != model_dtype:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype} under a {str(model_dtype).removeprefix('torch.')} "
+                         "model runs on CPU only; on CUDA the cache holds the model's dtype (auto)")
+    if want == torch.float32 and model_dtype != torch.float32:
+        raise ValueError(f"kv_cache_dtype: float32 needs a float32 model, got {str(model_dtype).removeprefix('torch.')}")
+    return want
+
+
 def resolve_path(path_or_name: str | Path) -> Path:
     path = Path(path_or_name).expanduser()
     if path.exists():

@@ -215,6 +215,57 @@ def test_paged_decode_matches_sdpa_per_sequence(ops, kv_heads, group, dim):
         ops.paged_decode(q, kc, vc, tables, torch.tensor([10, 1, 17], dtype=torch.int32), 0.25)
 
 
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 5, 64)])
+def test_long_rows_attend_in_chunks_that_merge_to_sdpa(ops, kv_heads, group, dim):
+    """Rows past 256 tokens attend in chunks of 256 merged afterwards (so one long sequence keeps
+    both threads busy): the result is SDPA's, a row's bits are the same alone and in any batch,
+    and a one-chunk row beside long ones is computed as before."""
+    kc, vc = _cache(blocks=300, block_size=4, kv_heads=kv_heads, dim=dim, seed=3)
+    g = torch.Generator().manual_seed(1)
+    tables = torch.stack([torch.randperm(300, generator=g)[:200] for _ in range(4)]).to(torch.int32)
+    lens = torch.tensor([257, 800, 3, 512], dtype=torch.int32)      # 2, 4, 1 and 2 chunks
+    q = torch.randn(4, kv_heads * group, dim, generator=g)
+    got = ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5)
+    want = TorchAttentionBackend._decode(q, (kc, vc), tables, lens, 800, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for i in range(4):
+        alone = ops.paged_decode(q[i:i + 1].contiguous(), kc, vc, tables[i:i + 1], lens[i:i + 1], dim ** -0.5)
+        assert torch.equal(alone[0], got[i]), i
+    # The short row's result is the unchunked one: that of a batch with no long row in it.
+    short = ops.paged_decode(q[2:3].contiguous(), kc, vc, tables[2:3], lens[2:3], dim ** -0.5)
+    assert torch.equal(short[0], got[2])
+    portable = cpu_ext.portable_module()
+    torch.testing.assert_close(portable.paged_decode(q, kc, vc, tables, lens, dim ** -0.5), got, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 5, 64), (2, 3, 16)])
+def test_a_float16_cache_stores_as_torch_rounds_and_attends_as_its_float32_values(ops, kv_heads, group, dim):
+    """kv_cache_dtype=float16: store_kv rounds as torch's .to(float16) does, and attention over
+    the float16 cache equals, bit for bit, attention over a float32 cache of the same values (the
+    values are widened exactly), for the register kernels and the general loops, short and long
+    rows; the portable build agrees."""
+    kc32, vc32 = _cache(blocks=300, block_size=4, kv_heads=kv_heads, dim=dim, seed=5)
+    kc, vc = kc32.half(), vc32.half()
+    k, v = torch.randn(3, kv_heads, dim) * 4, torch.randn(3, kv_heads, dim) * 4
+    slots = torch.tensor([5, 0, 1199])
+    ops.store_kv(k, v, kc, vc, slots)
+    ref = (kc32.half().clone(), vc32.half().clone())
+    store_kv(k, v, ref, slots)
+    assert torch.equal(kc, ref[0]) and torch.equal(vc, ref[1])
+    g = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(300, generator=g)[:200] for _ in range(3)]).to(torch.int32)
+    lens = torch.tensor([700, 5, 256], dtype=torch.int32)
+    q = torch.randn(3, kv_heads * group, dim, generator=g)
+    got = ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5)
+    assert torch.equal(got, ops.paged_decode(q, kc.float(), vc.float(), tables, lens, dim ** -0.5))
+    torch.testing.assert_close(cpu_ext.portable_module().paged_decode(q, kc, vc, tables, lens, dim ** -0.5), got,
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="differ in dtype or shape"):
+        ops.paged_decode(q, kc, vc.float(), tables, lens, 0.1)
+    with pytest.raises(RuntimeError, match="float32 or float16"):
+        ops.store_kv(k, v, kc.bfloat16(), vc.bfloat16(), slots)
+
+
 # ---- the whole decode step -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_w4a8(tiny_smollm2):

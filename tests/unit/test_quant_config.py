@@ -138,3 +138,24 @@ def test_a_float_safetensors_folder_runs_in_every_format(tiny_folder, fmt):
     alone = llm.generate(prompt(5), params)[0].outputs[0].token_ids
     batch = llm.generate([prompt(9), prompt(5), prompt(3)], params)
     assert len(alone) == 6 and batch[1].outputs[0].token_ids == alone
+
+
+def test_kv_cache_dtype_is_validated_set_by_override_and_refused_where_it_cannot_run():
+    from sluice.engine.config import CacheConfig
+    from sluice.engine.loaders import resolve_kv_dtype
+
+    assert CacheConfig().kv_cache_dtype == "auto"
+    with pytest.raises(ValueError, match="kv_cache_dtype: must be one of auto, float32, float16, got 'int8'"):
+        CacheConfig(kv_cache_dtype="int8")
+    config = overrides.build_engine_config("m.gguf", overrides="kv_cache_dtype=float16", device="cpu",
+                                           context_window=lambda model: 2048)
+    assert config.cache.kv_cache_dtype == "float16"
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
+    assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert resolve_kv_dtype("float16", torch.float32, cpu) == torch.float16
+    assert resolve_kv_dtype("float16", torch.float16, cuda) == torch.float16
+    with pytest.raises(ValueError, match="float16 under a bfloat16 model runs on CPU only"):
+        resolve_kv_dtype("float16", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="float32 needs a float32 model, got bfloat16"):
+        resolve_kv_dtype("float32", torch.bfloat16, cpu)
