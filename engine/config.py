@@ -11,9 +11,8 @@ from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.structured.spec import StructuredOutputConfig
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
-# The KV cache's element type: auto = float16 for the C++ CPU formats (w4a8, w8a8), else the
-# model's dtype (engine.loaders.resolve_kv_dtype); float16 halves a CPU cache (and the bytes
-# attention reads per token) against float32.
+# The KV cache's element type: auto = the model's dtype; float16 halves a CPU cache (and the
+# bytes attention reads per token) against float32.
 _KV_DTYPES = ("auto", "float32", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # Weight formats (engine.models.quant): none = float32; the others are CPU-only.

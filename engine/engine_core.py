@@ -161,7 +161,7 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self._max_model_len(arch)
         block_size = config.cache.block_size
-        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device, self.loaded.quantization)
+        kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
         self.kv_dtype = kv_dtype
         # A byte budget is split between the two models' KV; a capacity in tokens holds for both.
         shared = self.draft if config.cache.max_total_tokens is None else None

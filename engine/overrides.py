@@ -70,7 +70,7 @@ KEYS: dict[str, _Key] = {
     "context_window_size": _Key("max_model_len", _int, "context window in tokens (<= the model's)"),
     "block_size": _Key("block_size", _int, "tokens per KV block"),
     "kv_cache_memory_bytes": _Key("kv_cache_memory_bytes", _bytes, "KV pool size on CPU (e.g. 512MiB)"),
-    "kv_cache_dtype": _Key("kv_cache_dtype", str, "KV cache elements: auto (float16 for w4a8/w8a8 on CPU, else the model's dtype) | float32 | float16"),
+    "kv_cache_dtype": _Key("kv_cache_dtype", str, "KV cache elements: auto (the model's dtype) | float32 | float16"),
     "enable_prefix_caching": _Key("enable_prefix_caching", _bool, "reuse KV blocks of shared prefixes"),
     "enable_chunked_prefill": _Key("enable_chunked_prefill", _bool, "split long prompts across steps"),
     "max_waiting": _Key("max_waiting", _int, "bound of the waiting queue (beyond: RESOURCE_EXHAUSTED)"),

@@ -47,20 +47,11 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return _DTYPES[dtype]
 
 
-# Weight formats whose layers run in C++ on the CPU (kernels/cpu_ops.cpp), where "auto" holds
-# the KV cache in float16: half the bytes of float32 for a rounding far below the formats' own
-# (their int8 activations move logits by ~1 already); llama.cpp's default cache type too.
-_FLOAT16_KV_FORMATS = ("w4a8", "w8a8")
-
-
-def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device,
-                     quantization: str = "none") -> torch.dtype:
-    """The KV cache's element type. "auto": float16 for the C++ CPU formats (w4a8, w8a8), else
-    the model's dtype. float16 under a float32 model is a CPU feature (the torch attention backend
-    and the C++ layers read it); the CUDA kernels read a cache of the model's own dtype only."""
+def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type: "auto" is the model's dtype. float16 under a float32 model is
+    a CPU feature (the torch attention backend and the C++ layers read it); the CUDA kernels read
+    a cache of the model's own dtype only."""
     if kv_cache_dtype == "auto":
-        if device.type == "cpu" and quantization in _FLOAT16_KV_FORMATS:
-            return torch.float16
         return model_dtype
     if kv_cache_dtype not in ("float32", "float16"):
         raise ValueError(f"kv_cache_dtype: must be auto, float32 or float16, got {kv_cache_dtype!r}")

@@ -152,10 +152,6 @@ def test_kv_cache_dtype_is_validated_set_by_override_and_refused_where_it_cannot
     assert config.cache.kv_cache_dtype == "float16"
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_kv_dtype("auto", torch.float32, cpu) == torch.float32
-    assert resolve_kv_dtype("auto", torch.float32, cpu, "w4a8") == torch.float16      # the C++ formats
-    assert resolve_kv_dtype("auto", torch.float32, cpu, "w8a8") == torch.float16
-    assert resolve_kv_dtype("auto", torch.float32, cpu, "int4") == torch.float32
-    assert resolve_kv_dtype("float32", torch.float32, cpu, "w4a8") == torch.float32
     assert resolve_kv_dtype("auto", torch.bfloat16, cuda) == torch.bfloat16
     assert resolve_kv_dtype("float16", torch.float32, cpu) == torch.float16
     assert resolve_kv_dtype("float16", torch.float16, cuda) == torch.float16
