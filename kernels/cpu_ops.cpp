@@ -249,8 +249,8 @@ inline void each_token(const T* cache, const int32_t* table, int64_t block_size,
                        int64_t offset, int64_t t0, int64_t t1, Fn&& fn) {
   for (int64_t t = t0; t < t1;) {
     const int64_t blk = t / block_size, end = std::min(t1, (blk + 1) * block_size);
-    const T* base = cache + static_cast<int64_t>(table[blk]) * block_size * row + offset;
-    for (; t < end; ++t) fn(t, base + (t % block_size) * row);
+    const T* p = cache + (static_cast<int64_t>(table[blk]) * block_size + (t - blk * block_size)) * row + offset;
+    for (; t < end; ++t, p += row) fn(t, p);   // no division per token
   }
 }
 
