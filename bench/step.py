@@ -170,7 +170,8 @@ def main(argv=None) -> int:
     from sluice.engine.llm import LLM
 
     kv = max(256 << 20, max(streams) * (args.context + args.steps + 64) * 64 << 10)   # SmolLM2: ~45 KiB a token
-    llm = LLM(args.model, kv_cache_memory_bytes=kv, max_num_seqs=max(streams), kv_cache_dtype=args.kv_cache_dtype)
+    extra = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
+    llm = LLM(args.model, kv_cache_memory_bytes=kv, max_num_seqs=max(streams), **extra)
     core = llm.engine
     timers = instrument(core)
     params = {"temperature": 0.0, **(PENALTIES if args.penalties else {})}
@@ -182,14 +183,16 @@ def main(argv=None) -> int:
         results[n]["step_runs"] = [r["step"] for r in runs]
     fmt = core.loaded.quantization
     print(f"model {args.model} ({fmt}), {'greedy with penalties' if args.penalties else 'greedy'}"
-          f"{f', prompts of ~{args.context} tokens' if args.context else ''}, KV cache {core.kv_dtype}, ms per decode step (median of {args.repeats} runs of {args.steps} steps)")
+          f"{f', prompts of ~{args.context} tokens' if args.context else ''}, KV cache {getattr(core, 'kv_dtype', 'float32')}, ms per decode step (median of {args.repeats} runs of {args.steps} steps)")
     print("| phase | " + " | ".join(f"{n} stream{'s' if n > 1 else ''}" for n in streams) + " |")
     print("| --- |" + " ---: |" * len(streams))
     for phase in (*PHASES, "step"):
         print(f"| {phase} | " + " | ".join(f"{results[n][phase]:.2f}" for n in streams) + " |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "format": fmt, "penalties": args.penalties,
-                                               "ms": {str(n): r for n, r in results.items()}}, indent=2))
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "format": fmt, "penalties": args.penalties, "context": args.context,
+            "kv_cache_dtype": str(getattr(core, "kv_dtype", "float32")),
+            "ms": {str(n): r for n, r in results.items()}}, indent=2))
     spread = {n: statistics.pstdev(results[n]["step_runs"]) for n in streams}
     print("step time spread (pstdev, ms): " + ", ".join(f"{n}: {s:.2f}" for n, s in spread.items()))
     return 0

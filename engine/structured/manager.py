@@ -91,7 +91,7 @@ class StructuredOutputManager:
         if spec.kind == "json_object":
             return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
+            return compiler.compile_grammar(json_schema_grammar(spec.text, spec.strict))
         if spec.kind == "regex":
             return compiler.compile_regex(spec.text)
         if spec.kind == "choice":
@@ -192,6 +192,25 @@ def structural_tag(text: str) -> str:
         "type": "triggered_tags", "triggers": triggers, "at_least_one": False, "stop_after_first": stop_after_first,
         "tags": [{"type": "tag", "begin": t.begin, "end": t.end,
                   "content": {"type": "json_schema", "json_schema": json.loads(t.schema_json)}} for t in tags]}})
+
+
+# xgrammar (0.2) spells the characters of a string with maxLength / minLength as [^"\\\r\n]
+# (its printed grammar: r'[^\"\\\r\n]'). That admits the control characters U+0000-U+001F, which
+# JSON forbids raw in a string (json.loads refuses the output), where its unbounded strings use
+# [^\0-\x1f"\\\r\n]. Bounded strings get JSON's class here (still without escapes).
+_BOUNDED_STRING_CHARS = r'[^\"\\\r\n]'
+_JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
+
+
+def json_schema_grammar(schema: str, strict: bool):
+    """xgrammar's grammar for a JSON Schema (compact JSON), with its bounded-length strings held
+    to JSON's string characters (no raw control characters; escapes stay out of them)."""
+    import xgrammar as xgr
+
+    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    text = str(grammar)
+    fixed = text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
 
 
 def choice_ebnf(choices: tuple[str, ...]) -> str:

@@ -155,3 +155,19 @@ def test_sampling_bench_times_every_setting_against_greedy(tmp_path, tiny_smollm
     assert set(res["ms_per_step"]) == {"greedy", "T=1.0", "T=0.7, top_p=0.9", "T=0.8, top_k=40", "T=1.0, min_p=0.05"}
     assert all(ms > 0 for ms in res["ms_per_step"].values())
     assert "| T=0.7, top_p=0.9 |" in r.stdout
+
+
+def test_step_bench_splits_a_step_into_phases_that_add_up(tmp_path, tiny_smollm2):
+    out = tmp_path / "step.json"
+    r = _run(["bench/step.py", "--model", str(tiny_smollm2), "--quick", "--penalties", "--context", "48",
+              "--kv-cache-dtype", "float16", "--json", str(out)], timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert res["kv_cache_dtype"] == "torch.float16" and res["penalties"] and res["context"] == 48
+    ms = res["ms"]["2"]
+    phases = ("schedule", "inputs", "layers", "forward_python", "lm_head", "sampling_batch", "sampler",
+              "sample_other", "outputs")
+    assert all(ms[p] > 0 for p in phases), ms
+    # The phases are disjoint: what is left of the step is small, never negative beyond timer noise.
+    assert -0.05 * ms["step"] < ms["other"] < 0.5 * ms["step"], ms
+    assert "| layers |" in r.stdout and "KV cache torch.float16" in r.stdout

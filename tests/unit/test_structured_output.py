@@ -288,3 +288,23 @@ def test_unconstrained_rows_are_all_ones_and_no_grammar_means_no_mask(manager, s
     assert bm.shape == (4, bitmask_words(tok.vocab_size)) and (bm[:3] == -1).all()
     assert not (bm[3] == -1).all()
     manager.drop("c")
+
+
+def test_bounded_json_strings_refuse_control_characters(manager, smollm2_tokenizer):
+    """xgrammar 0.2 lets a string with maxLength hold raw control characters, which JSON forbids
+    (json.loads refused a sampled {"name": "...\\x01..."}): the manager's grammar does not."""
+    import xgrammar as xgr
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                               "age": {"type": "integer"}}, "required": ["name", "age"]}
+    spec = GrammarSpec("json_schema", json.dumps(schema), strict=True)
+    control = next(i for i, b in enumerate(token_bytes(smollm2_tokenizer, smollm2_tokenizer.vocab_size))
+                   if b == b"\x01")
+    m = xgr.GrammarMatcher(manager.compile(spec))
+    assert m.accept_string('{"name": "Ann')
+    assert not m.accept_token(control)
+    assert m.accept_string(' Lee", "age": 30}')                     # the rest still follows
+    # Unbounded strings were right already; the text left unchanged there.
+    plain = GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"s": {"type": "string"}}}))
+    m = xgr.GrammarMatcher(manager.compile(plain))
+    assert m.accept_string('{"s": "a') and not m.accept_token(control)
