@@ -154,6 +154,15 @@ void tile_any(int64_t mr, const uint8_t* w, const uint16_t* d, const uint16_t* m
 // float16 bits -> float32 (exact), without F16C.
 inline float widen(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
+// Element 4 g + j (g < 8, j < 4) of block b of output row `lane` in a tile's packed weights.
+inline int unpacked(const uint8_t* w, int bits, int64_t b, int g, int64_t lane, int j) {
+  if (bits == 4) {
+    const uint8_t byte = w[b * 256 + 64 * (g / 2) + lane * 4 + j];
+    return (g % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
+  }
+  return w[b * 512 + 64 * g + lane * 4 + j];
+}
+
 // The same arithmetic in portable C++ (no AVX512-VNNI): the same per-block sums and the same two
 // fused multiply-adds per block, so results agree with the vector path bit for bit.
 void tile_scalar(int bits, int64_t rows, const uint8_t* w, const uint16_t* d, const uint16_t* m,
@@ -168,14 +177,7 @@ void tile_scalar(int bits, int64_t rows, const uint8_t* w, const uint16_t* d, co
   #pragma GCC unroll 8
       for (int g = 0; g < 8; ++g) {
           for (int j = 0; j < 4; ++j) {
-            int u;
-            if (bits == 4) {
-              const uint8_t byte = w[b * 256 + 64 * (g / 2) + lane * 4 + j];
-              u = (g % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
-            } else {
-              u = w[b * 512 + 64 * g + lane * 4 + j];
-            }
-            isum += u * static_cast<int32_t>(ab[4 * g + j]);
+            isum += unpacked(w, bits, b, g, lane, j) * static_cast<int32_t>(ab[4 * g + j]);
           }
         }
         const float scale = widen(d[b * kTile + lane]) * s[r * nb + b];
@@ -296,14 +298,7 @@ torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, t
       float* o = op + r * k + b * kBlock;
       for (int g = 0; g < 8; ++g) {
         for (int j = 0; j < 4; ++j) {
-          int u;
-          if (bits == 4) {
-            const uint8_t byte = wt[b * 256 + 64 * (g / 2) + lane * 4 + j];
-            u = (g % 2 == 0) ? (byte & 0x0F) : (byte >> 4);
-          } else {
-            u = wt[b * 512 + 64 * g + lane * 4 + j];
-          }
-          o[4 * g + j] = static_cast<float>(u) * db + mb;
+          o[4 * g + j] = static_cast<float>(unpacked(wt, static_cast<int>(bits), b, g, lane, j)) * db + mb;
         }
       }
     }
