@@ -189,12 +189,10 @@ void tile_scalar(int bits, int64_t rows, const uint8_t* w, const uint16_t* d, co
   }
 }
 
-void check_inputs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
-                  const torch::Tensor& m, int64_t bits, int64_t n) {
+// The packed weight and its scales for N = n outputs of K = k inputs.
+void check_weights(const torch::Tensor& w, const torch::Tensor& d, const torch::Tensor& m, int64_t bits,
+                   int64_t n, int64_t k) {
   TORCH_CHECK(bits == 4 || bits == 8, "blockq: bits must be 4 or 8, got ", bits);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "blockq: x must be a contiguous float32 [M, K]");
-  const int64_t k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "blockq: K must be a multiple of 32, got ", k);
   const int64_t tiles = (n + kTile - 1) / kTile, nb = k / kBlock;
   TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
@@ -205,6 +203,14 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& w, const torch::T
                     t->numel() == tiles * nb * kTile,
                 "blockq: scales must be contiguous float16 [tiles, K/32, 16]");
   }
+}
+
+void check_inputs(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& d,
+                  const torch::Tensor& m, int64_t bits, int64_t n) {
+  TORCH_CHECK(bits == 4 || bits == 8, "blockq: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "blockq: x must be a contiguous float32 [M, K]");
+  check_weights(w, d, m, bits, n, x.size(1));
 }
 
 }  // namespace
@@ -266,18 +272,10 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
 // token embedding reads its rows from the LM head's blocks this way.
 torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                           int64_t bits, int64_t n, int64_t k) {
-  TORCH_CHECK(bits == 4 || bits == 8, "blockq: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
               "blockq rows: ids must be a contiguous int64 [T]");
-  TORCH_CHECK(k % kBlock == 0, "blockq: K must be a multiple of 32, got ", k);
-  const int64_t tiles = (n + kTile - 1) / kTile, nb = k / kBlock;
-  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() &&
-                  w.numel() == tiles * nb * (bits == 4 ? 256 : 512),
-              "blockq: packed weight does not match N = ", n, ", K = ", k, ", bits = ", bits);
-  for (const auto* t : {&d, &m}) {
-    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == tiles * nb * kTile,
-                "blockq: scales must be contiguous float16 [tiles, K/32, 16]");
-  }
+  check_weights(w, d, m, bits, n, k);
+  const int64_t nb = k / kBlock;
   const int64_t rows = ids.size(0);
   const int64_t* ip = ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
