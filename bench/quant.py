@@ -37,6 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.timers import StepTimers, TimedCall, TimedForward  # noqa: E402
+
 KV_POOL_MIB = 64
 FORMATS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8")
 FILLER = ("the river carried stone and sand past the old mill while the village slept and the lamps of the "
@@ -69,53 +71,6 @@ def _weight_bytes(model) -> int:
     return total
 
 
-class _TimedCall:
-    """Stands in for a callable object (the sampler), timing its calls; attributes pass through."""
-
-    def __init__(self, inner, timers: "StepTimers", part: str) -> None:
-        self._inner, self._timers, self._part = inner, timers, part
-
-    def __call__(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._inner(*args, **kwargs)
-        finally:
-            if self._timers.active:
-                self._timers.total[self._part] += time.perf_counter() - t0
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-
-class _TimedForward(_TimedCall):
-    """The same for an object called through ``forward`` (the C++ layer stack)."""
-
-    def forward(self, *args, **kwargs):
-        return _TimedCall(self._inner.forward, self._timers, self._part)(*args, **kwargs)
-
-
-class StepTimers:
-    """Wall time per part of the step, by wrapping callables (the engine is not modified)."""
-
-    def __init__(self) -> None:
-        self.total = defaultdict(float)
-        self.active = False
-
-    def wrap(self, obj, attr: str, part: str) -> None:
-        inner = getattr(obj, attr)
-
-        def timed(*args, **kwargs):
-            if not self.active:
-                return inner(*args, **kwargs)
-            t0 = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                self.total[part] += time.perf_counter() - t0
-
-        setattr(obj, attr, timed)
-
-
 def _profile(llm, tok, steps: int) -> dict:
     """Mean ms per decode step by part, over ``steps`` single-stream decode steps."""
     from sluice.engine.models.llama import _Linear
@@ -131,10 +86,10 @@ def _profile(llm, tok, steps: int) -> dict:
     if model._cpu_decoder() is not None:
         # w4a8 / w8a8: every layer runs inside one C++ call (kernels/cpu_ops.cpp), which the
         # Python timers cannot split; it is reported whole as "layers in C++".
-        model._decoder = _TimedForward(model._decoder, timers, "layers_cpp")
+        model._decoder = TimedForward(model._decoder, timers, "layers_cpp")
     timers.wrap(model, "compute_logits", "lm_head")
     timers.wrap(runner, "forward", "model_forward")
-    runner.sampler = _TimedCall(runner.sampler, timers, "sampling")
+    runner.sampler = TimedCall(runner.sampler, timers, "sampling")
     timers.wrap(runner, "execute", "runner")
     ids = tok.encode(" ".join(FILLER[:12]), add_special_tokens=False)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)
@@ -149,7 +104,7 @@ def _profile(llm, tok, steps: int) -> dict:
     timers.active = False
     while engine.has_unfinished_requests():
         engine.step()
-    if isinstance(model._decoder, _TimedForward):
+    if isinstance(model._decoder, TimedForward):
         model._decoder = model._decoder._inner
     t = defaultdict(float, {k: v * 1000 / steps for k, v in timers.total.items()})
     return {

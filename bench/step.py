@@ -14,7 +14,6 @@ time minus all of these. The wrappers' own cost, ~1 µs each, is inside the phas
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import statistics
 import sys
@@ -23,48 +22,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.timers import StepTimers, TimedCall, TimedForward  # noqa: E402
+
 PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3}
 PHASES = ("schedule", "inputs", "layers", "forward_python", "lm_head", "sampling_batch", "sampler",
           "sample_other", "outputs", "other")
 
 
-class _Timers:
-    """Wraps methods of live objects with wall-clock accumulators."""
+def instrument(core) -> StepTimers:
+    from sluice.engine.sampler import SamplingBatch
 
-    def __init__(self) -> None:
-        self.total: collections.Counter = collections.Counter()
-
-    def wrap(self, obj, name: str, phase: str) -> None:
-        fn = getattr(obj, name)
-
-        def timed(*args, **kwargs):
-            t = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.total[phase] += time.perf_counter() - t
-
-        setattr(obj, name, timed)
-
-
-class _TimedDecoder:
-    """Stands in for the C++ layer stack (a pybind object, whose methods cannot be replaced)."""
-
-    def __init__(self, decoder, timers: _Timers) -> None:
-        self._decoder, self._timers = decoder, timers
-
-    def forward(self, *args):
-        t = time.perf_counter()
-        try:
-            return self._decoder.forward(*args)
-        finally:
-            self._timers.total["layers"] += time.perf_counter() - t
-
-
-def instrument(core) -> _Timers:
-    from sluice.engine import sampler as sampler_mod
-
-    timers = _Timers()
+    timers = StepTimers()
     runner, model = core.runner, core.loaded.model
     timers.wrap(core.scheduler, "schedule", "schedule")
     timers.wrap(core.scheduler, "update_from_output", "outputs")
@@ -74,36 +42,13 @@ def instrument(core) -> _Timers:
     timers.wrap(runner, "forward", "forward")            # split below into layers + Python
     timers.wrap(runner, "sample", "sample")              # split into LM head, batch, sampler, rest
     timers.wrap(model, "compute_logits", "lm_head")
-    cpp = model._cpu_decoder() if hasattr(model, "_cpu_decoder") else None
-    if cpp is not None:
-        model._decoder = _TimedDecoder(cpp, timers)
-    else:   # the Python layers: time the whole layer loop as "layers" through each layer
+    timers.wrap(SamplingBatch, "from_requests", "sampling_batch")
+    runner.sampler = TimedCall(runner.sampler, timers, "sampler")
+    if model._cpu_decoder() is not None:
+        model._decoder = TimedForward(model._decoder, timers, "layers")
+    else:   # the Python layers: each layer's forward counts as "layers"
         for layer in model.layers:
             timers.wrap(layer, "forward", "layers")
-    sampler = runner.sampler
-
-    class _TimedSampler:
-        backend = sampler.backend
-
-        def __call__(self, *args):
-            t = time.perf_counter()
-            try:
-                return sampler(*args)
-            finally:
-                timers.total["sampler"] += time.perf_counter() - t
-
-    runner.sampler = _TimedSampler()
-    batch_cls = sampler_mod.SamplingBatch
-    original = batch_cls.__dict__["from_requests"].__func__
-
-    def from_requests(cls, *args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return original(cls, *args, **kwargs)
-        finally:
-            timers.total["sampling_batch"] += time.perf_counter() - t
-
-    batch_cls.from_requests = classmethod(from_requests)
     return timers
 
 
@@ -116,7 +61,7 @@ def _prompt(i: int, context: int) -> str:
     return filler + "\n" + ask
 
 
-def measure(core, timers: _Timers, streams: int, steps: int, params: dict, tag: str, context: int = 0) -> dict:
+def measure(core, timers: StepTimers, streams: int, steps: int, params: dict, tag: str, context: int = 0) -> dict:
     from sluice.engine.sampling_params import SamplingParams
 
     sp = SamplingParams(max_tokens=steps + 16, ignore_eos=True, **params)
@@ -128,10 +73,12 @@ def measure(core, timers: _Timers, streams: int, steps: int, params: dict, tag: 
     for _ in range(5):
         core.step()
     timers.total.clear()
+    timers.active = True
     t0 = time.perf_counter()
     for _ in range(steps):
         core.step()
     wall = (time.perf_counter() - t0) * 1000 / steps
+    timers.active = False
     ms = {k: v * 1000 / steps for k, v in timers.total.items()}
     while core.has_unfinished_requests():
         core.step()
