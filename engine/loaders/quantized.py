@@ -48,6 +48,8 @@ def check_quantization(quantization: str, device: torch.device, dtype: torch.dty
     if quantization in QUANTIZED and dtype != torch.float32:
         raise ValueError(f"quantization: {quantization} keeps activations in float32; "
                          f"it needs dtype float32 (or auto), got {str(dtype).removeprefix('torch.')}")
+    if quantization == "bf16" and (reason := quant.bf16_unavailable_reason()) is not None:
+        raise ValueError(f"quantization: {reason}; use w4a8, w8a8, int4, int8 or none")
     if quantization in quant.BLOCK_FORMATS:
         from sluice.kernels import cpu_ext
 

@@ -36,7 +36,7 @@ import torch
 QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
 GROUP = 32                      # int4 group size along the input (= the GGUF block size)
 _INT8_K_MULTIPLE = 16           # _weight_int8pack_mm's row length granule (see Int8Linear)
-_INT4_ROW_TILE = 64             # the CPU int4 layout interleaves rows in tiles of 64 (see _unpack_int4)
+_INT4_ROW_PAD = 64              # int4 rows are zero-padded to a multiple of every row tile below
 _TINY = torch.finfo(torch.float32).tiny
 _HALF_TINY = 2.0 ** -24        # float16's smallest (subnormal) value: the scale of an all-zero block
 
@@ -126,27 +126,51 @@ def _pack_int4(q: torch.Tensor) -> torch.Tensor:
     return torch._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
 
 
-def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of ``_pack_int4``. Byte ``(t, k, i)`` of the layout viewed as [N/64, K, 32] holds
-    row ``64t + i`` of column k in its low nibble and row ``64t + 32 + i`` in its high nibble
-    (read off the kernel; tests/unit/test_quant_kernels.py checks it round-trips)."""
+def _unpack_int4_tiled(packed: torch.Tensor, tile: int) -> torch.Tensor:
+    """``packed`` read as torch's CPU int4 layout with row tiles of ``tile``: byte ``(t, k, i)`` of
+    the layout viewed as [N/tile, K, tile/2] holds row ``tile*t + i`` of column k in its low nibble
+    and row ``tile*t + tile/2 + i`` in its high nibble."""
     n, half_k = packed.shape
-    tiles = packed.view(n // _INT4_ROW_TILE, 2 * half_k, _INT4_ROW_TILE // 2)       # [N/64, K, 32]
+    tiles = packed.view(n // tile, 2 * half_k, tile // 2)                            # [N/tile, K, tile/2]
     lo, hi = tiles & 15, tiles >> 4
-    both = torch.cat((lo, hi), dim=2)                                                  # [N/64, K, 64]
+    both = torch.cat((lo, hi), dim=2)                                                  # [N/tile, K, tile]
     return both.transpose(1, 2).reshape(n, 2 * half_k)
+
+
+_int4_tile: int | None = None
+
+
+def _int4_row_tile() -> int:
+    """The row tile of torch's CPU int4 layout on this machine. It follows the vector width of the
+    ATen kernels torch dispatches to: 64 rows with AVX512, 32 with AVX2 or none (four vectors of
+    floats). Read off the packing itself, once, rather than guessed from the CPU's name."""
+    global _int4_tile
+    if _int4_tile is None:
+        q = (torch.arange(_INT4_ROW_PAD * GROUP) * 7 % 16).reshape(_INT4_ROW_PAD, GROUP).to(torch.uint8)
+        packed = _pack_int4(q)
+        fits = [t for t in (64, 32) if torch.equal(_unpack_int4_tiled(packed, t), q)]
+        if not fits:
+            raise RuntimeError("torch's CPU int4 weight layout is not one sluice knows (row tiles of 64 or 32)")
+        _int4_tile = fits[0]
+    return _int4_tile
+
+
+def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``_pack_int4`` (tests/unit/test_quant_kernels.py checks it round-trips)."""
+    return _unpack_int4_tiled(packed, _int4_row_tile())
 
 
 class Int4Linear:
     """``q`` [N, K] in 0..15 with ``scales`` and ``zeros`` [N, K/32]: w = (q - 8) * scale + zero.
 
     Scales and zeros are stored in bfloat16 (the kernel's dtype for bfloat16 activations; its
-    float16 variant measured 20-40x slower here). Rows are zero-padded to a multiple of 64.
+    float16 variant measured 20-40x slower here). Rows are zero-padded to a multiple of 64
+    (torch's row tile is 64 or 32).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> None:
         n, k = _check_groups("int4 weight", q, 15, ("scales", scales), ("zeros", zeros))
-        pad = -n % _INT4_ROW_TILE
+        pad = -n % _INT4_ROW_PAD
         self.out_features, self.in_features = n, k
         self.packed = _pack_int4(torch.nn.functional.pad(q.to(torch.uint8), (0, 0, 0, pad)))     # [Np, K/2]
         sz = torch.stack((scales.t(), zeros.t()), dim=-1).to(torch.bfloat16)                  # [K/32, N, 2]
@@ -190,10 +214,26 @@ def int4_linear_ref(x: torch.Tensor, weight: Int4Linear) -> torch.Tensor:
 
 
 # ---- bf16: oneDNN-packed bfloat16 weights ---------------------------------------------------------
+def _onednn_bf16() -> bool:
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def bf16_unavailable_reason() -> str | None:
+    """Why ``bf16`` cannot run on this CPU, or None. oneDNN packs and multiplies bfloat16 weights
+    only with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; on an AVX2 CPU its reorder raises."""
+    if _onednn_bf16():
+        return None
+    return (f"bf16 weights need oneDNN's bfloat16 support, which this CPU lacks (torch's CPU "
+            f"capability: {torch.backends.cpu.get_cpu_capability()}; it needs AVX512BW/VL/DQ or "
+            "AVX-NE-CONVERT)")
+
+
 class Bf16Linear:
     def __init__(self, weight: torch.Tensor) -> None:
         from sluice.engine.models.llama import pack_cpu_weight
 
+        reason = bf16_unavailable_reason()
+        _check(reason is None, f"bf16 weight: {reason}")
         _check(weight.dim() == 2, f"bf16 weight: expected [N, K], got {tuple(weight.shape)}")
         self.out_features, self.in_features = weight.shape
         self.packed = pack_cpu_weight(weight.to(torch.bfloat16))

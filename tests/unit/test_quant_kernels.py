@@ -108,6 +108,8 @@ def test_int8_zero_rows_give_zero():
 
 
 @pytest.mark.skipif(not cpu_packing_available(), reason="this torch build has no oneDNN packing")
+@pytest.mark.skipif(quant.bf16_unavailable_reason() is not None, reason="this CPU has no oneDNN bfloat16 "
+                    "(test_bf16_is_refused_clearly_where_onednn_lacks_it covers it)")
 def test_bf16_kernel_matches_reference():
     torch.manual_seed(1)
     w = quant.Bf16Linear.from_float(torch.randn(48, 64))
@@ -138,3 +140,25 @@ def test_shape_errors_name_the_problem():
         quant.Int8Linear(torch.zeros(4, 8, dtype=torch.int8), torch.ones(3))
     with pytest.raises(ValueError, match="int8 linear: input has 7 features, expected 8"):
         quant.Int8Linear.from_float(torch.randn(4, 8))(torch.randn(2, 7))
+
+
+def test_bf16_is_refused_clearly_where_onednn_lacks_it(monkeypatch):
+    """On a CPU without oneDNN bfloat16 (AVX2 only) the format is refused by name before anything
+    loads, instead of failing inside oneDNN's reorder at the first projection."""
+    from sluice.engine.loaders.quantized import check_quantization
+
+    monkeypatch.setattr(quant, "_onednn_bf16", lambda: False)
+    with pytest.raises(ValueError, match="quantization: bf16 weights need oneDNN's bfloat16 support.*use w4a8"):
+        check_quantization("bf16", torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="bf16 weight: bf16 weights need oneDNN's bfloat16 support"):
+        quant.Bf16Linear.from_float(torch.randn(16, 32))
+    check_quantization("int4", torch.device("cpu"), torch.float32)      # the others are unaffected
+
+
+def test_int4_layout_tile_is_read_off_this_torch():
+    """torch's CPU int4 layout tiles rows by 64 under AVX512 and by 32 under AVX2: the tile in use
+    is the one that round-trips here, and only one of the two does for a random weight."""
+    q = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    packed = quant._pack_int4(q)
+    fits = [t for t in (64, 32) if torch.equal(quant._unpack_int4_tiled(packed, t), q)]
+    assert fits == [quant._int4_row_tile()]
