@@ -14,6 +14,10 @@
 // group 2p in the low nibbles and group 2p + 1 in the high ones. d and m are [tiles, blocks, 16]
 // float16, widened to float32 exactly where they are read.
 //
+// Without VNNI, AVX2 (vpmaddubsw, then vpmaddwd by ones) computes the same exact integer block
+// sums: a 4-bit weight times an int8 is at most 15 * 127, so the int16 pair sums of a block's 8
+// groups stay under 2^15; an 8-bit weight is split into its two nibbles (u = 16 hi + lo) first.
+//
 // Every output element accumulates its blocks in order with the same two fused multiply-adds,
 // whatever M, the row tile or the thread split: a row's result is bitwise the same alone and in
 // a batch (tests/unit/test_cpu_blockq.py checks it).
@@ -23,12 +27,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SLUICE_VNNI 1
+#define SLUICE_AVX2 0
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLUICE_VNNI 0
+#define SLUICE_AVX2 1
 #include <immintrin.h>
 #else
 #define SLUICE_VNNI 0
+#define SLUICE_AVX2 0
 #endif
 
 namespace {
@@ -151,6 +162,106 @@ void tile_any(int64_t mr, const uint8_t* w, const uint16_t* d, const uint16_t* m
 }
 #endif
 
+#if SLUICE_AVX2
+// One tile of 16 output rows (two halves of 8 lanes) for MR input rows: the integer block sums
+// of the VNNI path, then the same two fused multiply-adds per block, so the same bits.
+template <int MR, int BITS>
+inline void tile_rows_avx2(const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
+                           const int8_t* a, const float* s, const float* ss, int64_t k,
+                           float* out, int64_t ldo, int64_t lanes) {
+  __m256 acc[MR][2];
+#pragma GCC unroll 4
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i isum[MR][2];
+    const int32_t* ab = reinterpret_cast<const int32_t*>(a + b * kBlock);   // 8 groups of 4 int8
+    if (BITS == 4) {
+      __m256i p16[MR][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) p16[r][0] = p16[r][1] = _mm256_setzero_si256();
+      const uint8_t* wb = w + b * 256;
+#pragma GCC unroll 4
+      for (int p = 0; p < 4; ++p) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p + 32 * h));
+          const __m256i w0 = _mm256_and_si256(v, low4);
+          const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const int32_t* ar = ab + r * (k / 4);
+            p16[r][h] = _mm256_add_epi16(p16[r][h], _mm256_maddubs_epi16(w0, _mm256_set1_epi32(ar[2 * p])));
+            p16[r][h] = _mm256_add_epi16(p16[r][h], _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ar[2 * p + 1])));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < 2; ++h) isum[r][h] = _mm256_madd_epi16(p16[r][h], ones);
+    } else {
+      __m256i lo16[MR][2], hi16[MR][2];
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) lo16[r][0] = lo16[r][1] = hi16[r][0] = hi16[r][1] = _mm256_setzero_si256();
+      const uint8_t* wb = w + b * 512;
+#pragma GCC unroll 8
+      for (int g = 0; g < 8; ++g) {
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * g + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, low4);
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) {
+            const __m256i av = _mm256_set1_epi32(ab[r * (k / 4) + g]);
+            lo16[r][h] = _mm256_add_epi16(lo16[r][h], _mm256_maddubs_epi16(lo, av));
+            hi16[r][h] = _mm256_add_epi16(hi16[r][h], _mm256_maddubs_epi16(hi, av));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r)
+        for (int h = 0; h < 2; ++h)
+          isum[r][h] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(hi16[r][h], ones), 4),
+                                        _mm256_madd_epi16(lo16[r][h], ones));
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d + b * kTile + 8 * h)));
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + b * kTile + 8 * h)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const int64_t nbr = r * nb + b;
+        acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(dv, _mm256_set1_ps(s[nbr])), acc[r][h]);
+        acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(ss[nbr]), acc[r][h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if (lanes == kTile) {
+      _mm256_storeu_ps(out + r * ldo, acc[r][0]);
+      _mm256_storeu_ps(out + r * ldo + 8, acc[r][1]);
+    } else {
+      alignas(32) float buf[kTile];
+      _mm256_store_ps(buf, acc[r][0]);
+      _mm256_store_ps(buf + 8, acc[r][1]);
+      std::memcpy(out + r * ldo, buf, sizeof(float) * static_cast<size_t>(lanes));
+    }
+  }
+}
+
+template <int BITS>
+void tile_any_avx2(int64_t mr, const uint8_t* w, const uint16_t* d, const uint16_t* m, int64_t nb,
+                   const int8_t* a, const float* s, const float* ss, int64_t k, float* out,
+                   int64_t ldo, int64_t lanes) {
+  switch (mr) {
+    case 3: tile_rows_avx2<3, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, lanes); break;
+    case 2: tile_rows_avx2<2, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, lanes); break;
+    default: tile_rows_avx2<1, BITS>(w, d, m, nb, a, s, ss, k, out, ldo, lanes); break;
+  }
+}
+#endif
+
 // float16 bits -> float32 (exact), without F16C.
 inline float widen(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 
@@ -256,6 +367,17 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
                         op + r0 * n + t * kTile, n, mask);
           }
         }
+#elif SLUICE_AVX2
+        for (int64_t r0 = p0; r0 < p1; r0 += 3) {
+          const int64_t mr = std::min<int64_t>(3, p1 - r0);
+          if (bits == 4) {
+            tile_any_avx2<4>(mr, wt, dt, mt, nb, ap + r0 * k, sp + r0 * nb, ssp + r0 * nb, k,
+                             op + r0 * n + t * kTile, n, lanes);
+          } else {
+            tile_any_avx2<8>(mr, wt, dt, mt, nb, ap + r0 * k, sp + r0 * nb, ssp + r0 * nb, k,
+                             op + r0 * n + t * kTile, n, lanes);
+          }
+        }
 #else
         tile_scalar(static_cast<int>(bits), p1 - p0, wt, dt, mt, nb, ap + p0 * k, sp + p0 * nb,
                     ssp + p0 * nb, k, op + p0 * n + t * kTile, n, lanes);
@@ -304,4 +426,5 @@ torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, t
   return out;
 }
 
-bool blockq_vectorized() { return SLUICE_VNNI != 0; }
+// The integer dot-product path compiled in: "avx512vnni", "avx2" or "portable".
+std::string blockq_isa() { return SLUICE_VNNI ? "avx512vnni" : SLUICE_AVX2 ? "avx2" : "portable"; }

@@ -4,7 +4,7 @@ The weight of a projection is held as unsigned integers ``u`` (4 or 8 bits) in b
 the input with a float16 scale ``d`` and offset ``m`` per row and block, ``w = d u + m`` (GGUF's
 own precision for them; the float32 product of a float16 and an up-to-8-bit integer is exact); the
 input is quantized to int8 per row and block of 32 (``x ~ s a``, ``s = max|x| / 127``) and each
-block's integer dot product is exact (AVX512-VNNI, or the same arithmetic in portable C++). This
+block's integer dot product is exact (AVX512-VNNI, AVX2, or the same arithmetic in portable C++). This
 is the arithmetic of llama.cpp's CPU kernels for these files, with a layout of our own.
 
 The C++ source is built with the other CPU ops on first use (``cpu_ext``); ``available()`` says
@@ -23,9 +23,10 @@ available = cpu_ext.available
 unavailable_reason = cpu_ext.unavailable_reason
 
 
-def vectorized() -> bool:
-    """Whether the AVX512-VNNI path was compiled (else the portable C++ loop, correct but slow)."""
-    return cpu_ext.available() and bool(cpu_ext.module().blockq_vectorized())
+def isa() -> str | None:
+    """The integer dot-product path compiled for this CPU: ``avx512vnni``, ``avx2`` or
+    ``portable`` (plain C++, correct but slow); None when the kernels are not available."""
+    return str(cpu_ext.module().blockq_isa()) if cpu_ext.available() else None
 
 
 # ---- packing ------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
 #endif
 
@@ -31,9 +32,71 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
                             int64_t bits, int64_t n);
 torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                           int64_t bits, int64_t n, int64_t k);
-bool blockq_vectorized();
+std::string blockq_isa();
 
 namespace {
+
+// 16 float lanes: one AVX-512 register, or two AVX2 registers with the same lane-wise operations
+// (so one kernel source serves both; only the final horizontal sum's order differs between the
+// two, and within one build it is fixed). Neither: the scalar loops alone.
+#if defined(__AVX512F__)
+#define SLUICE_V16 1
+using v16 = __m512;
+inline v16 v_load(const float* p) { return _mm512_loadu_ps(p); }
+inline v16 v_load(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void v_store(float* p, v16 a) { _mm512_storeu_ps(p, a); }
+inline v16 v_set1(float x) { return _mm512_set1_ps(x); }
+inline v16 v_zero() { return _mm512_setzero_ps(); }
+inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+inline v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
+inline v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+inline v16 v_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
+inline v16 v_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline float v_sum(v16 a) { return _mm512_reduce_add_ps(a); }
+// 2^k for integral k in float32's normal range: k + 127 placed in the exponent field.
+inline v16 v_pow2(v16 k) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23));
+}
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLUICE_V16 1
+struct v16 {
+  __m256 lo, hi;
+};
+inline v16 v_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline v16 v_load(const at::Half* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void v_store(float* p, v16 a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+inline v16 v_set1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+inline v16 v_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline v16 v_add(v16 a, v16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline v16 v_sub(v16 a, v16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
+inline v16 v_mul(v16 a, v16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline v16 v_max(v16 a, v16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline v16 v_fmadd(v16 a, v16 b, v16 c) {
+  return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline v16 v_round(v16 a) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+}
+inline float v_sum(v16 a) {
+  const __m256 s8 = _mm256_add_ps(a.lo, a.hi);
+  const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+  const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+  return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+inline __m256 pow2_8(__m256 k) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+}
+inline v16 v_pow2(v16 k) { return {pow2_8(k.lo), pow2_8(k.hi)}; }
+#else
+#define SLUICE_V16 0
+#endif
 
 void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
@@ -45,15 +108,15 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
 inline float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.f;
-#if defined(__AVX512F__)
+#if SLUICE_V16
   if (n >= 32) {
-    __m512 acc0 = _mm512_mul_ps(_mm512_loadu_ps(a), _mm512_loadu_ps(b));
-    __m512 acc1 = _mm512_mul_ps(_mm512_loadu_ps(a + 16), _mm512_loadu_ps(b + 16));
+    v16 acc0 = v_mul(v_load(a), v_load(b));
+    v16 acc1 = v_mul(v_load(a + 16), v_load(b + 16));
     for (i = 32; i + 32 <= n; i += 32) {
-      acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc0);
-      acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), acc1);
+      acc0 = v_fmadd(v_load(a + i), v_load(b + i), acc0);
+      acc1 = v_fmadd(v_load(a + i + 16), v_load(b + i + 16), acc1);
     }
-    s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    s = v_sum(v_add(acc0, acc1));
   }
 #endif
   for (; i < n; ++i) s += a[i] * b[i];
@@ -224,19 +287,18 @@ inline float exp_nonpositive(float x) {
 // operations (so the same bits), then the scalar function for the tail.
 void exp_shifted(float* x, int64_t n, float shift) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 sh = _mm512_set1_ps(shift), lo = _mm512_set1_ps(-87.f);
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 c1 = _mm512_set1_ps(-0.693145751953125f), c2 = _mm512_set1_ps(-1.428606765330187e-06f);
+#if SLUICE_V16
+  const v16 sh = v_set1(shift), lo = v_set1(-87.f);
+  const v16 log2e = v_set1(1.44269504088896341f);
+  const v16 c1 = v_set1(-0.693145751953125f), c2 = v_set1(-1.428606765330187e-06f);
   const float coef[7] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
   for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(x + i), sh), lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fmadd_ps(k, c1, _mm512_fmadd_ps(k, c2, v));
-    __m512 p = _mm512_set1_ps(coef[0]);
-    for (int c = 1; c < 7; ++c) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(coef[c]));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    _mm512_storeu_ps(x + i, _mm512_mul_ps(p, _mm512_castsi512_ps(e)));
+    const v16 v = v_max(v_sub(v_load(x + i), sh), lo);
+    const v16 k = v_round(v_mul(v, log2e));
+    const v16 r = v_fmadd(k, c1, v_fmadd(k, c2, v));
+    v16 p = v_set1(coef[0]);
+    for (int c = 1; c < 7; ++c) p = v_fmadd(p, r, v_set1(coef[c]));
+    v_store(x + i, v_mul(p, v_pow2(k)));
   }
 #endif
   for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - shift);
@@ -268,15 +330,11 @@ struct Partial {
   float* l;     // [G]
 };
 
-#if defined(__AVX512F__)
+#if SLUICE_V16
 // One chunk for G query heads per KV head and a head size of 16 * CH, everything in registers.
 // The per-row arithmetic is fixed by (G, CH): every row of every step takes this same path.
-// 16 cache elements as float32: float16 widens exactly (vcvtph2ps), so a float16 cache gives
-// the results of a float32 cache holding the same values, bit for bit.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// 16 cache elements are read as float32 (v_load): float16 widens exactly (vcvtph2ps), so a
+// float16 cache gives the results of a float32 cache holding the same values, bit for bit.
 
 template <int G, int CH, typename T>
 void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t kv_heads,
@@ -287,20 +345,20 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
   scores.resize(static_cast<size_t>(G * len));
   float* sc = scores.data();
   const int64_t row = kv_heads * dim;
-  __m512 qv[G][CH];
+  v16 qv[G][CH];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) qv[g][c] = _mm512_loadu_ps(q + g * dim + 16 * c);
+    for (int c = 0; c < CH; ++c) qv[g][c] = v_load(q + g * dim + 16 * c);
   each_token(kc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* kt) {
-    __m512 kv[CH];
-    for (int c = 0; c < CH; ++c) kv[c] = load16(kt + 16 * c);
+    v16 kv[CH];
+    for (int c = 0; c < CH; ++c) kv[c] = v_load(kt + 16 * c);
     for (int g = 0; g < G; ++g) {
-      __m512 a0 = _mm512_mul_ps(qv[g][0], kv[0]);
-      __m512 a1 = _mm512_mul_ps(qv[g][1], kv[1]);
+      v16 a0 = v_mul(qv[g][0], kv[0]);
+      v16 a1 = v_mul(qv[g][1], kv[1]);
       for (int c = 2; c + 1 < CH; c += 2) {
-        a0 = _mm512_fmadd_ps(qv[g][c], kv[c], a0);
-        a1 = _mm512_fmadd_ps(qv[g][c + 1], kv[c + 1], a1);
+        a0 = v_fmadd(qv[g][c], kv[c], a0);
+        a1 = v_fmadd(qv[g][c + 1], kv[c + 1], a1);
       }
-      sc[g * len + (t - t0)] = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)) * scale;
+      sc[g * len + (t - t0)] = v_sum(v_add(a0, a1)) * scale;
     }
   });
   for (int g = 0; g < G; ++g) {
@@ -309,27 +367,27 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
     exp_shifted(sg, len, mx);
     // 16 running sums, then one fixed reduction.
-    __m512 tot = _mm512_setzero_ps();
+    v16 tot = v_zero();
     int64_t t = 0;
-    for (; t + 16 <= len; t += 16) tot = _mm512_add_ps(tot, _mm512_loadu_ps(sg + t));
-    float total = _mm512_reduce_add_ps(tot);
+    for (; t + 16 <= len; t += 16) tot = v_add(tot, v_load(sg + t));
+    float total = v_sum(tot);
     for (; t < len; ++t) total += sg[t];
     part.m[g] = mx;
     part.l[g] = total;
   }
-  __m512 acc[G][CH];
+  v16 acc[G][CH];
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CH; ++c) acc[g][c] = v_zero();
   each_token(vc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* vt) {
-    __m512 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = load16(vt + 16 * c);
+    v16 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = v_load(vt + 16 * c);
     for (int g = 0; g < G; ++g) {
-      const __m512 p = _mm512_set1_ps(sc[g * len + (t - t0)]);
-      for (int c = 0; c < CH; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      const v16 p = v_set1(sc[g * len + (t - t0)]);
+      for (int c = 0; c < CH; ++c) acc[g][c] = v_fmadd(p, vv[c], acc[g][c]);
     }
   });
   for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) _mm512_storeu_ps(part.acc + g * dim + 16 * c, acc[g][c]);
+    for (int c = 0; c < CH; ++c) v_store(part.acc + g * dim + 16 * c, acc[g][c]);
 }
 
 template <typename T>
@@ -479,7 +537,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   // The chunks, for a cache of element type T (float or at::Half).
   auto attend = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
-#if defined(__AVX512F__)
+#if SLUICE_V16
     const ChunkFn<T> fixed = pick_chunk<T>(group, dim);
 #endif
     at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t i0, int64_t i1) {
@@ -489,7 +547,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
         const int64_t t0 = (c - first[b]) * kChunk, t1 = std::min<int64_t>(lens[b], t0 + kChunk);
         const float* qh = qp + (b * heads + kvh * group) * dim;
         const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
-#if defined(__AVX512F__)
+#if SLUICE_V16
         if (fixed != nullptr) {
           fixed(qh, part, kp, vp, kv_heads, kvh, tp + b * width, block_size, t0, t1, static_cast<float>(scale), scores);
         } else
@@ -604,7 +662,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("blockq_linear", &blockq_linear, "y = x @ W^T for a block-quantized W (cpu_blockq.cpp)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("blockq_rows", &blockq_rows, "rows of a block-quantized W, dequantized (cpu_blockq.cpp)");
-  mod.def("blockq_vectorized", &blockq_vectorized, "whether the AVX512-VNNI path was compiled");
+  mod.def("blockq_isa", &blockq_isa, "the block product's integer path: avx512vnni, avx2 or portable");
   mod.def("rms_norm", &rms_norm);
   mod.def("add_rms_norm", &add_rms_norm);
   mod.def("rotary", &rotary);

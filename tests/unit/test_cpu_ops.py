@@ -139,22 +139,35 @@ def test_bad_block_inputs_are_clear_errors(ops):
         quant.BlockQLinear.from_float(torch.full((16, 32), 1e6), 4)
 
 
-def test_the_portable_build_computes_what_the_avx512_one_does(ops):
-    """The same sources without AVX-512 (what a CPU without AVX512-VNNI runs): block products
-    bit for bit (the same integer sums and fused multiply-adds), the other ops to rounding."""
+def _native_isa() -> str:
+    """The block product's path that -march=native must compile on this CPU."""
+    flags = set(cpu_ext._cpu_flags().decode().split())
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512vnni"
+    return "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable"
+
+
+def test_the_portable_build_computes_what_the_native_one_does(ops):
+    """The same sources for plain x86-64-v2 (no AVX2, no AVX-512): block products bit for bit
+    with the native build's vector path (AVX512-VNNI or AVX2: the same integer sums and fused
+    multiply-adds), at every row count of the vector tiles and with partial output tiles; the
+    other ops to rounding."""
     import platform
 
     assert platform.machine() in ("x86_64", "AMD64"), "this build check is written for x86-64"
-    assert ops.blockq_vectorized(), "the native build here should have the AVX512-VNNI path"
+    assert ops.blockq_isa() == _native_isa() == cpu_blockq.isa()
     portable = cpu_ext.portable_module()
-    assert not portable.blockq_vectorized()
+    assert portable.blockq_isa() == "portable"
+    g = torch.Generator().manual_seed(5)
     for bits in (4, 8):
-        u, d, m = _weights(40, 96, bits, seed=bits)
-        w = quant.BlockQLinear(u, d, m, bits)
-        ids = torch.tensor([0, 39, 17])
-        assert torch.equal(portable.blockq_rows(ids, w.packed, w.d, w.m, bits, 40, 96), w.rows(ids))
-        x = torch.randn(9, 96)
-        assert torch.equal(portable.blockq_linear(x, w.packed, w.d, w.m, bits, 40), w(x))
+        for n in (40, 33):
+            u, d, m = _weights(n, 96, bits, seed=bits + n)
+            w = quant.BlockQLinear(u, d, m, bits)
+            ids = torch.tensor([0, n - 1, 17])
+            assert torch.equal(portable.blockq_rows(ids, w.packed, w.d, w.m, bits, n, 96), w.rows(ids))
+            for rows in (1, 2, 3, 4, 7, 9):
+                x = torch.randn(rows, 96, generator=g) * 3
+                assert torch.equal(portable.blockq_linear(x, w.packed, w.d, w.m, bits, n), w(x)), (bits, n, rows)
     x, wn = torch.randn(5, 64), torch.randn(64)
     torch.testing.assert_close(portable.rms_norm(x, wn, 1e-5), ops.rms_norm(x, wn, 1e-5))
     kc, vc = _cache(blocks=16, block_size=4, kv_heads=3, dim=64)
