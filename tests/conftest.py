@@ -43,6 +43,20 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_default():
+    """The default model as ``sluice serve smollm2`` runs it: the default weight format (``auto``:
+    w4a8, the file's own 4-bit blocks through the C++ kernels), loaded once. For tests of engine
+    behaviour on the real model that compare sluice with itself (speculation against none,
+    constrained outputs against their grammar), at several times float32's decode speed; tests
+    against transformers use the float32 ``smollm2``."""
+    from sluice.engine.loaders import load_model
+    from tests.model_files import smollm2_gguf
+
+    smollm2_gguf()
+    return load_model("smollm2", dtype="float32", device="cpu", quantization="auto")
+
+
+@pytest.fixture(scope="session")
 def smollm2_tokenizer():
     """SmolLM2's tokenizer alone, for tests that need no weights."""
     from sluice.engine.loaders.gguf_loader import open_gguf

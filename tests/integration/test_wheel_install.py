@@ -4,6 +4,12 @@ beside Hugging Face's ``kernels`` package (which owns the top-level name ``kerne
 The server must answer a chat request, none of the user's folders may be imported, and
 ``import kernels`` must still give Hugging Face's package, also after sluice is uninstalled.
 
+It serves the tiny random-weight SmolLM2 (a float32 folder: ``auto`` keeps float32, so nothing is
+compiled). Served on the default GGUF, the installed package would first build its C++ kernels
+for its own path (a minute or more on 2 cores) and load the embedding model, neither of which
+the packaging needs to show; that the wheel ships the C++ sources where ``cpu_ext`` compiles them
+from is checked instead.
+
 Only sluice and Hugging Face's ``kernels`` (with its own dependencies, from the wheelhouse that
 ``make setup`` downloads) are installed into the new virtualenv. sluice's dependencies (torch,
 grpcio, ...) are borrowed from the test virtualenv through a path entry appended *after* the
@@ -69,7 +75,7 @@ def _where(venv: Path, cwd: Path, module: str) -> str:
     return json.loads(_run([str(venv / "bin" / "python"), "-P", "-c", code], cwd=cwd).stdout)
 
 
-def test_the_wheel_serves_beside_hf_kernels_from_a_folder_with_engine_and_kernels(fresh_venv, tmp_path):
+def test_the_wheel_serves_beside_hf_kernels_from_a_folder_with_engine_and_kernels(fresh_venv, tmp_path, tiny_smollm2):
     work = tmp_path / "user_project"
     for name in ("engine", "kernels", "http_facade"):
         (work / name).mkdir(parents=True)
@@ -79,11 +85,16 @@ def test_the_wheel_serves_beside_hf_kernels_from_a_folder_with_engine_and_kernel
     assert site.is_relative_to(fresh_venv), f"kernels from {site}, not the fresh virtualenv"
     assert Path(_where(fresh_venv, tmp_path, "sluice.kernels")).is_relative_to(site / "sluice")
     assert not Path(_where(fresh_venv, tmp_path, "sluice.engine")).is_relative_to(REPO)
+    code = "from sluice.kernels import cpu_ext; print('\\n'.join(str(p) for p in cpu_ext._SOURCES if p.is_file()))"
+    shipped = _run([str(fresh_venv / "bin" / "python"), "-P", "-c", code], cwd=tmp_path).stdout.split()
+    assert [Path(p).name for p in shipped] == ["cpu_blockq.cpp", "cpu_ops.cpp"], shipped
+    assert all(Path(p).is_relative_to(site / "sluice" / "kernels") for p in shipped), shipped
 
     port = free_port()
     log = tmp_path / "serve.log"
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    cmd = [str(fresh_venv / "bin" / "sluice"), "serve", "smollm2", "--device", "cpu", "--port", str(port)]
+    cmd = [str(fresh_venv / "bin" / "sluice"), "serve", str(tiny_smollm2), "--device", "cpu", "--port", str(port),
+           "--embedding-model", "none"]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT)
     try:
@@ -93,7 +104,7 @@ def test_the_wheel_serves_beside_hf_kernels_from_a_folder_with_engine_and_kernel
             assert time.monotonic() < deadline, f"not ready after {START_S}s:\n{log.read_text()[-3000:]}"
             time.sleep(0.2)
         r = requests.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120, json={
-            "model": "smollm2", "max_tokens": 8, "temperature": 0,
+            "model": str(tiny_smollm2), "max_tokens": 8, "temperature": 0, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Name a river."}]})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["message"]["content"]

@@ -1,8 +1,9 @@
 """Greedy output with speculative decoding is token-for-token the output without it, on the
-default model (SmolLM2-135M-Instruct): single requests, and 16 mixed concurrent requests
-(different lengths, stop strings, n > 1, preemptions in a small KV pool). ``small_draft`` runs
-with the target as its own draft (every greedy draft must be accepted) and with a random-weight
-2-layer draft of the same vocabulary (almost none accepted, output still identical)."""
+default model (SmolLM2-135M-Instruct) in its default weight format (w4a8): single requests, and 16
+mixed concurrent requests (different lengths, stop strings, n > 1, preemptions in a small KV
+pool). ``small_draft`` runs with the target as its own draft (every greedy draft must be
+accepted) and with a random-weight 2-layer draft of the same vocabulary (almost none accepted,
+output still identical)."""
 from __future__ import annotations
 
 import pytest
@@ -48,20 +49,20 @@ def tiny_draft(tiny_smollm2):
     return load_model(str(tiny_smollm2), dtype="float32", device="cpu")
 
 
-def _engines(smollm2, tiny_draft, **opts):
-    yield "ngram", LLM(loaded=smollm2, speculative_mode="ngram", spec_draft_length=5, **opts)
-    yield "self_draft", LLM(loaded=smollm2, draft_loaded=smollm2, speculative_mode="small_draft",
+def _engines(smollm2_default, tiny_draft, **opts):
+    yield "ngram", LLM(loaded=smollm2_default, speculative_mode="ngram", spec_draft_length=5, **opts)
+    yield "self_draft", LLM(loaded=smollm2_default, draft_loaded=smollm2_default, speculative_mode="small_draft",
                             additional_models="smollm2", spec_draft_length=3, **opts)
-    yield "tiny_draft", LLM(loaded=smollm2, draft_loaded=tiny_draft, speculative_mode="small_draft",
+    yield "tiny_draft", LLM(loaded=smollm2_default, draft_loaded=tiny_draft, speculative_mode="small_draft",
                             additional_models="tiny-smollm2", spec_draft_length=3, **opts)
 
 
-def test_single_requests_identical(smollm2, tiny_draft):
-    base = LLM(loaded=smollm2)
+def test_single_requests_identical(smollm2_default, tiny_draft):
+    base = LLM(loaded=smollm2_default)
     prompts = GROUNDED[:1] + OPEN[:1]
     params = [SamplingParams(temperature=0.0, max_tokens=48)] * len(prompts)
     want = [[o.token_ids for o in r.outputs] for r in _chat(base, prompts, params)]
-    for name, llm in _engines(smollm2, tiny_draft):
+    for name, llm in _engines(smollm2_default, tiny_draft):
         got = []
         for p, sp in zip(prompts, params):   # one at a time: batch 1
             got += [[o.token_ids for o in r.outputs] for r in _chat(llm, [p], [sp])]
@@ -75,15 +76,15 @@ def test_single_requests_identical(smollm2, tiny_draft):
             assert stats.mean_accepted_length > 1.5   # the grounded prompts copy their input
 
 
-def test_sixteen_mixed_concurrent_requests_identical_with_preemption(smollm2, tiny_draft):
+def test_sixteen_mixed_concurrent_requests_identical_with_preemption(smollm2_default, tiny_draft):
     # 40 blocks of 16 tokens for 16 requests of ~50-130 tokens each (8 distinct prompts, whose
     # full blocks the prefix cache shares): preemptions happen.
     opts = dict(max_total_tokens=640, max_num_seqs=16, spec_max_batch_size=16)
     prompts, params = _mixed()
-    base = LLM(loaded=smollm2, max_total_tokens=640, max_num_seqs=16)
+    base = LLM(loaded=smollm2_default, max_total_tokens=640, max_num_seqs=16)
     want = [[o.token_ids for o in r.outputs] for r in _chat(base, prompts, params)]
     assert base.engine.scheduler.num_preemptions > 0
-    for name, llm in _engines(smollm2, tiny_draft, **opts):
+    for name, llm in _engines(smollm2_default, tiny_draft, **opts):
         results = _chat(llm, prompts, params)
         assert [[o.token_ids for o in r.outputs] for r in results] == want, name
         assert llm.engine.scheduler.num_preemptions > 0, name

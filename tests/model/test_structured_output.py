@@ -1,4 +1,5 @@
-"""Structured output on the default model (SmolLM2-135M-Instruct): what the grammar promises holds.
+"""Structured output on the default model (SmolLM2-135M-Instruct, in its default weight format):
+what the grammar promises holds.
 
 Proves: for every schema of the suite (``tests/helpers/schemas.py``, 32 schemas), every output
 parses and validates with ``jsonschema`` (formats checked), greedy and sampled at temperature 1,
@@ -30,8 +31,8 @@ ASK = "Reply with a JSON value for this JSON schema: {schema}"
 
 
 @pytest.fixture(scope="module")
-def llm(smollm2):
-    return LLM(loaded=smollm2, max_num_seqs=64)
+def llm(smollm2_default):
+    return LLM(loaded=smollm2_default, max_num_seqs=64)
 
 
 def _chat(schema: dict) -> list[dict]:
@@ -128,14 +129,14 @@ def test_each_choice_has_its_own_matcher(llm):
     assert [o.text in spec.choices for o in res[0].outputs] == [True, True]
 
 
-def test_preempted_constrained_requests_resume_where_their_matchers_are(smollm2, llm):
+def test_preempted_constrained_requests_resume_where_their_matchers_are(smollm2_default, llm):
     names = ["nested_object", "ref_defs", "array_of_objects", "person_full", "flat_required", "optional_keys"]
     params = [SamplingParams(max_tokens=120, temperature=0.0,
                              structured=GrammarSpec("json_schema", json.dumps(SCHEMAS[n]), strict=True))
               for n in names]
     chats = [_chat(SCHEMAS[n]) for n in names]
     want = [r.outputs[0].token_ids for r in llm.chat(chats, params)]
-    small = LLM(loaded=smollm2, block_size=16, max_total_tokens=384, enable_prefix_caching=False)   # 2 prompts fill it
+    small = LLM(loaded=smollm2_default, block_size=16, max_total_tokens=384, enable_prefix_caching=False)   # 2 prompts fill it
     results = small.chat(chats, params)
     assert small.engine.scheduler.num_preemptions > 0
     assert [r.outputs[0].token_ids for r in results] == want
@@ -146,11 +147,11 @@ def test_preempted_constrained_requests_resume_where_their_matchers_are(smollm2,
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_schemas_validate_with_speculative_decoding(smollm2, temperature):
+def test_schemas_validate_with_speculative_decoding(smollm2_default, temperature):
     """n-gram drafts (the prompt holds the schema's JSON, so they are plentiful): drafted rows are
     masked through their drafts, a draft the grammar forbids is rejected, and the matcher ends
     where the accepted tokens end."""
-    spec_llm = LLM(loaded=smollm2, speculative_mode="ngram", spec_draft_length=4)
+    spec_llm = LLM(loaded=smollm2_default, speculative_mode="ngram", spec_draft_length=4)
     names = ["nested_object", "ref_defs", "array_of_objects", "person_full"]
     params = [SamplingParams(max_tokens=160, temperature=temperature, seed=21,
                              structured=GrammarSpec("json_schema", json.dumps(SCHEMAS[n]), strict=True))
