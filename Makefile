@@ -53,7 +53,8 @@ chat: setup
 	$(BIN)/sluice chat smollm2
 
 # The 25 slowest tests and the whole run's duration close the report; -rs says why anything
-# skipped (only GPU tests may, on a machine without CUDA). Two worker processes, each taking whole
+# skipped (only GPU tests may, on a machine without CUDA, and the bf16 format's, on a CPU whose
+# oneDNN has no bfloat16, where a test checks that it is refused by name). Two worker processes, each taking whole
 # modules (so module fixtures are built once): many tests wait on engine and server children or
 # run single-threaded (the Triton interpreter, compilers, pip), so on these 2 cores the suite took
 # 548 s against 953 s in one process (3 workers: 570 s). TEST_WORKERS=0 runs it in one process.

@@ -8,13 +8,15 @@ gguf, or from safetensors) and quantized, so the load never holds a float32 copy
 has, judged by the types of its projection weights:
 
 * not on CPU: ``none`` (these formats have CPU kernels only);
-* with sluice's C++ kernels built (``kernels.cpu_ext``): every projection Q4_0 / Q4_1: ``w4a8``,
+* with sluice's C++ kernels built (``kernels.cpu_ext``) and vectorized for this CPU (AVX512-VNNI
+  or AVX2; ``cpu_blockq.isa()``): every projection Q4_0 / Q4_1: ``w4a8``,
   every projection Q4_0 / Q4_1 / Q8_0: ``w8a8``. Both keep the file's blocks as stored (values and
   float16 scales), the LM head's Q8_0 too, and round activations to int8 per block of 32 as
   llama.cpp does (perplexity +0.2-0.3% on SmolLM2, bench/README.md); they are 4-7x float32's
   decode rate here;
-* without them, every projection Q4_0 / Q4_1: ``int4`` (the file's own 4-bit values and its
-  float16 scales rounded to bfloat16). Its LM head is int8 whatever the file (torch has no
+* without them (or with only their portable C++ loop, slower than float32: 1.2 ms against
+  0.37 ms for a 3072x576 product at one row on an AVX2 CPU), every projection Q4_0 / Q4_1:
+  ``int4`` (the file's own 4-bit values and its float16 scales rounded to bfloat16). Its LM head is int8 whatever the file (torch has no
   kernel for per-block scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured
   int4 error, which is still under int8's (mean |logit change| 0.07, perplexity -0.2%);
 * anything else (the K-quants, float16, bfloat16, float32; and Q8_0 without the kernels): ``none``. int8 re-rounds each
@@ -22,7 +24,8 @@ has, judged by the types of its projection weights:
   that is not negligible: mean |logit change| 0.19 against 0.05 for the bfloat16 rounding of
   activations alone (bf16), and the top token changed on 5% of positions (bench/README.md).
   bf16 keeps a bfloat16 file's bits, but is slower than float32 from 4 rows up on a CPU
-  without AVX512-BF16 (this one), so auto does not take it either; ask for int8 or bf16 by name.
+  without AVX512-BF16, so auto does not take it either; ask for int8 or bf16 by name. Without
+  AVX-512 at all (AVX2 CPUs) oneDNN has no bfloat16, and bf16 is refused with that reason.
 """
 from __future__ import annotations
 
@@ -74,9 +77,9 @@ def resolve_quantization(quantization: str, weights, device: torch.device) -> st
     if device.type != "cpu":
         return "none"
     types = projection_types(weights)
-    from sluice.kernels import cpu_ext
+    from sluice.kernels import cpu_blockq, cpu_ext
 
-    if types and types <= _BLOCK_TYPES and cpu_ext.available():
+    if types and types <= _BLOCK_TYPES and cpu_ext.available() and cpu_blockq.isa() != "portable":
         return "w4a8" if types <= _LOSSLESS_INT4 else "w8a8"
     return "int4" if types and types <= _LOSSLESS_INT4 else "none"
 

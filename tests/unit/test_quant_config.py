@@ -90,7 +90,8 @@ class _Typed(dict):
         return self._types[name]
 
 
-# (storage types, auto's pick with sluice's C++ kernels, and without them: no compiler here)
+# (storage types, auto's pick with sluice's C++ kernels, and without them: no compiler here, or
+# only the portable loop)
 @pytest.mark.parametrize("types, picked, without_kernels", [
     ({"a.q_proj.weight": "Q4_0", "a.down_proj.weight": "Q4_1", "norm.weight": "F32"}, "w4a8", "int4"),
     ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
@@ -99,11 +100,14 @@ class _Typed(dict):
     ({"a.q_proj.weight": "BF16"}, "none", "none"),
 ])
 def test_auto_rule(types, picked, without_kernels, monkeypatch):
-    from sluice.kernels import cpu_ext
+    from sluice.kernels import cpu_blockq, cpu_ext
 
     assert cpu_ext.available(), cpu_ext.unavailable_reason()
     assert resolve_quantization("auto", _Typed(types), torch.device("cpu")) == picked
     assert resolve_quantization("auto", _Typed(types), torch.device("cuda")) == "none"
+    monkeypatch.setattr(cpu_blockq, "isa", lambda: "portable")   # built, but no vector path for this CPU
+    assert resolve_quantization("auto", _Typed(types), torch.device("cpu")) == without_kernels
+    monkeypatch.undo()
     monkeypatch.setattr(cpu_ext, "available", lambda: False)
     assert resolve_quantization("auto", _Typed(types), torch.device("cpu")) == without_kernels
 
