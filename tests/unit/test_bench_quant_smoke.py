@@ -29,3 +29,14 @@ def test_quant_bench_runs_on_the_tiny_model(tmp_path):
         assert set(r["profile_ms"]) >= {"step", "projections", "attention", "lm_head", "sampling"}
     assert rows[1]["weights_mib"] < rows[0]["weights_mib"]
     assert "| int4 |" in proc.stdout
+
+
+def test_blockq_bench_prints_one_row_per_shape_and_row_count():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "bench/blockq.py", "--rows", "1,3", "--budget", "0.01", "--threads", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "×" in line]
+    assert len(rows) == 8, proc.stdout
+    assert all(len(r.strip("|").split("|")) == 6 for r in rows), rows
+    assert "block product path: " in proc.stdout and "path: None" not in proc.stdout
