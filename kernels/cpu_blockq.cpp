@@ -368,8 +368,10 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
           }
         }
 #elif SLUICE_AVX2
-        for (int64_t r0 = p0; r0 < p1; r0 += 3) {
-          const int64_t mr = std::min<int64_t>(3, p1 - r0);
+        // Rows per pass: as many as 16 registers hold (8-bit keeps two int16 sums per row and half).
+        const int64_t rows_per_pass = bits == 4 ? 3 : 2;
+        for (int64_t r0 = p0; r0 < p1; r0 += rows_per_pass) {
+          const int64_t mr = std::min<int64_t>(rows_per_pass, p1 - r0);
           if (bits == 4) {
             tile_any_avx2<4>(mr, wt, dt, mt, nb, ap + r0 * k, sp + r0 * nb, ssp + r0 * nb, k,
                              op + r0 * n + t * kTile, n, lanes);
