@@ -4,9 +4,9 @@ The weight of a projection is held as unsigned integers ``u`` (4 or 8 bits) in b
 the input with a float16 scale ``d`` and offset ``m`` per row and block, ``w = d u + m`` (GGUF's
 own precision for them; the float32 product of a float16 and an up-to-8-bit integer is exact); the
 input is quantized to int8 per row and block of 32 (``x ~ s a``, ``s = max|x| / 127``) and each
-block's integer dot product is exact (AVX512-VNNI, AVX2, or the same arithmetic in portable C++,
-bit for bit the same results on all three). This
-is the arithmetic of llama.cpp's CPU kernels for these files, with a layout of our own.
+block's integer dot product is exact (AVX512-VNNI, AVX2, or the same arithmetic in portable C++:
+bit for bit the same results on all three). This is the arithmetic of llama.cpp's CPU kernels
+for these files, with a layout of our own.
 
 The C++ source is built with the other CPU ops on first use (``cpu_ext``); ``available()`` says
 whether that worked and ``unavailable_reason()`` why not. Nothing here falls back silently:

@@ -4,9 +4,10 @@ They are compiled once per machine, torch version and source by ``torch.utils.cp
 (which needs a C++ compiler and the ``ninja`` package) into ``$SLUICE_CACHE_DIR/ext`` (default
 ``~/.cache/sluice/ext``); the first build takes about a minute on 2 cores, later loads are
 instant. ``-march=native``: the AVX512-VNNI paths are compiled where the CPU has them, AVX2 ones
-on CPUs with AVX2 but no AVX-512 (most AMD Zen 2/3 and many desktop parts), portable C++ with the
-same arithmetic elsewhere (``cpu_blockq.isa()`` names the path). Nothing falls back silently: ``available()`` is False
-with ``unavailable_reason()`` when the build fails, and callers that need the kernels say so.
+on CPUs with AVX2 but no AVX512-VNNI (AMD Zen 2/3 among them), portable C++ with the same
+arithmetic elsewhere (``cpu_blockq.isa()`` names the path). Nothing falls back silently:
+``available()`` is False with ``unavailable_reason()`` when the build fails, and callers that
+need the kernels say so.
 """
 from __future__ import annotations
 

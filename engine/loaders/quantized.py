@@ -16,8 +16,8 @@ has, judged by the types of its projection weights:
   decode rate here;
 * without them (or with only their portable C++ loop, slower than float32: 1.2 ms against
   0.37 ms for a 3072x576 product at one row on an AVX2 CPU), every projection Q4_0 / Q4_1:
-  ``int4`` (the file's own 4-bit values and its float16 scales rounded to bfloat16). Its LM head is int8 whatever the file (torch has no
-  kernel for per-block scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured
+  ``int4`` (the file's own 4-bit values and its float16 scales rounded to bfloat16). Its LM
+  head is int8 whatever the file (torch has no kernel for per-block scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured
   int4 error, which is still under int8's (mean |logit change| 0.07, perplexity -0.2%);
 * anything else (the K-quants, float16, bfloat16, float32; and Q8_0 without the kernels): ``none``. int8 re-rounds each
   weight to a per-row scale (coarser than Q8_0's per-32 blocks), and measured on SmolLM2-135M
