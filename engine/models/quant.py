@@ -31,6 +31,8 @@ Each format is a small class with ``__call__(x [.., K] float32) -> [.., N] float
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
@@ -137,22 +139,17 @@ def _unpack_int4_tiled(packed: torch.Tensor, tile: int) -> torch.Tensor:
     return both.transpose(1, 2).reshape(n, 2 * half_k)
 
 
-_int4_tile: int | None = None
-
-
+@functools.cache
 def _int4_row_tile() -> int:
     """The row tile of torch's CPU int4 layout on this machine. It follows the vector width of the
     ATen kernels torch dispatches to: 64 rows with AVX512, 32 with AVX2 or none (four vectors of
     floats). Read off the packing itself, once, rather than guessed from the CPU's name."""
-    global _int4_tile
-    if _int4_tile is None:
-        q = (torch.arange(_INT4_ROW_PAD * GROUP) * 7 % 16).reshape(_INT4_ROW_PAD, GROUP).to(torch.uint8)
-        packed = _pack_int4(q)
-        fits = [t for t in (64, 32) if torch.equal(_unpack_int4_tiled(packed, t), q)]
-        if not fits:
-            raise RuntimeError("torch's CPU int4 weight layout is not one sluice knows (row tiles of 64 or 32)")
-        _int4_tile = fits[0]
-    return _int4_tile
+    q = (torch.arange(_INT4_ROW_PAD * GROUP) * 7 % 16).reshape(_INT4_ROW_PAD, GROUP).to(torch.uint8)
+    packed = _pack_int4(q)
+    fits = [t for t in (64, 32) if torch.equal(_unpack_int4_tiled(packed, t), q)]
+    if len(fits) != 1:
+        raise RuntimeError("torch's CPU int4 weight layout is not one sluice knows (row tiles of 64 or 32)")
+    return fits[0]
 
 
 def _unpack_int4(packed: torch.Tensor) -> torch.Tensor:

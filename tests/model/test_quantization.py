@@ -31,14 +31,11 @@ from sluice.engine.models import quant
 from sluice.engine.models.llama import _Linear
 from sluice.engine.sampling_params import SamplingParams
 from tests.model.test_logits import PROMPTS, _prefill_logits
+from tests.helpers.cpu import needs_onednn_bf16
 from tests.model_files import smollm2_gguf
 
 FORMATS = ("bf16", "int8", "int4", "w8a8", "w4a8")
-# bf16 runs only where oneDNN has bfloat16 (AVX512); elsewhere it is refused by name
-# (tests/unit/test_quant_kernels.py::test_bf16_is_refused_clearly_where_onednn_lacks_it).
-_NO_BF16 = quant.bf16_unavailable_reason()
-FORMAT_PARAMS = [pytest.param(f, marks=pytest.mark.skipif(f == "bf16" and _NO_BF16 is not None, reason=str(_NO_BF16)))
-                 for f in FORMATS]
+FORMAT_PARAMS = [pytest.param(f, marks=needs_onednn_bf16 if f == "bf16" else ()) for f in FORMATS]
 MAX_LOGIT_CHANGE = {"bf16": 0.65, "int8": 2.5, "int4": 1.3, "w8a8": 2.5, "w4a8": 2.5}
 MEAN_LOGIT_CHANGE = {"bf16": 0.08, "int8": 0.3, "int4": 0.11, "w8a8": 0.23, "w4a8": 0.23}
 PERPLEXITY_BOUND = {"bf16": 0.01, "int8": 0.01, "int4": 0.05, "w8a8": 0.01, "w4a8": 0.01}

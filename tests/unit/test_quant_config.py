@@ -13,7 +13,7 @@ from sluice.engine import cli, overrides
 from sluice.engine.config import DeviceConfig
 from sluice.engine.loaders import load_model
 from sluice.engine.loaders.quantized import resolve_quantization
-from sluice.engine.models import quant
+from tests.helpers.cpu import needs_onednn_bf16
 
 
 def test_device_config_validates_quantization():
@@ -131,10 +131,8 @@ def tiny_folder(tmp_path_factory):
     return write_tiny_folder(tmp_path_factory.mktemp("tiny"))
 
 
-@pytest.mark.parametrize("fmt", [
-    pytest.param("bf16", marks=pytest.mark.skipif(quant.bf16_unavailable_reason() is not None,
-                                                   reason=str(quant.bf16_unavailable_reason()))),
-    "int8", "int4", "w8a8", "w4a8", "auto"])
+@pytest.mark.parametrize("fmt", [pytest.param("bf16", marks=needs_onednn_bf16),
+                                 "int8", "int4", "w8a8", "w4a8", "auto"])
 def test_a_float_safetensors_folder_runs_in_every_format(tiny_folder, fmt):
     from sluice.engine.llm import LLM
     from sluice.engine.sampling_params import SamplingParams

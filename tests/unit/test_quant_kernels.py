@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from sluice.engine.models import quant
 from sluice.engine.models.llama import cpu_packing_available
+from tests.helpers.cpu import needs_onednn_bf16
 
 
 def _gguf_blocks(w: np.ndarray, qtype) -> torch.Tensor:
@@ -108,8 +109,7 @@ def test_int8_zero_rows_give_zero():
 
 
 @pytest.mark.skipif(not cpu_packing_available(), reason="this torch build has no oneDNN packing")
-@pytest.mark.skipif(quant.bf16_unavailable_reason() is not None, reason="this CPU has no oneDNN bfloat16 "
-                    "(test_bf16_is_refused_clearly_where_onednn_lacks_it covers it)")
+@needs_onednn_bf16
 def test_bf16_kernel_matches_reference():
     torch.manual_seed(1)
     w = quant.Bf16Linear.from_float(torch.randn(48, 64))
@@ -154,11 +154,3 @@ def test_bf16_is_refused_clearly_where_onednn_lacks_it(monkeypatch):
         quant.Bf16Linear.from_float(torch.randn(16, 32))
     check_quantization("int4", torch.device("cpu"), torch.float32)      # the others are unaffected
 
-
-def test_int4_layout_tile_is_read_off_this_torch():
-    """torch's CPU int4 layout tiles rows by 64 under AVX512 and by 32 under AVX2: the tile in use
-    is the one that round-trips here, and only one of the two does for a random weight."""
-    q = torch.randint(0, 16, (128, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    packed = quant._pack_int4(q)
-    fits = [t for t in (64, 32) if torch.equal(quant._unpack_int4_tiled(packed, t), q)]
-    assert fits == [quant._int4_row_tile()]
