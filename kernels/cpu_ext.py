@@ -93,7 +93,7 @@ def module():
     return mod
 
 
-if __name__ == "__main__":       # `python -m sluice.kernels.cpu_ext`: build now (make setup does)
+if __name__ == "__main__":       # `python -m sluice.kernels.cpu_ext [--portable]`: build now (make setup does)
     import sys
 
     if available():
@@ -101,3 +101,6 @@ if __name__ == "__main__":       # `python -m sluice.kernels.cpu_ext`: build now
     else:
         print(f"sluice CPU kernels: not available ({unavailable_reason()}); quantization=auto will not pick "
               "w4a8/w8a8", file=sys.stderr)
+    if "--portable" in sys.argv[1:]:   # the build the tests hold the vector paths to (make setup builds it too)
+        portable_module()
+        print(f"sluice CPU kernels, portable build: built in {build_dir(portable=True)}")

@@ -74,3 +74,64 @@ def tiny_smollm2(tmp_path_factory, smollm2_tokenizer):
     from tests.model_files import write_tiny_smollm2
 
     return write_tiny_smollm2(tmp_path_factory.mktemp("tiny_smollm2"), smollm2_tokenizer)
+
+
+# ---- how `make test`'s two xdist workers share the suite ---------------------------------------
+# Each worker builds the session fixtures its tests use. Modules that share an expensive one are
+# one work unit, so that it is built once in the run, not once per worker: the float32 SmolLM2
+# with the transformers oracle (~20 s of loading), the default-format SmolLM2, and the
+# integration tests' engine process (SmolLM2 and MiniLM; ~12 s to start).
+SHARED_UNITS = {
+    "real model, float32": (
+        "tests/model/test_quantization.py", "tests/model/test_engine_vs_hf.py",
+        "tests/kernels/test_engine_triton_real_model.py", "tests/model/test_logits.py",
+        "tests/model/test_engine_sampling.py", "tests/model/test_engine_errors.py",
+        "tests/model/test_structured_timeout.py"),
+    "real model, default format": (
+        "tests/model/test_spec_decode_smollm2.py", "tests/model/test_structured_output.py"),
+    "engine process": tuple(f"tests/integration/test_{name}.py" for name in (
+        "afs_http", "embeddings_http", "facade_http", "grpc_cancel", "grpc_embed", "grpc_errors",
+        "grpc_generate", "grpc_infill", "grpc_proto_only", "grpc_structured", "langchain",
+        "langchain_structured", "openai_sdk", "structured_http", "tools_http")),
+}
+_UNIT_OF = {module: unit for unit, modules in SHARED_UNITS.items() for module in modules}
+# Longest first (seconds on 2 AVX2 cores, 2026-12-02), so that the run does not end with one
+# worker alone on a long module while the other waits; the rest follow in collection order.
+LONGEST_FIRST = {
+    "real model, float32": 290, "engine process": 110, "real model, default format": 105,
+    "tests/reliability/test_soak.py": 84, "tests/model/test_spec_decode_distribution.py": 74,
+    "tests/kernels/test_cuda_lowering.py": 65, "tests/kernels/test_sampling.py": 55,
+    "tests/integration/test_wheel_install.py": 35, "tests/reliability/test_serve_tiny.py": 32,
+    "tests/unit/test_bench_smoke.py": 31, "tests/reliability/test_schemathesis.py": 23,
+    "tests/kernels/test_engine_sampler_triton.py": 22, "tests/reliability/test_serve_clients.py": 22,
+}
+
+
+def work_unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return _UNIT_OF.get(module, module)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items) -> None:
+    """Each unit's tests together, the longest units first (a stable sort: within a unit, and
+    among the rest, collection order stays)."""
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(work_unit(item.nodeid), len(first_seen))
+    items.sort(key=lambda item: (-LONGEST_FIRST.get(work_unit(item.nodeid), 0), first_seen[work_unit(item.nodeid)]))
+
+
+@pytest.hookimpl(optionalhook=True)   # a hook of pytest-xdist, which the floors' test extra lacks
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with the units above in place of single modules, handed out in
+    collection order (the Makefile passes ``--no-loadscope-reorder``)."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class UnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return UnitScheduling(config, log)

@@ -94,31 +94,45 @@ class EagleProposer:
                 self._next[rid] = (end - 1, out[-1])
 
     def propose(self, requests: Sequence[Request], k: int) -> dict[str, Draft]:
-        out = {}
+        """Draft position by position over every drafting request at once: one LM-head product
+        and one pass of the head's projections per position for the whole batch (attention per
+        request, over its own cache), not one per request."""
+        live = []       # (request, room, cache)
+        hidden = []
+        for req in requests:
+            got = self._next.get(req.request_id)
+            room = draft_room(req, k)
+            n = req.num_tokens
+            if got is None or got[0] != n - 2 or room <= 0:
+                continue
+            cache = self._caches[req.request_id]
+            cache.truncate(n - 1)
+            live.append((req, room, cache))
+            hidden.append(got[1])
+        if not live:
+            return {}
+        drafts: dict[str, list[int]] = {req.request_id: [] for req, _r, _c in live}
+        probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _r, _c in live}
         with torch.inference_mode():
-            for req in requests:
-                rid = req.request_id
-                got = self._next.get(rid)
-                room = draft_room(req, k)
-                n = req.num_tokens
-                if got is None or got[0] != n - 2 or room <= 0:
-                    continue
-                cache = self._caches[rid]
-                cache.truncate(n - 1)
-                h = got[1][None]
-                drafts, probs = [], []
-                for j in range(room):
-                    logits = self._lm(h)
-                    tokens, dists = draw(logits, [SampleRow(req, tuple(drafts))],
-                                         self.generators, self.vocab_size, self.device)
-                    if draft_prob(logits[0], tokens[0], dists[0]) < self.min_prob:
-                        break
-                    drafts.append(tokens[0])
-                    if dists[0] is not None:
-                        probs.append(dists[0])
+            h = torch.stack(hidden)                                       # [B, H]
+            for j in range(max(room for _req, room, _c in live)):
+                logits = self._lm(h)
+                rows = [SampleRow(req, tuple(drafts[req.request_id])) for req, _r, _c in live]
+                tokens, dists = draw(logits, rows, self.generators, self.vocab_size, self.device)
+                going = []      # rows that draft again: their token is kept and room is left
+                for i, (req, room, _cache) in enumerate(live):
+                    if draft_prob(logits[i], tokens[i], dists[i]) < self.min_prob:
+                        continue
+                    drafts[req.request_id].append(tokens[i])
+                    if dists[i] is not None:
+                        probs[req.request_id].append(dists[i])
                     if j + 1 < room:
-                        e = self.target.embed(torch.tensor(tokens, dtype=torch.long, device=self.device))
-                        h = self.head(e, h, [n - 1 + j], cache)
-                if drafts:
-                    out[rid] = Draft(drafts, torch.stack(probs) if probs else None)
-        return out
+                        going.append(i)
+                if not going:
+                    break
+                e = self.target.embed(torch.tensor([tokens[i] for i in going], dtype=torch.long, device=self.device))
+                h = torch.cat(self.head.forward_many([
+                    (e[m:m + 1], h[i:i + 1], [live[i][0].num_tokens - 1 + j], live[i][2])
+                    for m, i in enumerate(going)]))
+                live = [live[i] for i in going]
+        return {rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items() if d}
