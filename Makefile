@@ -56,10 +56,12 @@ chat: setup
 
 # The 25 slowest tests and the whole run's duration close the report; -rs says why anything
 # skipped (only GPU tests may, on a machine without CUDA, and the bf16 format's, on a CPU whose
-# oneDNN has no bfloat16, where a test checks that it is refused by name). Two worker processes, each taking whole
-# modules (so module fixtures are built once): many tests wait on engine and server children or
-# run single-threaded (the Triton interpreter, compilers, pip), so on these 2 cores the suite took
-# 548 s against 953 s in one process (3 workers: 570 s). TEST_WORKERS=0 runs it in one process.
+# oneDNN has no bfloat16, where a test checks that it is refused by name). Two worker processes
+# take work units: a module, or the modules that share an expensive session fixture (one load in
+# the run instead of one per worker), longest first (tests/conftest.py: SHARED_UNITS,
+# LONGEST_FIRST). Many tests wait on engine and server children or run single-threaded (the
+# Triton interpreter, compilers, pip), so two workers beat one process on these 2 cores (548 s
+# against 953 s, 3 workers 570 s, when units were single modules). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 2
 test: setup
 	$(BIN)/python -m pytest -q -rs --durations=25 $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope --no-loadscope-reorder) tests
