@@ -71,15 +71,21 @@ def engines(loaded, k: int, heads: Path | None = None, **opts):
                              additional_models="(the target)", spec_draft_length=k, **opts)
     if heads is None:
         return
-    from sluice.engine.spec_decode.heads import load_medusa
+    from sluice.engine.spec_decode.heads import load_medusa, resolve_head_format
 
     medusa_k = min(k, load_medusa(heads / "medusa", loaded.arch).num_heads)
     for mode, mode_k in (("eagle", k), ("medusa", medusa_k)):
         # With the default spec_min_draft_prob (drafts end at the head's first unconfident
         # token), and with every one of the K drafts proposed (0), to show what the rule buys.
-        for name, min_prob in ((mode, DEFAULT_MIN_DRAFT_PROB), (f"{mode} (all K)", 0.0)):
+        # Where the heads draft in w8a8 (spec_head_format auto on a CPU with the vectorized
+        # block kernels), also with their float32 weights, to show what the 8-bit copies buy.
+        variants = [(mode, DEFAULT_MIN_DRAFT_PROB, "auto"), (f"{mode} (all K)", 0.0, "auto")]
+        if resolve_head_format("auto", loaded.device) == "w8a8":
+            variants.append((f"{mode} (float32 head)", DEFAULT_MIN_DRAFT_PROB, "float32"))
+        for name, min_prob, head_format in variants:
             yield name, LLM(loaded=loaded, speculative_mode=mode, additional_models=str(heads / mode),
-                            spec_draft_length=mode_k, spec_min_draft_prob=min_prob, **opts)
+                            spec_draft_length=mode_k, spec_min_draft_prob=min_prob,
+                            spec_head_format=head_format, **opts)
 
 
 def heads_folder(args) -> Path | None:
@@ -142,7 +148,7 @@ def concurrent(loaded, args) -> list[dict]:
                                                   spec_max_batch_size=args.streams))]
     heads = heads_folder(args)
     if heads is not None:   # above spec_max_batch_size: no drafts, but EAGLE still follows every request
-        from sluice.engine.spec_decode.heads import load_medusa
+        from sluice.engine.spec_decode.heads import load_medusa, resolve_head_format
 
         medusa_k = min(args.k, load_medusa(heads / "medusa", loaded.arch).num_heads)
         configs += [(mode, dict(speculative_mode=mode, additional_models=str(heads / mode), spec_draft_length=k))

@@ -32,6 +32,9 @@ class SpeculativeConfig:
     additional_models: str | None = None   # small_draft: the draft model; eagle/medusa: the heads' folder
     spec_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # drafting stops above this many running requests
     spec_min_draft_prob: float = DEFAULT_MIN_DRAFT_PROB  # eagle/medusa: drafts end below this head probability
+    # eagle/medusa: the weights drafting reads: auto (w8a8 where the CPU block kernels are
+    # vectorized, else float32) | float32 | w8a8 (heads.resolve_head_format)
+    spec_head_format: str = "auto"
 
     def __post_init__(self) -> None:
         mode = self.speculative_mode
@@ -47,6 +50,8 @@ class SpeculativeConfig:
         p = self.spec_min_draft_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
+        if self.spec_head_format not in ("auto", "float32", "w8a8"):
+            raise ValueError(f"spec_head_format: must be one of auto, float32, w8a8, got {self.spec_head_format!r}")
         if self.additional_models is not None and not isinstance(self.additional_models, str):
             raise ValueError("additional_models: must be one path (a string), got "
                              f"{type(self.additional_models).__name__} {self.additional_models!r}")

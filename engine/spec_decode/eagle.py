@@ -38,10 +38,11 @@ class EagleProposer:
     name = "eagle"
 
     def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0,
-                 min_prob: float = 0.0) -> None:
+                 min_prob: float = 0.0, head_format: str = "float32") -> None:
         self.head = head
         self.min_prob = min_prob            # a draft ends before a token the head gives less
-        head.pack_for_serving()
+        self.head_format = head_format      # "w8a8" or "float32" (heads.resolve_head_format)
+        head.pack_for_serving(head_format)
         self.target = target
         self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
         self.vocab_size = vocab_size
@@ -50,7 +51,7 @@ class EagleProposer:
         self._caches: dict[str, EagleCache] = {}
         self._preemptions: dict[str, int] = {}
         self._next: dict[str, tuple[int, torch.Tensor]] = {}   # request id -> (position, predicted hidden [H])
-        self._lm = DraftLMHead(target, head.draft_vocab, vocab_size, head.fc.weight.dtype, device)
+        self._lm = DraftLMHead(target, head.draft_vocab, vocab_size, head.fc.weight.dtype, device, head_format)
 
     def drop(self, request_id: str) -> None:
         self._caches.pop(request_id, None)

@@ -9,7 +9,7 @@ from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.spec_decode.decoder import SpecDecoder
 from sluice.engine.spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, kv_bytes_per_block
 from sluice.engine.spec_decode.eagle import EagleProposer
-from sluice.engine.spec_decode.heads import load_eagle, load_medusa
+from sluice.engine.spec_decode.heads import load_eagle, load_medusa, resolve_head_format
 from sluice.engine.spec_decode.medusa import MedusaProposer
 from sluice.engine.spec_decode.ngram import NgramProposer
 
@@ -68,7 +68,8 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
         runner.capture = "all" if mode == "eagle" else "last"
         cls = EagleProposer if mode == "eagle" else MedusaProposer
         proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
-                       min_prob=config.spec_min_draft_prob)
+                       min_prob=config.spec_min_draft_prob,
+                       head_format=resolve_head_format(config.spec_head_format, runner.device))
     else:   # SpeculativeConfig refuses every other mode
         raise ValueError(f"speculative_mode: {config.speculative_mode!r} has no proposer")
     return SpecDecoder(config, proposer, runner.draft_probs)

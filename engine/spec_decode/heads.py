@@ -27,6 +27,13 @@ Either file may hold ``t2d``, a bool [vocab] mask as EAGLE-3 stores it, naming a
 tokens only, through just those rows of the target's LM head. On a CPU that read of the LM head is
 what a draft costs (SmolLM2's is 113 MB in float32, a fifth of the model, per draft token); the
 8192 most frequent tokens of the model's own answers cut it six-fold and cover nearly all of them.
+
+**Drafting format** (``spec_head_format``). A draft only has to be likely, not exact: the rejection
+rule keeps the target's distribution whatever q is. So on a CPU whose C++ block kernels are
+vectorized (AVX2 or AVX512-VNNI), ``auto`` drafts with 8-bit block copies of EAGLE's eight
+projections and of the draft LM head (``w8a8``: the weights rounded to 8 bits per block of 32,
+the input to int8 per block), a quarter of float32's bytes per draft token. ``float32`` keeps
+the heads' own weights (oneDNN-packed on CPU). Training never sees the copies.
 """
 from __future__ import annotations
 
@@ -43,6 +50,44 @@ from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight, p
 from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+HEAD_FORMATS = ("auto", "float32", "w8a8")
+
+
+def w8a8_unavailable_reason(device) -> str | None:
+    """Why heads cannot draft in w8a8 on ``device`` (None: they can)."""
+    if torch.device(device).type != "cpu":
+        return "w8a8 drafting runs on CPU only"
+    from sluice.kernels import cpu_blockq
+
+    isa = cpu_blockq.isa()
+    if isa is None:
+        return f"the C++ block kernels are not available ({cpu_blockq.unavailable_reason()})"
+    if isa == "portable":
+        return "this CPU has neither AVX2 nor AVX512-VNNI (the block kernels' portable loop is slower than float32)"
+    return None
+
+
+def resolve_head_format(fmt: str, device) -> str:
+    """``auto`` -> ``w8a8`` where the vectorized block kernels run, else ``float32``; an explicit
+    ``w8a8`` where they cannot is refused with the reason."""
+    if fmt not in HEAD_FORMATS:
+        raise ValueError(f"spec_head_format: must be one of {', '.join(HEAD_FORMATS)}, got {fmt!r}")
+    if fmt == "float32":
+        return fmt
+    reason = w8a8_unavailable_reason(device)
+    if fmt == "w8a8" and reason:
+        raise ValueError(f"spec_head_format: w8a8 is not available: {reason}")
+    return "float32" if reason else "w8a8"
+
+
+def _block_copy(weight: torch.Tensor):
+    """An 8-bit block copy of a float [N, K] weight for drafting (None when K is not a multiple
+    of the block, 32: that projection stays float)."""
+    from sluice.engine.models.quant import BlockQLinear
+
+    if weight.shape[-1] % 32:
+        return None
+    return BlockQLinear.from_float(weight.detach().float().contiguous(), 8)
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
@@ -74,24 +119,33 @@ class _DraftVocab(torch.nn.Module):
 
 class DraftLMHead:
     """The target's LM head for drafting: all of it, or only the draft vocabulary's rows (a packed
-    copy on CPU), with -inf logits for every other token so that nothing else is ever drafted."""
+    copy on CPU, or an 8-bit block copy under ``w8a8``), with -inf logits for every other token
+    so that nothing else is ever drafted."""
 
-    def __init__(self, target, draft_vocab: torch.Tensor | None, vocab_size: int, dtype, device) -> None:
+    def __init__(self, target, draft_vocab: torch.Tensor | None, vocab_size: int, dtype, device,
+                 fmt: str = "float32") -> None:
         self.target, self.vocab, self.vocab_size = target, draft_vocab, vocab_size
-        self._packed = self._weight = None
+        self._packed = self._weight = self._block = None
         if draft_vocab is not None:
             with torch.no_grad():
                 w = target_lm_weight(target).detach()[draft_vocab.to(device)].to(dtype).contiguous()
-            if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_packing_available():
-                self._packed = pack_cpu_weight(w)
-            else:
-                self._weight = w
+            self._block = _block_copy(w) if fmt == "w8a8" else None
+            if self._block is None:
+                if w.device.type == "cpu" and w.dtype == torch.float32 and cpu_packing_available():
+                    self._packed = pack_cpu_weight(w)
+                else:
+                    self._weight = w
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """[n, H] → [n, V] float32."""
         if self.vocab is None:
             return self.target.compute_logits(h)
-        sub = packed_linear(h, self._packed, None) if self._packed is not None else F.linear(h, self._weight)
+        if self._block is not None:
+            sub = self._block(h.float().contiguous())
+        elif self._packed is not None:
+            sub = packed_linear(h, self._packed, None)
+        else:
+            sub = F.linear(h, self._weight)
         full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
         full[:, self.vocab] = sub.float()
         return full
@@ -209,14 +263,23 @@ class EagleHead(_DraftVocab):
         w = self.fc.weight
         return EagleCache(self.num_kv_heads, self.head_dim, w.dtype, w.device, capacity)
 
-    _packed: dict | None = None     # name -> (oneDNN-packed weight, bias): see pack_for_serving
+    _packed: dict | None = None     # name -> (weight as drafting reads it, bias): see pack_for_serving
 
-    def pack_for_serving(self) -> bool:
-        """On CPU in float32, keep oneDNN-packed copies of the eight projections for drafting
+    def pack_for_serving(self, fmt: str = "float32") -> bool:
+        """Drafting copies of the eight projections (training keeps using the ``nn.Linear``
+        weights, which stay as they are). ``w8a8``: 8-bit block copies for the C++ kernels
+        (``resolve_head_format`` says where they run). ``float32``: on CPU, oneDNN-packed copies
         (the target's projections use the same layout): MKL's small-row products behind
-        ``nn.Linear`` stream a weight at about a third of the bandwidth. Training keeps using the
-        ``nn.Linear`` weights, which stay as they are. False when nothing was packed."""
+        ``nn.Linear`` stream a weight at about a third of the bandwidth. False when nothing was
+        copied."""
         w = self.fc.weight
+        if fmt == "w8a8":
+            with torch.no_grad():
+                packed = {name: (_block_copy(lin.weight), None if lin.bias is None else lin.bias.detach().float())
+                          for name in _EAGLE_LINEARS for lin in [getattr(self, name)]}
+            if all(block is not None for block, _bias in packed.values()):
+                self._packed = packed
+                return True
         if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_packing_available():
             return False
         with torch.no_grad():
@@ -229,7 +292,10 @@ class EagleHead(_DraftVocab):
         if self._packed is None:
             return getattr(self, name)(x)
         weight, bias = self._packed[name]
-        return packed_linear(x, weight, bias)
+        if isinstance(weight, torch.Tensor):
+            return packed_linear(x, weight, bias)
+        out = weight(x.float().contiguous())
+        return (out if bias is None else out + bias).to(x.dtype)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
                 cache: EagleCache | None = None) -> torch.Tensor:
