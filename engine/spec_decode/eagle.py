@@ -41,8 +41,7 @@ class EagleProposer:
                  min_prob: float = 0.0, head_format: str = "float32") -> None:
         self.head = head
         self.min_prob = min_prob            # a draft ends before a token the head gives less
-        self.head_format = head_format      # "w8a8" or "float32" (heads.resolve_head_format)
-        head.pack_for_serving(head_format)
+        self.head_format = head.pack_for_serving(head_format)   # what drafting reads: "w8a8" or "float32"
         self.target = target
         self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
         self.vocab_size = vocab_size

@@ -32,7 +32,7 @@ what a draft costs (SmolLM2's is 113 MB in float32, a fifth of the model, per dr
 rule keeps the target's distribution whatever q is. So on a CPU whose C++ block kernels are
 vectorized (AVX2 or AVX512-VNNI), ``auto`` drafts with 8-bit block copies of EAGLE's eight
 projections and of the draft LM head (``w8a8``: the weights rounded to 8 bits per block of 32,
-the input to int8 per block), a quarter of float32's bytes per draft token. ``float32`` keeps
+the input to int8 per block), about a quarter of float32's bytes per draft token. ``float32`` keeps
 the heads' own weights (oneDNN-packed on CPU). Training never sees the copies.
 """
 from __future__ import annotations
@@ -50,6 +50,7 @@ from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight, p
 from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 HEAD_FORMATS = ("auto", "float32", "w8a8")
 
 
@@ -88,7 +89,6 @@ def _block_copy(weight: torch.Tensor):
     if weight.shape[-1] % 32:
         return None
     return BlockQLinear.from_float(weight.detach().float().contiguous(), 8)
-EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 
 
 class HeadsLoadError(ModelLoadError, ValueError):
@@ -265,13 +265,13 @@ class EagleHead(_DraftVocab):
 
     _packed: dict | None = None     # name -> (weight as drafting reads it, bias): see pack_for_serving
 
-    def pack_for_serving(self, fmt: str = "float32") -> bool:
+    def pack_for_serving(self, fmt: str = "float32") -> str:
         """Drafting copies of the eight projections (training keeps using the ``nn.Linear``
         weights, which stay as they are). ``w8a8``: 8-bit block copies for the C++ kernels
-        (``resolve_head_format`` says where they run). ``float32``: on CPU, oneDNN-packed copies
-        (the target's projections use the same layout): MKL's small-row products behind
-        ``nn.Linear`` stream a weight at about a third of the bandwidth. False when nothing was
-        copied."""
+        (``resolve_head_format`` says where they run; a hidden size that is not a multiple of 32
+        stays float32). ``float32``: on CPU, oneDNN-packed copies (the target's projections use
+        the same layout): MKL's small-row products behind ``nn.Linear`` stream a weight at about
+        a third of the bandwidth. Returns the format the projections now draft in."""
         w = self.fc.weight
         if fmt == "w8a8":
             with torch.no_grad():
@@ -279,14 +279,14 @@ class EagleHead(_DraftVocab):
                           for name in _EAGLE_LINEARS for lin in [getattr(self, name)]}
             if all(block is not None for block, _bias in packed.values()):
                 self._packed = packed
-                return True
+                return "w8a8"
         if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_packing_available():
-            return False
+            return "float32"
         with torch.no_grad():
             self._packed = {name: (pack_cpu_weight(lin.weight.detach().contiguous()),
                                    None if lin.bias is None else lin.bias.detach())
                             for name in _EAGLE_LINEARS for lin in [getattr(self, name)]}
-        return True
+        return "float32"
 
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
         if self._packed is None:

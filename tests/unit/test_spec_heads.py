@@ -682,7 +682,7 @@ def test_w8a8_drafting_copies_stay_close_to_the_float_weights(tiny):
         with torch.no_grad():
             for prm in head.parameters():
                 prm.copy_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(prm.numel())) * 0.2)
-        assert head.pack_for_serving(fmt)
+        assert head.pack_for_serving(fmt) == fmt
         embeds, hidden = torch.randn(6, HIDDEN, generator=g.manual_seed(5)), torch.randn(6, HIDDEN, generator=g)
         with torch.inference_mode():
             outs[fmt] = head(embeds, hidden, list(range(6)), head.new_cache(8))
