@@ -14,7 +14,9 @@ the engine's own timings, summed over the prompts of a group (so the prefill is 
 mechanism's cost at 100% acceptance, not a speed-up. ``eagle`` and ``medusa`` run with the heads
 in ``--heads DIR`` (``DIR/eagle``, ``DIR/medusa``, as ``sluice train-heads MODEL --out DIR``
 writes them); without ``--heads`` they are trained first into ``--heads-cache`` (about half an
-hour on 2 cores, once), or left out with ``--no-heads``.
+hour on 2 cores, once), or left out with ``--no-heads``. Where the heads draft from 8-bit block
+copies (``spec_head_format`` auto on a CPU with AVX2 or AVX512-VNNI), each head mode also runs
+drafting from the heads' float32 weights ("float32 head"), to show what the copies buy.
 
     python bench/spec_decode.py --sections batch1 --heads heads/smollm2
 """
