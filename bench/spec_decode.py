@@ -150,7 +150,7 @@ def concurrent(loaded, args) -> list[dict]:
                                                   spec_max_batch_size=args.streams))]
     heads = heads_folder(args)
     if heads is not None:   # above spec_max_batch_size: no drafts, but EAGLE still follows every request
-        from sluice.engine.spec_decode.heads import load_medusa, resolve_head_format
+        from sluice.engine.spec_decode.heads import load_medusa
 
         medusa_k = min(args.k, load_medusa(heads / "medusa", loaded.arch).num_heads)
         configs += [(mode, dict(speculative_mode=mode, additional_models=str(heads / mode), spec_draft_length=k))

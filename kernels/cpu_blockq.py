@@ -30,6 +30,12 @@ def isa() -> str | None:
     return str(cpu_ext.module().blockq_isa()) if cpu_ext.available() else None
 
 
+def vectorized() -> bool:
+    """Whether the block kernels run a vector path here (AVX2 or AVX512-VNNI): only then are they
+    faster than float32, so only then does anything choose them by itself."""
+    return isa() not in (None, "portable")
+
+
 # ---- packing ------------------------------------------------------------------------------------
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     pad = -t.shape[0] % TILE

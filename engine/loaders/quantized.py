@@ -77,9 +77,9 @@ def resolve_quantization(quantization: str, weights, device: torch.device) -> st
     if device.type != "cpu":
         return "none"
     types = projection_types(weights)
-    from sluice.kernels import cpu_blockq, cpu_ext
+    from sluice.kernels import cpu_blockq
 
-    if types and types <= _BLOCK_TYPES and cpu_ext.available() and cpu_blockq.isa() != "portable":
+    if types and types <= _BLOCK_TYPES and cpu_blockq.vectorized():
         return "w4a8" if types <= _LOSSLESS_INT4 else "w8a8"
     return "int4" if types and types <= _LOSSLESS_INT4 else "none"
 

@@ -21,6 +21,8 @@ DEFAULT_MAX_BATCH_SIZE = 3
 # steps stop paying for drafts that will be rejected. Measured with bench/spec_decode.py (batch1,
 # self-distilled SmolLM2 heads, K=4, 2 CPU cores): see README.
 DEFAULT_MIN_DRAFT_PROB = 0.35
+# eagle/medusa: the weights drafting reads (heads.resolve_head_format)
+HEAD_FORMATS = ("auto", "float32", "w8a8")
 
 
 @dataclass(frozen=True)
@@ -50,8 +52,9 @@ class SpeculativeConfig:
         p = self.spec_min_draft_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
-        if self.spec_head_format not in ("auto", "float32", "w8a8"):
-            raise ValueError(f"spec_head_format: must be one of auto, float32, w8a8, got {self.spec_head_format!r}")
+        if self.spec_head_format not in HEAD_FORMATS:
+            raise ValueError(f"spec_head_format: must be one of {', '.join(HEAD_FORMATS)}, "
+                             f"got {self.spec_head_format!r}")
         if self.additional_models is not None and not isinstance(self.additional_models, str):
             raise ValueError("additional_models: must be one path (a string), got "
                              f"{type(self.additional_models).__name__} {self.additional_models!r}")

@@ -47,11 +47,12 @@ import torch.nn.functional as F
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.llama import cpu_packing_available, pack_cpu_weight, packed_linear
+from sluice.engine.models.quant import BlockQLinear
 from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
+from sluice.engine.spec_decode.config import HEAD_FORMATS
 
 MEDUSA_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 EAGLE_FILES = ("model.safetensors", "pytorch_model.bin")
-HEAD_FORMATS = ("auto", "float32", "w8a8")
 
 
 def w8a8_unavailable_reason(device) -> str | None:
@@ -60,12 +61,11 @@ def w8a8_unavailable_reason(device) -> str | None:
         return "w8a8 drafting runs on CPU only"
     from sluice.kernels import cpu_blockq
 
-    isa = cpu_blockq.isa()
-    if isa is None:
+    if cpu_blockq.vectorized():
+        return None
+    if cpu_blockq.isa() is None:
         return f"the C++ block kernels are not available ({cpu_blockq.unavailable_reason()})"
-    if isa == "portable":
-        return "this CPU has neither AVX2 nor AVX512-VNNI (the block kernels' portable loop is slower than float32)"
-    return None
+    return "this CPU has neither AVX2 nor AVX512-VNNI (the block kernels' portable loop is slower than float32)"
 
 
 def resolve_head_format(fmt: str, device) -> str:
@@ -84,8 +84,6 @@ def resolve_head_format(fmt: str, device) -> str:
 def _block_copy(weight: torch.Tensor):
     """An 8-bit block copy of a float [N, K] weight for drafting (None when K is not a multiple
     of the block, 32: that projection stays float)."""
-    from sluice.engine.models.quant import BlockQLinear
-
     if weight.shape[-1] % 32:
         return None
     return BlockQLinear.from_float(weight.detach().float().contiguous(), 8)
@@ -120,7 +118,8 @@ class _DraftVocab(torch.nn.Module):
 class DraftLMHead:
     """The target's LM head for drafting: all of it, or only the draft vocabulary's rows (a packed
     copy on CPU, or an 8-bit block copy under ``w8a8``), with -inf logits for every other token
-    so that nothing else is ever drafted."""
+    so that nothing else is ever drafted. ``format``: what drafting reads, ``w8a8``, ``float32``
+    or ``target`` (no draft vocabulary: the target's own LM head, in the target's format)."""
 
     def __init__(self, target, draft_vocab: torch.Tensor | None, vocab_size: int, dtype, device,
                  fmt: str = "float32") -> None:
@@ -135,6 +134,7 @@ class DraftLMHead:
                     self._packed = pack_cpu_weight(w)
                 else:
                     self._weight = w
+        self.format = "target" if draft_vocab is None else "w8a8" if self._block is not None else "float32"
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """[n, H] → [n, V] float32."""

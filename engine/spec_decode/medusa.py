@@ -28,7 +28,6 @@ class MedusaProposer:
     def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0,
                  min_prob: float = 0.0, head_format: str = "float32") -> None:
         self.heads = heads
-        self.head_format = head_format      # the draft LM head's: "w8a8" or "float32"
         self.min_prob = min_prob            # a draft ends before a token its head gives less
         self.target = target
         self.captured = captured           # the runner's: request id -> (position, hidden [H])
@@ -37,6 +36,7 @@ class MedusaProposer:
         self.generators = GeneratorCache(seed=seed, device=device)
         weight = next(heads.parameters())
         self._lm = DraftLMHead(target, heads.draft_vocab, vocab_size, weight.dtype, device, head_format)
+        self.head_format = self._lm.format   # the draft LM head's: "w8a8", "float32" or "target"
 
     def observe(self, requests) -> None:
         pass

@@ -134,6 +134,16 @@ def heads_folders(tmp_path_factory):
             "eagle": write_eagle(root / "eagle", eagle_state())}
 
 
+@pytest.fixture(scope="module")
+def heads_with_draft_vocab(tmp_path_factory):
+    """The same heads with a draft vocabulary (``t2d``) of every token: drafts are unchanged, but
+    they go through the draft LM head's own copy, the part ``spec_head_format`` decides."""
+    root = tmp_path_factory.mktemp("heads_t2d")
+    every = {"t2d": torch.ones(VOCAB, dtype=torch.bool)}
+    return {"medusa": write_medusa(root / "medusa", medusa_state(lm_heads=False) | every),
+            "eagle": write_eagle(root / "eagle", eagle_state() | every)}
+
+
 def _spec(tiny, mode: str, heads_folders, **kw) -> LLM:
     # Every draft proposed (spec_min_draft_prob=0): random heads are seldom confident, and these
     # tests are about verification; the stopping rule has its own test.
@@ -367,9 +377,11 @@ def _assert_same(got, want) -> None:
 
 @pytest.mark.parametrize("head_format", ["float32", "w8a8"])
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
-def test_greedy_identical_to_no_speculation_one_request_at_a_time(base, tiny, heads_folders, mode, head_format):
-    llm = _spec(tiny, mode, heads_folders, spec_head_format=head_format)
-    assert llm.engine.spec.proposer.head_format == head_format
+def test_greedy_identical_to_no_speculation_one_request_at_a_time(base, tiny, heads_with_draft_vocab, mode,
+                                                                   head_format):
+    llm = _spec(tiny, mode, heads_with_draft_vocab, spec_head_format=head_format)
+    proposer = llm.engine.spec.proposer
+    assert proposer._lm.format == proposer.head_format == head_format   # the LM head's copy, and EAGLE's layer
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.2)
     # The bias makes the output run through w7, where even random heads' drafts are accepted.
     biased = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, logit_bias={7: 4.0})
