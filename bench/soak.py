@@ -68,8 +68,8 @@ async def figures(session: aiohttp.ClientSession, url: str, engine_pid: int | No
 
 
 class Clients:
-    def __init__(self, url: str, model: str, seed: int) -> None:
-        self.url, self.model, self.rng = url, model, random.Random(seed)
+    def __init__(self, url: str, model: str, seed: int, max_tokens: int = 200) -> None:
+        self.url, self.model, self.rng, self.max_tokens = url, model, random.Random(seed), max_tokens
         self.counts: dict[str, int] = {}
 
     def _count(self, what: str) -> None:
@@ -77,7 +77,7 @@ class Clients:
 
     def _body(self, stream: bool) -> dict:
         words = " ".join(f"w{self.rng.randrange(100)}" for _ in range(self.rng.randint(1, 60)))
-        return {"model": self.model, "prompt": words, "max_tokens": self.rng.randint(1, 200), "stream": stream,
+        return {"model": self.model, "prompt": words, "max_tokens": self.rng.randint(1, self.max_tokens), "stream": stream,
                 "ignore_eos": self.rng.random() < 0.5, "temperature": self.rng.choice([0, 0.8])}
 
     async def one(self, session: aiohttp.ClientSession) -> None:
@@ -129,12 +129,12 @@ async def _figures_now(url: str, engine_pid: int | None) -> dict:
 
 
 async def soak(url: str, duration: float, concurrency: int, seed: int, engine_pid: int | None,
-               warmup: float = 10.0, sample_every: float | None = None) -> dict:
+               warmup: float = 10.0, sample_every: float | None = None, max_tokens: int = 200) -> dict:
     """``sample_every``: also take the figures (idle, so the load pauses for them) every so many
     seconds of load: a leak grows steadily, a cache filling up levels off."""
     async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as r:
         model = (await r.json())["data"][0]["id"]
-    clients = Clients(url, model, seed)
+    clients = Clients(url, model, seed, max_tokens)
     await _load(clients, url, warmup, concurrency)        # allocator arenas, caches, batch shapes
     start = await _figures_now(url, engine_pid)
     samples, done = [], 0.0
@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the start figures")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=200,
+                   help="completions ask for 1..N tokens (fewer: more requests, and so more chances to leak, a second)")
     p.add_argument("--sample-every", type=float, default=None, metavar="S",
                    help="also take the figures every S seconds of load (the result's samples)")
     p.add_argument("--json", default=None, help="also write the result here")
@@ -205,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                                        / f"sluice-soak-{os.getpid()}.log")
     try:
         result = asyncio.run(soak(url, args.duration, args.concurrency, args.seed, engine_pid, args.warmup,
-                                   args.sample_every))
+                                   args.sample_every, args.max_tokens))
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)

@@ -20,16 +20,17 @@ import shutil
 
 import grpc
 import pytest
-import sentence_transformers
 import torch
 import torch.nn.functional as F
-import transformers
 
 from sluice.engine.client import AsyncEngineClient, EngineClient, EngineRpcError
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from tests.integration.conftest import launch_engine, wait_serving
 from tests.model_files import minilm_folder
+
+# sentence_transformers and transformers (~5 s to import here) are imported where they are used:
+# every xdist worker collects this module, and only one runs it.
 
 pytestmark = pytest.mark.slow
 LONG = "The quick brown fox jumps over the lazy dog near the riverbank. " * 40        # > 256 tokens
@@ -41,6 +42,8 @@ DOCS = ["Paris is the capital of France.", "Pizza is a popular Italian dish.",
 
 @pytest.fixture(scope="module")
 def oracle():
+    import sentence_transformers
+
     return sentence_transformers.SentenceTransformer(str(minilm_folder()), device="cpu")
 
 
@@ -63,6 +66,8 @@ def test_embed_equals_sentence_transformers(client: EngineClient, oracle) -> Non
 
 
 def test_dimensions_normalize_token_ids_and_prefix(client: EngineClient, oracle) -> None:
+    import sentence_transformers
+
     full = torch.tensor(oracle.encode(TEXTS[:3], convert_to_numpy=True))                      # [3, 384]
     cut = client.embed(TEXTS[:3], dimensions=64)
     assert all(len(v) == 64 for v in cut.vectors)
@@ -144,6 +149,8 @@ def test_rerank_errors(client: EngineClient, kwargs: dict, field: str) -> None:
 # ------------------------------------------------------- no embedding model, a cross-encoder
 @pytest.fixture(scope="module")
 def cross_encoder(tmp_path_factory):
+    import transformers
+
     folder = tmp_path_factory.mktemp("cross")
     cfg = transformers.BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                   intermediate_size=64, max_position_embeddings=64, num_labels=1,

@@ -5,12 +5,16 @@ the stream; a seeded sampled ``invoke`` repeats exactly; and a facade error reac
 SDK's typed exception naming the parameter."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import openai
 import pytest
 from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage
-from langchain_openai import ChatOpenAI
 
 from tests.integration.test_facade_http import KEY, MODEL, facade  # noqa: F401 - fixture
+
+if TYPE_CHECKING:   # imported where used (~1.3 s): every xdist worker collects this module
+    from langchain_openai import ChatOpenAI
 
 pytestmark = pytest.mark.slow
 
@@ -19,6 +23,8 @@ MESSAGES = [SystemMessage("You are a helpful assistant."), HumanMessage("Name th
 
 
 def _chat(url: str, **kw) -> ChatOpenAI:
+    from langchain_openai import ChatOpenAI
+
     return ChatOpenAI(model=MODEL, base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120,
                       max_tokens=MAX_TOKENS, **kw)
 

@@ -5,12 +5,16 @@ default (tool_choice auto) answers in text, or (when the model starts a call) wi
 arguments validate, also streamed through LangChain's chunk merging."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage
-from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
 from tests.integration.test_facade_http import KEY, MODEL, facade  # noqa: F401 - fixture
+
+if TYPE_CHECKING:   # imported where used (~1.3 s): every xdist worker collects this module
+    from langchain_openai import ChatOpenAI
 
 pytestmark = pytest.mark.slow
 
@@ -28,6 +32,8 @@ class GetWeather(BaseModel):
 
 
 def _chat(url: str) -> ChatOpenAI:
+    from langchain_openai import ChatOpenAI
+
     return ChatOpenAI(model=MODEL, base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=300,
                       max_tokens=80, temperature=0)
 

@@ -17,14 +17,15 @@ import shutil
 import time
 
 import pytest
-import sentence_transformers
 import torch
 import torch.nn.functional as F
-import transformers
 
 from sluice.engine.embedding import CROSS_ENCODER, EMBEDDING_COSINE, EmbeddingEngine
 from sluice.engine.loaders.bert_loader import load_embedding_model
 from tests.model_files import minilm_folder
+
+# sentence_transformers and transformers (~5 s to import here) are imported where they are used:
+# every xdist worker collects this module, and only one runs it.
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +54,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def oracle(model):
+    import sentence_transformers
+
     return sentence_transformers.SentenceTransformer(str(model.path), device="cpu")
 
 
@@ -92,6 +95,8 @@ def test_batched_order_equals_one_at_a_time(engine):
 
 
 def test_unnormalized_equals_pooling_without_normalize(engine, oracle):
+    import sentence_transformers
+
     raw = sentence_transformers.SentenceTransformer(modules=[oracle[0], oracle[1]], device="cpu")
     ref = raw.encode(CORPUS[:4], convert_to_tensor=True)
     got = torch.tensor(engine.embed(CORPUS[:4], normalize=False).vectors)
@@ -119,6 +124,8 @@ def test_token_ids_and_prefix(engine, model):
 
 
 def test_cosine_rerank_orders_as_sentence_transformers(engine, oracle):
+    import sentence_transformers
+
     query = "Which city is the capital of France?"
     docs = ["Berlin is the capital of Germany.", "Paris is the capital and largest city of France.",
             "Bananas are rich in potassium.", "France is a country in Western Europe.",
@@ -138,6 +145,8 @@ def test_cosine_rerank_orders_as_sentence_transformers(engine, oracle):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one-label", "two-label"])
 def cross_encoder_folder(request, tmp_path_factory, model):
+    import transformers
+
     folder = tmp_path_factory.mktemp(f"cross{request.param}")
     cfg = transformers.BertConfig(vocab_size=model.config.vocab_size, hidden_size=32, num_hidden_layers=2,
                                   num_attention_heads=4, intermediate_size=64, max_position_embeddings=48,
@@ -151,6 +160,8 @@ def cross_encoder_folder(request, tmp_path_factory, model):
 
 
 def test_cross_encoder_scores_equal_transformers(cross_encoder_folder, model):
+    import transformers
+
     folder, hf = cross_encoder_folder
     engine = EmbeddingEngine(model, rerank_model=load_embedding_model(folder, device="cpu"), max_batch_tokens=100)
     query = "what is the tallest building in Taipei?"
