@@ -88,15 +88,14 @@ class Item:
 
 
 def _load_tokenizer(model: str):
-    from gguf import GGUFReader
-
     from sluice.engine.loaders import resolve_path
+    from sluice.engine.loaders.gguf_loader import open_gguf
     from sluice.engine.tokenizer import Tokenizer
 
     path = resolve_path(model)
     if path.suffix != ".gguf":
         return Tokenizer.from_folder(path)
-    return Tokenizer.from_gguf(GGUFReader(str(path)), path)
+    return Tokenizer.from_gguf(open_gguf(path), path)
 
 
 def _exact_prompt(tok, rng: random.Random, length: int) -> tuple[str, list[int]]:

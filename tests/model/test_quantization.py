@@ -176,23 +176,43 @@ def test_perplexity_within_bound_of_float32(on_text, fmt):
     assert abs(ppl / ref_ppl - 1) <= PERPLEXITY_BOUND[fmt], f"{fmt}: perplexity {ppl:.3f} vs float32 {ref_ppl:.3f}"
 
 
-def _greedy(loaded, fmt: str, prompts: list[str], tokens: int) -> list[list[int]]:
-    llm = LLM(loaded=loaded, quantization=fmt, kv_cache_memory_bytes=32 << 20)
-    res = llm.generate(prompts, SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-    return [r.outputs[0].token_ids for r in res]
+# 24 greedy tokens of each CHAT_PROMPT; the logprobs are for the float16 KV cache test below
+# (asking for them does not change a greedy token).
+GREEDY_24 = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+
+
+def _engine(loaded, fmt: str, kv: str = "float32") -> LLM:
+    return LLM(loaded=loaded, quantization=fmt, kv_cache_memory_bytes=32 << 20, kv_cache_dtype=kv)
 
 
 @pytest.fixture(scope="module")
-def float_greedy(smollm2):
-    return _greedy(smollm2, "none", CHAT_PROMPTS, 24)
+def greedy_24(formats):
+    """Format -> (outputs, the pool's block count) of GREEDY_24 over CHAT_PROMPTS with a float32
+    KV cache, each run once: float32's is the reference of every format's agreement test and of
+    the float16 cache test, and none's and w4a8's are also the float16 cache test's other side
+    (float32 decodes 4 x 24 tokens in several seconds here)."""
+    done = {}
+
+    def get(fmt: str):
+        if fmt not in done:
+            llm = _engine(formats(fmt), fmt)
+            done[fmt] = ([r.outputs[0] for r in llm.generate(CHAT_PROMPTS, GREEDY_24)], llm.engine.kv.num_total_blocks)
+        return done[fmt]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def float_greedy(greedy_24):
+    return [o.token_ids for o in greedy_24("none")[0]]
 
 
 @pytest.mark.parametrize("fmt", FORMAT_PARAMS)
-def test_greedy_continuations_mostly_agree_with_float32(formats, float_greedy, fmt):
+def test_greedy_continuations_mostly_agree_with_float32(greedy_24, float_greedy, fmt):
     """Greedy decoding amplifies any change once two tokens are close, so full agreement is not
     asked; the share of tokens before the first difference must stay above what was measured
     less a margin (bench/README.md has the measured prefixes)."""
-    ours = _greedy(formats(fmt), fmt, CHAT_PROMPTS, 24)
+    ours = [o.token_ids for o in greedy_24(fmt)[0]]
     same = []
     for a, b in zip(ours, float_greedy):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
@@ -252,26 +272,23 @@ KV16_LOGPROB_CHANGE = {"none": 0.02, "w4a8": 0.5}
 
 
 @pytest.mark.parametrize("fmt", ("none", "w4a8"))
-def test_a_float16_kv_cache_stays_close_and_keeps_batching_exact(formats, fmt):
+def test_a_float16_kv_cache_stays_close_and_keeps_batching_exact(formats, greedy_24, fmt):
     """K and V rounded to float16 in the cache (half its bytes, half of what attention reads):
     greedy continuations agree with the float32 cache's (bounds above), the sampled tokens'
     logprobs stay close while they agree, the pool holds twice the tokens for the same bytes,
     and a request's tokens are still the same alone and in a batch."""
-    loaded = formats(fmt)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
-    runs = {}
-    for kv in ("float32", "float16"):
-        llm = LLM(loaded=loaded, quantization=fmt, kv_cache_memory_bytes=32 << 20, kv_cache_dtype=kv)
-        runs[kv] = ([r.outputs[0] for r in llm.generate(CHAT_PROMPTS, params)], llm)
-    half = runs["float16"][1].engine
+    full, full_blocks = greedy_24(fmt)   # the float32 cache's run, shared with the agreement test
+    llm = _engine(formats(fmt), fmt, kv="float16")
+    halved = [r.outputs[0] for r in llm.generate(CHAT_PROMPTS, GREEDY_24)]
+    half = llm.engine
     assert half.runner.kv_caches[0][0].dtype == torch.float16
-    assert half.kv.num_total_blocks // 2 == runs["float32"][1].engine.kv.num_total_blocks   # (rounded down)
+    assert half.kv.num_total_blocks // 2 == full_blocks   # (rounded down)
     same, worst = [], 0.0
-    for a, b in zip(runs["float16"][0], runs["float32"][0]):
+    for a, b in zip(halved, full):
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
         same.append(n)
         worst = max([worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:n], b.logprobs[:n])])
     assert sum(same) / (24 * len(same)) >= KV16_AGREEMENT[fmt], f"{fmt}: agreeing prefix per prompt {same}"
     assert worst <= KV16_LOGPROB_CHANGE[fmt], f"{fmt}: logprob change {worst:.4f}"
-    alone = [runs["float16"][1].generate([p], params)[0].outputs[0].token_ids for p in CHAT_PROMPTS]
-    assert alone == [o.token_ids for o in runs["float16"][0]]
+    alone = [llm.generate([p], GREEDY_24)[0].outputs[0].token_ids for p in CHAT_PROMPTS]
+    assert alone == [o.token_ids for o in halved]

@@ -1,0 +1,59 @@
+"""``open_gguf``'s reader (gguf's ``GGUFReader`` parsing over a plain ndarray view of the file's
+memory map, ~3x faster on a large vocabulary) reads exactly what the stock reader reads: every
+field's name, types, parts and decoded contents, every tensor's name, type, shape, offset and
+bytes. On a GGUF written here with strings, string and number arrays, scalars of several types
+and tensors in float32, float16 and Q8_0; and the file stays mapped, not read into memory."""
+from __future__ import annotations
+
+import numpy as np
+
+from sluice.engine.loaders.gguf_loader import open_gguf
+
+
+def _write(path) -> None:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_token_list([f"tok{i}" if i % 7 else "é漢 " * (i % 5) for i in range(3000)])
+    w.add_token_scores(rng.standard_normal(3000).astype(np.float32).tolist())
+    w.add_token_types([1, 3] * 1500)
+    w.add_token_merges([f"t{i} k{i}" for i in range(2000)])
+    w.add_bool("sluice.test.flag", True)
+    w.add_int64("sluice.test.big", -(1 << 40))
+    w.add_string("sluice.test.empty", "")
+    w.add_tensor("a.weight", rng.standard_normal((16, 64)).astype(np.float32))
+    w.add_tensor("b.weight", rng.standard_normal((3, 32)).astype(np.float16))
+    q8 = gguf.quants.quantize(rng.standard_normal((4, 64)).astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+    w.add_tensor("c.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_same_fields_and_tensors_as_the_stock_reader(tmp_path):
+    from gguf import GGUFReader
+
+    path = tmp_path / "t.gguf"
+    _write(path)
+    stock, ours = GGUFReader(path), open_gguf(path)
+    assert isinstance(ours, GGUFReader)
+    assert list(ours.fields) == list(stock.fields)
+    for name, want in stock.fields.items():
+        got = ours.fields[name]
+        assert (got.offset, got.types, got.data) == (want.offset, want.types, want.data), name
+        assert len(got.parts) == len(want.parts), name
+        assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got.parts, want.parts)), name
+        assert got.contents() == want.contents(), name
+    assert ours.fields["tokenizer.ggml.tokens"].contents()[7] == "é漢 " * 2
+    assert [t.name for t in ours.tensors] == ["a.weight", "b.weight", "c.weight"]
+    for got, want in zip(ours.tensors, stock.tensors):
+        assert (got.name, got.tensor_type, got.data_offset, got.n_elements) == \
+            (want.name, want.tensor_type, want.data_offset, want.n_elements)
+        assert np.array_equal(got.shape, want.shape) and np.array_equal(got.data, want.data)
+        assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
+        assert isinstance(got.data.base, np.ndarray) and not got.data.flags.owndata   # a view of the mapping
+    assert isinstance(ours.data.base, np.memmap)
