@@ -95,15 +95,17 @@ SHARED_UNITS = {
         "langchain_structured", "openai_sdk", "structured_http", "tools_http")),
 }
 _UNIT_OF = {module: unit for unit, modules in SHARED_UNITS.items() for module in modules}
-# Longest first (seconds on 2 AVX2 cores, 2026-12-02), so that the run does not end with one
-# worker alone on a long module while the other waits; the rest follow in collection order.
+# Longest first (seconds of test time in a `make test` on 2 AVX2 cores, 2026-12-02), so that the
+# run does not end with one worker alone on a long unit while the other waits; the rest follow in
+# collection order.
 LONGEST_FIRST = {
-    "real model, float32": 290, "engine process": 110, "real model, default format": 105,
-    "tests/reliability/test_soak.py": 84, "tests/model/test_spec_decode_distribution.py": 74,
-    "tests/kernels/test_cuda_lowering.py": 65, "tests/kernels/test_sampling.py": 55,
-    "tests/integration/test_wheel_install.py": 35, "tests/reliability/test_serve_tiny.py": 32,
-    "tests/unit/test_bench_smoke.py": 31, "tests/reliability/test_schemathesis.py": 23,
-    "tests/kernels/test_engine_sampler_triton.py": 22, "tests/reliability/test_serve_clients.py": 22,
+    "real model, float32": 133, "real model, default format": 66, "engine process": 63,
+    "tests/reliability/test_soak.py": 39, "tests/kernels/test_cuda_lowering.py": 37,
+    "tests/kernels/test_sampling.py": 32, "tests/model/test_spec_decode_distribution.py": 29,
+    "tests/reliability/test_serve_tiny.py": 22, "tests/kernels/test_engine_sampler_triton.py": 19,
+    "tests/unit/test_bench_smoke.py": 18, "tests/reliability/test_serve_clients.py": 14,
+    "tests/integration/test_wheel_install.py": 13, "tests/kernels/test_paged_attention.py": 13,
+    "tests/reliability/test_schemathesis.py": 12,
 }
 
 
