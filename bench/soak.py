@@ -30,6 +30,7 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parents[1]
+MAX_TOKENS = 200   # completions ask for 1..MAX_TOKENS tokens unless --max-tokens says otherwise
 IDLE_GAUGES = ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_num_requests_in_flight",
                "sluice_kv_cache_blocks_used")
 FACADE_FIGURES = {"process_resident_memory_bytes": "facade_rss_bytes", "process_open_fds": "facade_fds",
@@ -68,7 +69,7 @@ async def figures(session: aiohttp.ClientSession, url: str, engine_pid: int | No
 
 
 class Clients:
-    def __init__(self, url: str, model: str, seed: int, max_tokens: int = 200) -> None:
+    def __init__(self, url: str, model: str, seed: int, max_tokens: int = MAX_TOKENS) -> None:
         self.url, self.model, self.rng, self.max_tokens = url, model, random.Random(seed), max_tokens
         self.counts: dict[str, int] = {}
 
@@ -77,8 +78,8 @@ class Clients:
 
     def _body(self, stream: bool) -> dict:
         words = " ".join(f"w{self.rng.randrange(100)}" for _ in range(self.rng.randint(1, 60)))
-        return {"model": self.model, "prompt": words, "max_tokens": self.rng.randint(1, self.max_tokens), "stream": stream,
-                "ignore_eos": self.rng.random() < 0.5, "temperature": self.rng.choice([0, 0.8])}
+        return {"model": self.model, "prompt": words, "max_tokens": self.rng.randint(1, self.max_tokens),
+                "stream": stream, "ignore_eos": self.rng.random() < 0.5, "temperature": self.rng.choice([0, 0.8])}
 
     async def one(self, session: aiohttp.ClientSession) -> None:
         kind = self.rng.choice(["stream", "disconnect", "timeout", "chat", "invalid"])
@@ -129,7 +130,7 @@ async def _figures_now(url: str, engine_pid: int | None) -> dict:
 
 
 async def soak(url: str, duration: float, concurrency: int, seed: int, engine_pid: int | None,
-               warmup: float = 10.0, sample_every: float | None = None, max_tokens: int = 200) -> dict:
+               warmup: float = 10.0, sample_every: float | None = None, max_tokens: int = MAX_TOKENS) -> dict:
     """``sample_every``: also take the figures (idle, so the load pauses for them) every so many
     seconds of load: a leak grows steadily, a cache filling up levels off."""
     async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as r:
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--warmup", type=float, default=10.0, help="seconds of load before the start figures")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-tokens", type=int, default=200,
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS,
                    help="completions ask for 1..N tokens (fewer: more requests, and so more chances to leak, a second)")
     p.add_argument("--sample-every", type=float, default=None, metavar="S",
                    help="also take the figures every S seconds of load (the result's samples)")
