@@ -105,14 +105,13 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
 
-    from sluice.engine.spec_decode.train import build_parser as add_train_arguments
-    from sluice.engine.spec_decode.train import run as train_heads
+    from sluice.engine.spec_decode.train_args import build_parser as add_train_arguments
 
     heads = sub.add_parser("train-heads", help="self-distil Medusa and EAGLE draft heads for a model, on CPU",
                            description="Self-distil draft heads for --speculative-mode eagle|medusa from the "
                                        "model's own answers; writes them in the public layouts.")
     add_train_arguments(heads)
-    heads.set_defaults(func=train_heads)
+    heads.set_defaults(func=_cmd_train_heads)
 
     from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, main_facade, main_serve
 
@@ -203,6 +202,12 @@ def _stream(llm, prompt: str, params, add_special_tokens: bool) -> str:
                 text.append(d.text)
     print(flush=True)
     return "".join(text)
+
+
+def _cmd_train_heads(args: argparse.Namespace) -> int:
+    from sluice.engine.spec_decode.train import run
+
+    return run(args)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
