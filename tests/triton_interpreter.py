@@ -1,14 +1,21 @@
 """A faster Triton interpreter for the suite: the language patched once per launch, not once per
-device-function call.
+device-function call, and no int32 overflow sanitizer.
 
 Under ``TRITON_INTERPRET=1`` a launch swaps ``triton.language``'s builtins for interpreted ones
-(``interpreter._patch_lang``: ``inspect.getmembers`` over the language modules, ~0.2 ms) and puts
-them back when the launch ends. Triton 3.4-3.9 repeat that swap on every call of a
+(``interpreter._patch_lang``: ``inspect.getmembers`` over the language modules, ~0.2 ms; 3.9 puts
+them back when the launch ends, 3.4 leaves them). Both repeat that swap on every call of a
 ``@triton.jit`` helper inside the launch, and our kernels call helpers in their loops: the
 sampling kernel's top-k bisection calls ``_mass_above`` up to 31 times a row. That repetition
 was ~40% of the interpreter's time in tests/kernels/test_sampling.py. Inside a launch the builtins
 are already the interpreted ones, so a helper whose module sees no language module the launch
 has not patched skips the swap; any other call goes through Triton's own code unchanged.
+
+The interpreter also checks, by default, every signed 32-bit add, sub and mul for overflow
+(``InterpreterOptions.sanitize_overflow``; compiled kernels check only in debug mode): each one
+is redone in int64 and compared with the bounds, ~25% of the interpreter's time on the real-model
+Triton test. Index arithmetic overflows int32 only past 2**31 elements, and the shapes the
+interpreter can run here are thousands of times smaller, so the check cannot fire in this suite;
+it is switched off.
 
 Nothing here changes what a kernel computes: every kernel test compares with its torch
 reference, through this path. ``install()`` leaves Triton alone (and says so) if its interpreter
@@ -16,6 +23,7 @@ lacks the two functions it wraps.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 
@@ -76,4 +84,8 @@ def install() -> bool:
 
     interpreter._patch_lang = patch_once
     executor.__call__ = launch
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    if dataclasses.is_dataclass(options) and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
     return True

@@ -1,24 +1,24 @@
-"""A bounded soak (issue #16): ``bench/soak.py`` for 24 s on the tiny model, 8 clients at once
+"""A bounded soak (issue #16): ``bench/soak.py`` for 12 s on the tiny model, 8 clients at once
 streaming, dropping streams mid-way, abandoning requests on a short client timeout, chatting and
-sending invalid bodies, with completions of 1-40 tokens (the bench's default is 1-200): shorter
-requests make more requests a second, and a leak grows with requests, not seconds. Start figures
-are taken after an 8 s warm-up, both sets once the engine is idle. ``bench/soak.py --duration
-3600`` is the hour-long run (README, Reliability).
+sending invalid bodies, with completions of 1-12 tokens (the bench's default is 1-200): shorter
+requests make more requests a second, and a leak grows with requests, not seconds (alone on
+the machine, 12 s made 1838 requests with 1-40 tokens, 2709 with 1-12). Start figures are taken
+after a 6 s warm-up, both sets once the engine is idle. ``bench/soak.py --duration 3600`` is the
+hour-long run (README, Reliability).
 
 Tolerances. KV: exactly back (0 blocks in use, the same total). fds and asyncio tasks: exactly what
 a leak adds one of per request, so a slack of 4 (a scrape's own connection, a gRPC channel
 reconnecting) still catches a leak of one per 100 requests. RSS: the facade gets 16 MiB. The engine
-gets 4 MiB: it grew by 0.3-0.7 MB over 550-950 requests of this run here (0.9 MB over 2258
-requests in 40 s, alone on the machine). It used to grow by ~130 MB a minute here, oneDNN
+gets 4 MiB: it grew by 0.5-0.6 MB over the ~2000-2700 requests of this run here (0.3-0.7 MB over
+550-950 requests when the run was 24 s of 1-40 tokens). It used to grow by ~130 MB a minute here, oneDNN
 compiling and caching a primitive (~0.5-1 MB) for every new row count a step had (up to 2 x 1024
 of them); projections now run at a few bucketed row counts (``engine.models.llama.row_bucket``),
 and the engine compiles every bucket's primitives when it starts (``LlamaForCausalLM.warm_up``).
 Before that, buckets the warm-up had not met were compiled under load (~100 MB in all for the tiny
 model), so this test failed now and then (+9.9 MB when a busy machine batched differently) and the
 hour-long run grew by 71 MB; it now stays within ~1 MB. A leak that keeps each request's group
-(request, detokenizer: ~6 kB) adds ~5.5 MB at the ~900 requests this run makes alone and fails;
-on a machine busy with the rest of the suite (~600 requests), so does any leak of more than
-~6 kB per request.
+(request, detokenizer: ~6 kB) adds ~12 MB at the ~2000 requests this run made beside another
+test process, and fails; so does any leak of more than ~2 kB per request.
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def test_soak_leaves_rss_fds_tasks_and_kv_flat(tmp_path):
     folder = write_tiny_folder(tmp_path / "tiny")
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--launch", str(folder),
-                          "--duration", "24", "--warmup", "8", "--concurrency", "8", "--max-tokens", "40",
+                          "--duration", "12", "--warmup", "6", "--concurrency", "8", "--max-tokens", "12",
                           "--json", str(out)],
                          cwd=REPO, capture_output=True, text=True, timeout=360)
     assert run.returncode == 0, run.stderr[-3000:]
