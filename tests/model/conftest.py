@@ -72,12 +72,13 @@ def _gguf_parsed_once():
     from sluice.engine.loaders.gguf_loader import plain_array_reader
 
     reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    plain = plain_array_reader()   # made (and cached) while gguf.GGUFReader is still the class
     readers: dict = {}
 
     def reader(path, *args, **kwargs):
         key = (str(path), args, tuple(sorted(kwargs.items())))
         if key not in readers:
-            readers[key] = plain_array_reader()(path, *args, **kwargs)
+            readers[key] = plain(path, *args, **kwargs)
         return readers[key]
 
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)

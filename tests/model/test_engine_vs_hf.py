@@ -106,9 +106,10 @@ def test_chunked_prefill_in_seven_token_chunks(loaded, hf_greedy):
 
 
 def test_preemption_with_a_small_pool(loaded, hf_greedy):
-    # 20 blocks of 4 tokens: room for one long sequence and a bit, so the rest wait or are
-    # preempted and recomputed, and must still produce the same tokens.
-    llm = LLM(loaded=loaded, block_size=4, max_total_tokens=80, enable_prefix_caching=False)
+    # 40 blocks of 4 tokens: room for three of the eight sequences (up to 17 + 32 tokens, 13
+    # blocks), so the rest wait or are preempted and recomputed (6 preemptions), and must still
+    # produce the same tokens. (20 blocks made 10 preemptions in 1.6x the time.)
+    llm = LLM(loaded=loaded, block_size=4, max_total_tokens=160, enable_prefix_caching=False)
     results = llm.generate(PROMPTS, GREEDY)
     assert _tokens(results) == hf_greedy
     assert llm.engine.scheduler.stats().num_preemptions > 0
