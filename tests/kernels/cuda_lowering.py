@@ -1,4 +1,4 @@
-"""Compile every Triton kernel for CUDA (to a cubin, or to PTX) on a machine without a GPU.
+"""Compile every Triton kernel for CUDA (to a cubin, or to LLVM IR) on a machine without a GPU.
 
     TRITON_INTERPRET=0 python -m tests.kernels.cuda_lowering [--report]
 
@@ -12,13 +12,13 @@ what would quietly cost bandwidth: register spills (cuobjdump's stack frame) and
 global loads where vector loads or asynchronous copies belong. ``--report`` prints each
 kernel's registers, stack, shared memory and load instructions.
 
-The fp32 attention configurations stop at PTX. Their checks are settled before ptxas: the
-shared memory figure is fixed when TTGIR is lowered to LLVM, and they are not checked for
-spills. Their ``ieee`` dot lowers to multiply-adds that LLVM's NVPTX backend emits, and their
-inline assembly (global loads and stores, ``cp.async``) uses only instructions that the bf16
-compiles of the same architecture (sm_90, and sm_80 at head_dim 256) take through ptxas. Yet
-their unrolled FMA bodies are where ptxas is slowest: in triton 3.9, about 14 of the 16 seconds
-it spent outside the serving configurations, and a fifth of the whole run.
+The fp32 attention configurations stop at optimised LLVM IR. Their checks are settled there:
+the shared memory figure is fixed when TTGIR is lowered to LLVM, and they are not checked for
+spills. Their ``ieee`` dot lowers to multiply-adds, and their inline assembly (global loads and
+stores, ``cp.async``) uses only instructions that the bf16 compiles of the same architecture
+(sm_90, and sm_80 at head_dim 256) take through PTX and ptxas. Yet their unrolled FMA bodies are
+where the back end is slowest: ptxas took about 14 of the 16 seconds spent outside the serving
+configurations in triton 3.9, and LLVM's PTX emission another ~5 s with an empty Triton cache.
 """
 from __future__ import annotations
 
@@ -68,15 +68,22 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
     return {k: int(v) for k, v in re.findall(r"\b([A-Z]+):(\d+)", line)}
 
 
-def _skip_ptxas(backend=None, stages=None, options=None, language=None, capability=None):
-    """A ``knobs.runtime.add_stages_inspection_hook`` that ends the pipeline at PTX.
+def _stop_at_llvm(backend=None, stages=None, options=None, language=None, capability=None):
+    """A ``knobs.runtime.add_stages_inspection_hook`` that ends the pipeline at LLVM IR.
 
     Triton calls the hook twice: without arguments for a string added to the cache key (so
-    these results never stand in for a real cubin), then with the stage table. The ``cubin``
-    stage becomes an empty binary because ``CompiledKernel`` insists on having one.
+    these results never stand in for a real cubin), then with the stage table. The ``ptx``
+    stage only names the kernel (``CompiledKernel`` reads the name PTX emission would have set)
+    and the ``cubin`` stage becomes an empty binary because ``CompiledKernel`` insists on one.
     """
     if stages is None:
-        return "ptx-only", "ptx-only"
+        return "llvm-only", "llvm-only"
+
+    def name_only(src: str, metadata: dict) -> str:
+        metadata["name"] = re.search(r"define\s[^@]*ptx_kernel[^@]*@([A-Za-z_]\w*)\(", src)[1]
+        return ""
+
+    stages["ptx"] = name_only
     stages["cubin"] = lambda src, metadata: b""
 
 
@@ -89,7 +96,7 @@ def compile_for_cuda(fn, types: dict[str, str], constexprs: dict[str, object], a
     marked so (true of torch allocations, head dims 64/80/128/256, block size 16 and
     vocabularies such as 49152 or 128256). Without the marks the compiler can neither vectorise
     nor pipeline the loads. ``serving``: also fail on spills and element-wise loads.
-    ``ptxas=False``: stop at PTX (see the module docstring); ignored by ``--report``.
+    ``ptxas=False``: stop at LLVM IR (see the module docstring); ignored by ``--report``.
     """
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
@@ -103,7 +110,7 @@ def compile_for_cuda(fn, types: dict[str, str], constexprs: dict[str, object], a
     src = ASTSource(fn, signature, constexprs=constexprs, attrs=attrs)
     to_cubin = ptxas or serving or REPORT
     with knobs.runtime.scope():
-        knobs.runtime.add_stages_inspection_hook = None if to_cubin else _skip_ptxas
+        knobs.runtime.add_stages_inspection_hook = None if to_cubin else _stop_at_llvm
         kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
                                 options={"num_warps": num_warps, "num_stages": num_stages, **FP_FUSION})
     where = f"{fn.__name__} {constexprs} on sm_{arch}"
@@ -187,14 +194,14 @@ def main(argv: list[str]) -> None:
     sampling_kernels("*bf16", serving=True)
     sampling_kernels("*fp32", serving=True)
     # Compile and fit only: fp32 attention (ieee dot) and sm_80 fp16, whose dot lowerings differ,
-    # and head_dim 256 (Gemma-style) in A100's smaller shared memory. fp32 stops at PTX (see the
+    # and head_dim 256 (Gemma-style) in A100's smaller shared memory. fp32 stops at LLVM IR (see the
     # module docstring). (Each compile costs seconds: keep the matrix small.)
     attention_kernels(90, "*fp32", decode_splits=(1,), ptxas=False)
     attention_kernels(80, "*fp16", decode_splits=(4,))
     attention_kernels(80, "*fp32", decode_splits=(1,), head_dim=256, reduce=False, ptxas=False)
     attention_kernels(80, "*bf16", decode_splits=(1,), head_dim=256, reduce=False)
     print("all kernels lowered to cubin (sm_90 bf16, sm_80 fp16; bf16 head_dim 256 on sm_80) and fp32 "
-          "attention to PTX (sm_90; head_dim 256 on sm_80), each within its shared memory; the sm_90 bf16 "
+          "attention to LLVM IR (sm_90; head_dim 256 on sm_80), each within its shared memory; the sm_90 bf16 "
           "serving kernels without spills or element-wise loads")
 
 
