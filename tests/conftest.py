@@ -29,8 +29,8 @@ if "TRITON_INTERPRET" not in os.environ:
         os.environ["TRITON_INTERPRET"] = "1"
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    # One language patch per interpreted launch instead of one per helper call (~40% of the
-    # interpreter's time in the sampling kernel's tests); tests/triton_interpreter.py.
+    # One language patch per interpreted launch instead of one per helper call, and no int32
+    # overflow sanitizer (tests/triton_interpreter.py; test_interpreter_speed_up checks both).
     from tests.triton_interpreter import install as _install_interpreter_speed_up
 
     _install_interpreter_speed_up()
