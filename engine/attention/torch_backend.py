@@ -1,11 +1,12 @@
 """The torch attention backend: the CPU default and the reference the Triton kernels are held to.
 
 Per layer: scatter this step's K/V into the paged cache by slot, then attend. Decode rows (one
-query token) are batched into a single masked SDPA over their gathered blocks. A short query over
-a longer context (speculative verification: K + 1 tokens) gathers its sequence once and attends
-with two batched matmuls and a softmax (``_short``). Rows with longer queries (prefill, chunked
-prefill, prefix-hit chunks) run one SDPA each, with a causal mask offset by the tokens already in
-the cache.
+query token) are batched into a single masked SDPA over their gathered blocks. A short query
+over a longer context (speculative verification: K + 1 tokens) gathers its sequence once and
+attends with two batched matmuls and a softmax (``_short``); several short queries over short
+contexts (verification of many short requests, short prompts) attend all at once
+(``_short_batch``). Rows with longer queries (prefill, chunked prefill, prefix-hit chunks) run
+one SDPA each, with a causal mask offset by the tokens already in the cache.
 """
 from __future__ import annotations
 
@@ -34,8 +35,14 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     return out if dtype is None else out.to(dtype)
 
 
-# Queries of up to this many tokens over a longer context attend through _short (see forward).
+# Queries of 2 to this many tokens attend through _short (one sequence over a longer context) or,
+# when every such sequence is at most _BATCHED_SHORT_MAX_LEN long, all together through
+# _short_batch. One thread, 5-token queries (ms per layer, per-sequence -> batched): 16 sequences
+# of 105 tokens 3.8 -> 1.4, 64 of 14 12.7 -> 1.5; at 305 tokens the two are level for 16
+# sequences (the gathered context's transpose and padding outweigh the saved calls) and one
+# sequence takes 0.35 ms alone against 0.6 batched.
 _SHORT_QUERY = 16
+_BATCHED_SHORT_MAX_LEN = 256
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -46,21 +53,25 @@ class TorchAttentionBackend(AttentionBackend):
         if meta.is_pure_decode:
             return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(query)
-        decode_rows, decode_seqs, start = [], [], 0
+        decode, short, start = ([], []), ([], []), 0   # (first query row, sequence) of each
         for i, q_len in enumerate(meta.query_lens_cpu):
-            if q_len == 1:
-                decode_rows.append(start)
-                decode_seqs.append(i)
+            if q_len <= _SHORT_QUERY:
+                group = decode if q_len == 1 else short
+                group[0].append(start)
+                group[1].append(i)
             start += q_len
-        if decode_rows:
-            dev = query.device
-            rows = torch.tensor(decode_rows, dtype=torch.long, device=dev)
-            seqs = torch.tensor(decode_seqs, dtype=torch.long, device=dev)
+        dev = query.device
+        if decode[0]:
+            rows = torch.tensor(decode[0], dtype=torch.long, device=dev)
+            seqs = torch.tensor(decode[1], dtype=torch.long, device=dev)
             out[rows] = self._decode(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
-                                     max(meta.seq_lens_cpu[i] for i in decode_seqs), scale)
+                                     max(meta.seq_lens_cpu[i] for i in decode[1]), scale)
+        batched = len(short[1]) > 1 and max(meta.seq_lens_cpu[i] for i in short[1]) <= _BATCHED_SHORT_MAX_LEN
+        if batched:
+            self._short_batch(query, out, kv_cache, meta, short[0], short[1], scale)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len > 1:   # decode rows were done above
+            if q_len > 1 and not (batched and q_len <= _SHORT_QUERY):   # the others were done above
                 attend = self._short if q_len <= _SHORT_QUERY < seq_len else self._extend
                 out[start:start + q_len] = attend(query[start:start + q_len], kv_cache, meta.block_tables[i],
                                                   seq_len, scale)
@@ -92,6 +103,47 @@ class TorchAttentionBackend(AttentionBackend):
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.bmm(probs, v.transpose(0, 1))                            # [Hkv, group * Lq, D]
         return out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+
+    @staticmethod
+    def _short_batch(query, out, kv_cache: KVCache, meta: AttentionMetadata, starts: list[int], seqs: list[int],
+                     scale: float) -> None:
+        """Writes ``out``'s rows of the sequences ``seqs``, whose queries (rows ``starts[b]`` on, 2
+        to _SHORT_QUERY tokens each) are the last positions of their sequences: speculative
+        verification, short prefills and chunks. All of them attend at once: ``_short``'s
+        arithmetic, batched. Each sequence's blocks are gathered once, padded to the longest;
+        the query heads of each KV head are stacked as rows of one matmul per sequence, padded
+        to the longest query (a padding row repeats the sequence's last query and is dropped);
+        the causal mask and the padding of shorter sequences are an additive bias."""
+        key_cache = kv_cache[0]
+        num_heads, head_dim = query.shape[1:]
+        block_size, num_kv = key_cache.shape[1], key_cache.shape[2]
+        group, dev = num_heads // num_kv, query.device
+        q_lens = [meta.query_lens_cpu[i] for i in seqs]
+        seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
+        batch, q_max, length = len(seqs), max(q_lens), max(seq_lens)
+        num_blocks = -(-length // block_size)
+        ids = meta.block_tables[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).long()
+        # [B, Hkv, L, D], contiguous: (B, Hkv) fold into one batch of matmuls without a copy.
+        k, v = (cache.index_select(0, ids).view(batch, num_blocks * block_size, num_kv, head_dim)[:, :length]
+                .transpose(1, 2).contiguous() for cache in kv_cache)
+        # Row j of sequence b: query row starts[b] + min(j, q_len - 1), at position seq_len - q_len + j.
+        j = torch.arange(q_max)
+        ql = torch.tensor(q_lens)
+        rows = (torch.tensor(starts)[:, None] + torch.minimum(j[None, :], ql[:, None] - 1)).to(dev)   # [B, Qm]
+        q_pos = (torch.tensor(seq_lens) - ql)[:, None] + j[None, :]                                     # [B, Qm]
+        # [B, Hkv, group * Qm, D]: row g * Qm + j is query head (kv * group + g) at token j.
+        q = query[rows.reshape(-1)].view(batch, q_max, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
+        q = q.reshape(batch, num_kv, group * q_max, head_dim).float()
+        k_pos = torch.arange(length)
+        masked = (k_pos[None, None, :] > q_pos[:, :, None]).to(dev)                                     # [B, Qm, L]
+        bias = torch.zeros(batch, q_max, length, dtype=torch.float32, device=dev).masked_fill_(masked, float("-inf"))
+        scores = torch.matmul(q, k.float().transpose(2, 3)).mul_(scale)                                 # [B, Hkv, G*Qm, L]
+        scores += bias.repeat(1, group, 1)[:, None]
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        res = torch.matmul(probs, v)                                                                    # [B, Hkv, G*Qm, D]
+        res = res.view(batch, num_kv, group, q_max, head_dim).permute(0, 3, 1, 2, 4).reshape(batch, q_max, num_heads, head_dim)
+        keep = (j[None, :] < ql[:, None]).reshape(-1).to(dev)
+        out[rows.reshape(-1)[keep]] = res.reshape(batch * q_max, num_heads, head_dim)[keep].to(out.dtype)
 
     @staticmethod
     def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):

@@ -1,8 +1,9 @@
 """The torch attention backend over a paged cache equals plain causal attention on dense K/V.
 
 Each case scatters random sequences into shuffled blocks, runs one varlen step (prefill, chunk
-after cached context, decode, and short queries over a longer context, which take their own
-path: speculative verification) and compares every sequence with its dense reference.
+after cached context, decode, and short queries, which take their own paths: one sequence at a
+time over a longer context, or all together when every context is short; speculative
+verification) and compares every sequence with its dense reference.
 """
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ def _dense_ref(q, k, v, ctx, scale):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
 @pytest.mark.parametrize("lens", [[(0, 5), (3, 4), (9, 1), (15, 1)], [(16, 1), (7, 1)], [(0, 16), (0, 1)],
-                                  [(20, 5), (30, 1), (0, 6), (25, 17)], [(40, 5)], [(12, 16), (3, 2)]])
+                                  [(20, 5), (30, 1), (0, 6), (25, 17)], [(40, 5)], [(12, 16), (3, 2)],
+                                  [(300, 5), (0, 3), (2, 1)]])
 def test_paged_matches_dense(block_size, q_heads, kv_heads, lens):
     torch.manual_seed(0)
-    head_dim, num_blocks = 8, 256
+    head_dim, num_blocks = 8, 512
     key_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim)
     value_cache = torch.zeros_like(key_cache)
     perm = torch.randperm(num_blocks).tolist()
