@@ -24,7 +24,8 @@ with probability ``probs[i]`` (the minimum of ``q_i / p_i`` is token ``i`` with 
 full-vocabulary race cost ~50k exponentials per row and step, which was most of a 32-row CPU
 step. Each seeded request draws from its own ``torch.Generator``, and how many numbers it draws
 depends only on its own row, so a seed reproduces its tokens in any batch. Unseeded rows share
-one generator seeded from the engine seed, so whole runs are reproducible too.
+one generator seeded from the engine seed, so whole runs are reproducible too; they draw
+together, one batched race and one batched inversion per step.
 
 The triton draw keeps no generator state: a seeded row keys Philox with its seed and counts
 steps with its number of output tokens, so the same seed, prompt and parameters give the same
@@ -452,25 +453,28 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B] int64: a token drawn from each random row's ``probs`` with that row's generator;
-    greedy rows' entries are left for the caller to replace.
+    """[B] int64: a token drawn from each random row's ``probs``; greedy rows' entries are left
+    for the caller to replace.
 
     A row whose truncation (top-k, top-p, min-p) left at most 1/8 of the vocabulary races only
-    the tokens it kept: argmax(p / q), q ~ Exp(1), one q per kept token in vocabulary order. A
-    wider row inverts its cumulative distribution (float64) at one uniform draw: a 49k-token row
-    costs one cumulative sum instead of 49k exponentials, which were most of a 32-row CPU step.
-    Either way a zero-probability token is never drawn, and the path a row takes depends on that
-    row alone, so a seeded row draws the same tokens alone and in any batch.
+    the tokens it kept: argmax(p / q), q ~ Exp(1), one q per kept token. A wider row inverts its
+    cumulative distribution (float64) at one uniform draw: a 49k-token row costs one cumulative
+    sum instead of 49k exponentials, which were most of a 32-row CPU step. Either way a
+    zero-probability token is never drawn.
+
+    A seeded row draws from its own generator, one row at a time in vocabulary order, and which
+    path it takes depends on that row alone, so it draws the same tokens alone and in any batch.
+    The unseeded rows share one generator and promise no such thing: they draw together, one
+    batched race and one batched inversion per step instead of a dozen small ops per row.
     """
     vocab = probs.shape[-1]
-    rows = list(batch.seeded_rows)
-    if batch.unseeded_rows is not None:
-        rows += [(row, batch.shared_generator) for row in batch.unseeded_rows.tolist()]
     out = torch.zeros(probs.shape[0], dtype=torch.int64, device=probs.device)
-    if not rows:
+    seeded = sorted(batch.seeded_rows, key=lambda r: r[0])
+    unseeded = [] if batch.unseeded_rows is None else batch.unseeded_rows.tolist()
+    if not seeded and not unseeded:
         return out
     kept = (probs > 0).sum(dim=-1).tolist()                          # [B] on the host, one sync
-    narrow = sorted(row for row, _ in rows if kept[row] * 8 <= vocab)
+    narrow = sorted(row for row, _ in seeded if kept[row] * 8 <= vocab)
     kept_ids: dict[int, torch.Tensor] = {}
     if narrow:
         # Each narrow row's nonzero tokens are its kept[row] most likely whatever the order of
@@ -478,7 +482,7 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         top = probs.topk(max(kept[row] for row in narrow), dim=-1).indices
         kept_ids = {row: top[row, :kept[row]].sort().values for row in narrow}
     tiny = torch.finfo(probs.dtype).tiny
-    for row, gen in sorted(rows, key=lambda r: r[0]):
+    for row, gen in seeded:
         ids = kept_ids.get(row)
         if ids is not None:
             p = probs[row].index_select(0, ids)
@@ -486,15 +490,45 @@ def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
             # Exp(1) can return exactly 0; clamp so that a zero-probability token never wins via 0 / 0.
             out[row] = ids[(p / q.clamp_min(tiny)).argmax()]
             continue
-        cdf = probs[row].double().cumsum(0)
         u = torch.rand((), dtype=torch.float64, device=probs.device, generator=gen)
-        # The first token whose cumulative mass exceeds u * total, so never one of mass 0; where
-        # rounding lands u * total on the total itself, the last token of nonzero mass.
-        token = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True)[0])
-        if token >= vocab:
-            token = vocab - 1 - int((probs[row].flip(0) > 0).int().argmax())
-        out[row] = token
+        out[row] = _invert_cdf(probs[row:row + 1], u.reshape(1))[0]
+    if unseeded:
+        gen = batch.shared_generator
+        narrow = [row for row in unseeded if kept[row] * 8 <= vocab]
+        wide = [row for row in unseeded if kept[row] * 8 > vocab]
+        if narrow:
+            ids = torch.tensor(narrow, device=probs.device)
+            # Columns past a row's kept tokens hold p = 0, so they never win the race.
+            p, cand = probs.index_select(0, ids).topk(max(kept[row] for row in narrow), dim=-1)
+            q = torch.empty_like(p).exponential_(generator=gen)
+            out[ids] = cand.gather(1, (p / q.clamp_min(tiny)).argmax(dim=-1, keepdim=True)).squeeze(1)
+        if wide:
+            u = torch.rand(len(wide), dtype=torch.float64, device=probs.device, generator=gen)
+            # A few rows at a time: a float64 cumulative sum of 64k entries (512 KB) stays in
+            # cache, where a whole batch's (32 rows of a 49k vocabulary: 12 MB) would not.
+            chunk = max(1, (1 << 16) // vocab)
+            for i in range(0, len(wide), chunk):
+                if chunk == 1:
+                    row = wide[i]
+                    out[row] = _invert_cdf(probs[row:row + 1], u[i:i + 1])[0]
+                    continue
+                ids = torch.tensor(wide[i:i + chunk], device=probs.device)
+                out[ids] = _invert_cdf(probs.index_select(0, ids), u[i:i + chunk])
     return out
+
+
+def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] int64: per row of ``probs`` [R, V], the first token whose cumulative mass (float64)
+    exceeds ``u`` [R] times the row's total, so never one of mass 0; where rounding lands
+    ``u * total`` on the total itself, the row's last token of nonzero mass."""
+    cdf = probs.double().cumsum(-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    vocab = probs.shape[-1]
+    past = token >= vocab
+    if bool(past.any()):
+        last = vocab - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
+        token = torch.where(past, last, token)
+    return token
 
 
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
