@@ -16,11 +16,11 @@ stage by stage and draws as below. ``triton`` (the CUDA default) applies penalti
 with ``kernels.penalties`` and draws with ``kernels.sampling``, whose top-k → top-p → min-p
 order is the same as the masks here; greedy rows and logprobs are computed as in ``torch``.
 
-The torch draw (``_draw``) takes one of two exact routes per row, chosen by that row alone. A
-row that truncation left with at most 1/8 of the vocabulary runs an exponential race over the
-tokens it kept: with ``q ~ Exp(1)`` i.i.d. per kept token, ``argmax(probs / q)`` picks token ``i``
-with probability ``probs[i]`` (the minimum of ``q_i / p_i`` is token ``i`` with probability
-``p_i``). A wider row inverts its float64 cumulative distribution at one uniform draw. A
+The torch draw (``draw_rows``, which speculative drafts use too) takes one of two exact routes
+per row, chosen by that row alone. A row that truncation left with at most 1/8 of the
+vocabulary runs an exponential race over the tokens it kept: with ``q ~ Exp(1)`` i.i.d. per kept
+token, ``argmax(probs / q)`` picks token ``i`` with probability ``probs[i]`` (the minimum of
+``q_i / p_i`` is token ``i`` with probability ``p_i``). A wider row inverts its float64 cumulative distribution at one uniform draw. A
 full-vocabulary race cost ~50k exponentials per row and step, which was most of a 32-row CPU
 step. Each seeded request draws from its own ``torch.Generator``, and how many numbers it draws
 depends only on its own row, so a seed reproduces its tokens in any batch. Unseeded rows share
@@ -452,7 +452,7 @@ def _truncate(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def _draw(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def draw_rows(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B] int64: a token drawn from each random row's ``probs``; greedy rows' entries are left
     for the caller to replace.
 
@@ -637,7 +637,7 @@ class Sampler:
             token_ids = argmax
         elif self._kernels is None:
             probs = _truncate(logits, batch).softmax(dim=-1)         # [B, V]
-            token_ids = torch.where(batch.greedy, argmax, _draw(probs, batch))
+            token_ids = torch.where(batch.greedy, argmax, draw_rows(probs, batch))
         else:
             token_ids = torch.where(batch.greedy, argmax, _draw_triton(self._kernels[1], logits, batch))
         if batch.max_num_logprobs is None:

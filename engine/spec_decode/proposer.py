@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize, processed_probs
+from sluice.engine.sampler import GeneratorCache, SamplingBatch, draw_rows, penalize, processed_probs
 
 
 @dataclass(frozen=True)
@@ -68,12 +68,6 @@ def draw(logits: torch.Tensor, rows: list, generators: GeneratorCache, vocab_siz
         return penalize(logits, sb).argmax(dim=-1).tolist(), [None] * len(rows)
     q = processed_probs(logits, sb)                                      # [len(rows), V]
     greedy = sb.greedy.tolist()
-    tokens, dists = [], []
-    for i, row in enumerate(rows):
-        if greedy[i]:
-            tokens.append(int(q[i].argmax()))
-            dists.append(None)
-        else:
-            tokens.append(int(torch.multinomial(q[i], 1, generator=generators.get(row.request))))
-            dists.append(q[i].float().cpu())
-    return tokens, dists
+    # The sampler's own draw: a seeded request from its generator, the others together.
+    tokens = torch.where(sb.greedy, q.argmax(dim=-1), draw_rows(q, sb)).tolist()
+    return tokens, [None if g else q[i].float().cpu() for i, g in enumerate(greedy)]
