@@ -20,9 +20,9 @@ The torch draw (``draw_rows``, which speculative drafts use too) takes one of tw
 per row, chosen by that row alone. A row that truncation left with at most 1/8 of the
 vocabulary runs an exponential race over the tokens it kept: with ``q ~ Exp(1)`` i.i.d. per kept
 token, ``argmax(probs / q)`` picks token ``i`` with probability ``probs[i]`` (the minimum of
-``q_i / p_i`` is token ``i`` with probability ``p_i``). A wider row inverts its float64 cumulative distribution at one uniform draw. A
-full-vocabulary race cost ~50k exponentials per row and step, which was most of a 32-row CPU
-step. Each seeded request draws from its own ``torch.Generator``, and how many numbers it draws
+``q_i / p_i`` is token ``i`` with probability ``p_i``). A wider row inverts its float64
+cumulative distribution at one uniform draw. A full-vocabulary race cost ~50k exponentials per
+row and step, which was most of a 32-row CPU step. Each seeded request draws from its own ``torch.Generator``, and how many numbers it draws
 depends only on its own row, so a seed reproduces its tokens in any batch. Unseeded rows share
 one generator seeded from the engine seed, so whole runs are reproducible too; they draw
 together, one batched race and one batched inversion per step.
