@@ -16,16 +16,16 @@ stage by stage and draws as below. ``triton`` (the CUDA default) applies penalti
 with ``kernels.penalties`` and draws with ``kernels.sampling``, whose top-k → top-p → min-p
 order is the same as the masks here; greedy rows and logprobs are computed as in ``torch``.
 
-The torch draw (``draw_rows``, which speculative drafts use too) takes one of two exact routes
-per row, chosen by that row alone. A row that truncation left with at most 1/8 of the
-vocabulary runs an exponential race over the tokens it kept: with ``q ~ Exp(1)`` i.i.d. per kept
-token, ``argmax(probs / q)`` picks token ``i`` with probability ``probs[i]`` (the minimum of
-``q_i / p_i`` is token ``i`` with probability ``p_i``). A wider row inverts its float64
-cumulative distribution at one uniform draw. A full-vocabulary race cost ~50k exponentials per
-row and step, which was most of a 32-row CPU step. Each seeded request draws from its own ``torch.Generator``, and how many numbers it draws
-depends only on its own row, so a seed reproduces its tokens in any batch. Unseeded rows share
-one generator seeded from the engine seed, so whole runs are reproducible too; they draw
-together, one batched race and one batched inversion per step.
+The torch draw (``draw_rows``, which speculative drafts use too) takes one of two exact routes per
+row, chosen by that row alone. A row that truncation left with at most 1/8 of the vocabulary runs
+an exponential race over the tokens it kept: with ``q ~ Exp(1)`` i.i.d. per kept token,
+``argmax(probs / q)`` picks token ``i`` with probability ``probs[i]`` (the minimum of ``q_i / p_i``
+is token ``i`` with probability ``p_i``). A wider row inverts its float64 cumulative distribution
+at one uniform draw. A full-vocabulary race cost ~50k exponentials per row and step, which was most
+of a 32-row CPU step. Each seeded request draws from its own ``torch.Generator``, and how many
+numbers it draws depends only on its own row, so a seed reproduces its tokens in any batch.
+Unseeded rows share one generator seeded from the engine seed, so whole runs are reproducible too;
+they draw together, one batched race and one batched inversion per step.
 
 The triton draw keeps no generator state: a seeded row keys Philox with its seed and counts
 steps with its number of output tokens, so the same seed, prompt and parameters give the same
