@@ -180,7 +180,7 @@ class KVCacheManager:
             for b in blocks:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         wrong = [(b.block_id, b.ref_cnt, refs.get(b.block_id, 0))
-                 for b in self.pool.blocks if b.ref_cnt != refs.get(b.block_id, 0)]
+                 for b in self.pool.created if b.ref_cnt != refs.get(b.block_id, 0)]
         if wrong:
             raise AssertionError("KV ref counts differ from request tables (block, ref, owners): "
                                  f"{wrong[:8]}")

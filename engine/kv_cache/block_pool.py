@@ -13,7 +13,8 @@ Every block is in exactly one of three states, and ``free + cached + in_use == t
 The free list is a doubly linked list threaded through the blocks themselves, so taking a cached
 block back out of the middle of it on a prefix hit is O(1). Allocation pops from the head;
 released hashed blocks go to the tail (least recently used first out), released unhashed blocks
-go to the head (they hold nothing, so they should be reused before any cached block).
+go to the head (they hold nothing, so they should be reused before any cached block). Blocks
+never handed out are made only when the head of the list reaches them (``FreeBlockQueue``).
 
 Prefix-cache safety: a block is reused only if its stored token ids equal the request's tokens
 for that block AND its stored parent link ``(parent block id, parent generation)`` names the
@@ -44,19 +45,35 @@ class KVBlock:
 
 class FreeBlockQueue:
     """Doubly linked list of ref-0 blocks with sentinels: O(1) push at both ends, pop at the head
-    and removal from the middle."""
+    and removal from the middle.
 
-    def __init__(self, blocks: Iterable[KVBlock]) -> None:
-        self._head = KVBlock(block_id=-1)
-        self._tail = KVBlock(block_id=-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self._len = 0
-        for block in blocks:
-            self.append(block)
+    A block that was never handed out is not an object until it is needed: the blocks not created
+    yet are a range of ids standing at a marker node between the blocks pushed at the head and
+    those pushed at the tail, exactly where they would stand as nodes, and they are created in id
+    order as the head reaches them (``make``). A pool of 100k blocks (a small model's default
+    pool) costs nothing to build instead of half a second; ``created`` lists the blocks made."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.created: list[KVBlock] = []   # ids 0 .. len - 1; the rest are free and unmade
+        self._total = num_blocks
+        self._head, self._fresh, self._tail = KVBlock(block_id=-1), KVBlock(block_id=-1), KVBlock(block_id=-1)
+        self._head.next_free, self._fresh.prev_free = self._fresh, self._head
+        self._fresh.next_free, self._tail.prev_free = self._tail, self._fresh
+        self._len = 0                      # blocks linked as nodes
 
     def __len__(self) -> int:
-        return self._len
+        return self._len + self.num_unmade
+
+    @property
+    def num_unmade(self) -> int:
+        return self._total - len(self.created)
+
+    def make(self, block_id: int) -> None:
+        """Creates the blocks up to ``block_id``, each linked where the marker stands."""
+        while len(self.created) <= block_id:
+            block = KVBlock(block_id=len(self.created))
+            self.created.append(block)
+            self._link_after(self._fresh.prev_free, block)  # type: ignore[arg-type]
 
     def _link_after(self, anchor: KVBlock, block: KVBlock) -> None:
         if block.prev_free is not None or block.next_free is not None:
@@ -75,7 +92,7 @@ class FreeBlockQueue:
 
     def remove(self, block: KVBlock) -> None:
         prev, nxt = block.prev_free, block.next_free
-        if prev is None or nxt is None:
+        if prev is None or nxt is None or block.block_id < 0:
             raise RuntimeError(f"block {block.block_id} is not in the free list")
         prev.next_free, nxt.prev_free = nxt, prev
         block.prev_free = block.next_free = None
@@ -83,33 +100,77 @@ class FreeBlockQueue:
 
     def popleft(self) -> KVBlock:
         first = self._head.next_free
+        if first is self._fresh:
+            if self.num_unmade:
+                self.make(len(self.created))
+                first = self._head.next_free
+            else:
+                first = self._fresh.next_free
         if first is self._tail or first is None:
             raise RuntimeError("no free block left")
-        self.remove(first)
-        return first
+        self.remove(first)  # type: ignore[arg-type]
+        return first  # type: ignore[return-value]
 
     def __iter__(self):
+        """Every free block in order (creating the unmade ones)."""
+        self.make(self._total - 1)
+        return self._nodes()
+
+    def _nodes(self):
         node = self._head.next_free
         while node is not None and node is not self._tail:
-            yield node
+            if node is not self._fresh:
+                yield node
             node = node.next_free
 
     def check(self) -> list[str]:
         """Link consistency; returns problems found (empty when sound)."""
         problems, seen, prev = [], set(), self._head
-        for block in self:
-            if block.block_id in seen:
-                problems.append(f"block {block.block_id} twice in the free list")
-                break
-            seen.add(block.block_id)
-            if block.prev_free is not prev:
-                problems.append(f"block {block.block_id}: broken back link")
-            prev = block
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            if node is not self._fresh:
+                if node.block_id in seen:
+                    problems.append(f"block {node.block_id} twice in the free list")
+                    break
+                seen.add(node.block_id)
+            if node.prev_free is not prev:
+                problems.append(f"block {node.block_id}: broken back link")
+            prev, node = node, node.next_free
         if self._tail.prev_free is not prev:
             problems.append("free list tail does not match the last block")
         if len(seen) != self._len:
             problems.append(f"free list holds {len(seen)} blocks but counts {self._len}")
         return problems
+
+    def linked_ids(self) -> set[int]:
+        """Ids of the free blocks created so far (without creating any)."""
+        return {b.block_id for b in self._nodes()}
+
+
+class _Blocks(Sequence):
+    """``BlockPool.blocks``: block ``i`` by id, created on first access (see FreeBlockQueue)."""
+
+    def __init__(self, queue: FreeBlockQueue, total: int) -> None:
+        self._queue, self._total = queue, total
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            ids = range(*index.indices(self._total))
+            if ids:
+                self._queue.make(max(ids))
+            return [self._queue.created[i] for i in ids]
+        i = index + self._total if index < 0 else index
+        if not 0 <= i < self._total:
+            raise IndexError(f"block {index} of {self._total}")
+        self._queue.make(i)
+        return self._queue.created[i]
+
+    def __iter__(self):
+        self._queue.make(self._total - 1)
+        return iter(self._queue.created)
 
 
 @dataclass(frozen=True)
@@ -124,13 +185,18 @@ class BlockPool:
     def __init__(self, num_blocks: int) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
             raise ValueError(f"num_blocks: must be a positive integer, got {num_blocks!r}")
-        self.blocks = [KVBlock(block_id=i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        self.free_queue = FreeBlockQueue(num_blocks)
+        self.blocks = _Blocks(self.free_queue, num_blocks)   # by id; made on first use
         self.cached: dict[int, KVBlock] = {}  # block hash -> block holding those tokens
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def created(self) -> list[KVBlock]:
+        """The blocks made so far; every other block is free, unhashed and was never used."""
+        return self.free_queue.created
 
     @property
     def num_free(self) -> int:
@@ -222,8 +288,8 @@ class BlockPool:
 
     def check_invariants(self) -> None:
         problems = self.free_queue.check()
-        listed = {b.block_id for b in self.free_queue}
-        for block in self.blocks:
+        listed = self.free_queue.linked_ids()
+        for block in self.created:
             if block.ref_cnt < 0:
                 problems.append(f"block {block.block_id}: ref count {block.ref_cnt}")
             if (block.ref_cnt == 0) != (block.block_id in listed):

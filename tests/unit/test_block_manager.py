@@ -2,7 +2,8 @@
 blocks (tail blocks first), prefix hits (ids, token counts, hit rate), hit verification against
 stored tokens and parent links under forced hash collisions, full blocks only in the cache,
 allocation failure without side effects, ref-counted sharing for n > 1, the byte budget -> block
-count rule, and the free + cached + in_use == total invariant after every operation."""
+count rule, the free + cached + in_use == total invariant after every operation, and blocks made
+only when first needed, in the order an eager free list would hand them out."""
 from __future__ import annotations
 
 import random
@@ -308,3 +309,42 @@ def test_num_blocks_for_budget():
         num_blocks_for_budget(16383, 2, 2, 64, 2, 16)
     with pytest.raises(ValueError, match="head_dim"):
         num_blocks_for_budget(1 << 20, 2, 2, 0, 2, 16)
+
+
+def test_unmade_blocks_leave_the_free_list_where_made_ones_would():
+    """Blocks are made only when the head of the free list reaches them (or one is asked for by
+    id): random pops, pushes at both ends and removals give the order of an eager list, and a
+    pool holds only the blocks that were used."""
+    from sluice.engine.kv_cache.block_pool import BlockPool
+
+    rng = random.Random(0)
+    total = 20_000
+    pool = BlockPool(total)
+    ref = list(range(total))            # the free list as plain ids, every block made up front
+    taken: list[int] = []
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.5 or not taken:
+            block = pool.free_queue.popleft()
+            assert block.block_id == ref.pop(0)
+            taken.append(block.block_id)
+        elif op < 0.8:
+            i = taken.pop(rng.randrange(len(taken)))
+            if op < 0.65:
+                pool.free_queue.appendleft(pool.blocks[i])
+                ref.insert(0, i)
+            else:
+                pool.free_queue.append(pool.blocks[i])
+                ref.append(i)
+        else:   # a prefix hit takes a block out of the middle, possibly one not made yet
+            i = ref[rng.randrange(min(len(ref), 3000))]
+            pool.free_queue.remove(pool.blocks[i])
+            ref.remove(i)
+            taken.append(i)
+    made = len(pool.created)
+    assert made < 5000 and len(pool.free_queue) == len(ref)
+    assert pool.free_queue.check() == []
+    assert [b.block_id for b in pool.free_queue._nodes()] == [i for i in ref if i < made]
+    assert len(pool.created) == made   # walking the made nodes made nothing
+    assert [b.block_id for b in pool.free_queue] == ref
+    assert len(BlockPool(10_000_000).created) == 0
