@@ -462,8 +462,9 @@ def draw_rows(probs: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     sum instead of 49k exponentials, which were most of a 32-row CPU step. Either way a
     zero-probability token is never drawn.
 
-    A seeded row draws from its own generator, one row at a time in vocabulary order, and which
-    path it takes depends on that row alone, so it draws the same tokens alone and in any batch.
+    A seeded row draws from its own generator, one row at a time (its race's exponentials in
+    vocabulary order), and which path it takes depends on that row alone, so it draws the same
+    tokens alone and in any batch.
     The unseeded rows share one generator and promise no such thing: they draw together, one
     batched race and one batched inversion per step instead of a dozen small ops per row.
     """
