@@ -70,6 +70,8 @@ class FreeBlockQueue:
 
     def make(self, block_id: int) -> None:
         """Creates the blocks up to ``block_id``, each linked where the marker stands."""
+        if block_id >= self._total:
+            raise IndexError(f"block {block_id} of {self._total}")
         while len(self.created) <= block_id:
             block = KVBlock(block_id=len(self.created))
             self.created.append(block)
