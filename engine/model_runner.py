@@ -13,6 +13,7 @@ CPU → device flow of one step:
 from __future__ import annotations
 
 import math
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,16 +36,17 @@ class BatchInputs:
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled KV tensor. On CPU its memory comes from calloc (through numpy), whose large
-    allocations are pages the kernel maps, already zero, when they are first written: a 1 GiB
-    pool costs nothing to make (torch.zeros wrote every byte: ~0.5 s here) and only the blocks
-    ever written become resident. Elsewhere, torch.zeros."""
+    """A zero-filled KV tensor. On CPU its memory is a private anonymous mapping: pages the kernel
+    maps, already zero, when they are first written (page-aligned), so a 1 GiB pool costs nothing
+    to make (torch.zeros wrote every byte: ~0.5 s here) and only the blocks ever written become
+    resident. calloc would often do the same, but not always: from a heap that has been used it
+    clears the memory itself. Elsewhere, torch.zeros."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(nbytes + 64, dtype=np.uint8))
-    start = -raw.data_ptr() % 64   # cache-line aligned, as torch's own allocations are
-    return raw[start:start + nbytes].view(dtype).view(shape)
+    # The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
+    raw = torch.frombuffer(mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    return raw[:nbytes].view(dtype).view(shape)
 
 
 class ModelRunner:
