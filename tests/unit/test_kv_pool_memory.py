@@ -28,7 +28,7 @@ def test_a_cpu_pool_is_zero_aligned_and_resident_only_where_written():
     pool[:1024] = 1.0                                             # a quarter of the blocks
     grown = _rss_bytes() - before
     assert 14 << 20 < grown < 24 << 20, grown
-    assert float(pool[1024:].abs().sum()) == 0.0                  # reading maps zero pages only
+    assert not pool[1024:].any()                                  # reading maps zero pages only
     assert _rss_bytes() - before < grown + (4 << 20)
     for dtype in (torch.float16, torch.bfloat16):
         half = zeroed_pool((8, 16, 2, 8), dtype, torch.device("cpu"))
