@@ -123,9 +123,10 @@ class TorchAttentionBackend(AttentionBackend):
         batch, q_max, length = len(seqs), max(q_lens), max(seq_lens)
         num_blocks = -(-length // block_size)
         ids = meta.block_tables[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).long()
-        # [B, Hkv, L, D], contiguous: (B, Hkv) fold into one batch of matmuls without a copy.
+        # [B, Hkv, L, D] in the queries' dtype (as _short's gather), made contiguous here so that the
+        # matmuls fold (B, Hkv) into one batch without copying again.
         k, v = (cache.index_select(0, ids).view(batch, num_blocks * block_size, num_kv, head_dim)[:, :length]
-                .transpose(1, 2).contiguous() for cache in kv_cache)
+                .transpose(1, 2).to(query.dtype).contiguous() for cache in kv_cache)
         # Row j of sequence b: query row starts[b] + min(j, q_len - 1), at position seq_len - q_len + j.
         j = torch.arange(q_max)
         ql = torch.tensor(q_lens)
@@ -137,7 +138,7 @@ class TorchAttentionBackend(AttentionBackend):
         k_pos = torch.arange(length)
         masked = (k_pos[None, None, :] > q_pos[:, :, None]).to(dev)                                     # [B, Qm, L]
         bias = torch.zeros(batch, q_max, length, dtype=torch.float32, device=dev).masked_fill_(masked, float("-inf"))
-        scores = torch.matmul(q, k.float().transpose(2, 3)).mul_(scale)                                 # [B, Hkv, G*Qm, L]
+        scores = torch.matmul(q, k.float().transpose(2, 3)).mul_(scale)                               # [B, Hkv, G*Qm, L]
         scores += bias.repeat(1, group, 1)[:, None]
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         res = torch.matmul(probs, v)                                                                    # [B, Hkv, G*Qm, D]
