@@ -5,7 +5,10 @@ model itself, on CPU:
 
 1. **Corpus.** The engine answers a bounded set of chat prompts (``training_prompts``: task
    templates crossed with subjects, written for this purpose and disjoint from the prompts of
-   ``bench/spec_decode.py``), greedily, as it would serve them.
+   ``bench/spec_decode.py``), greedily, as it would serve them. Each conversation keeps where its
+   answer starts: the heads only ever draft inside answers, so only answer positions are trained
+   and scored (the chat template's system prompt, the same in every conversation, is predicted
+   almost perfectly and would make the held-out figures look far better than drafting is).
 2. **Features.** The target runs once over each conversation (prompt + answer) and keeps its last
    hidden state ``h_t`` at every position; the labels are its own greedy choices
    ``y_t = argmax LM(h_t)`` (the token after ``t``), which are what a greedy request's drafts must
@@ -74,14 +77,32 @@ def _log(msg: str) -> None:
 
 
 # ---- 1. corpus -----------------------------------------------------------------------------
-def generate_corpus(llm, prompts: list[str], max_tokens: int) -> list[list[int]]:
-    """Token ids of each conversation (rendered chat prompt + the engine's greedy answer)."""
+def generate_corpus(llm, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Token ids of each conversation (rendered chat prompt + the engine's greedy answer), and
+    where each answer starts (the prompt's length)."""
     from sluice.engine.sampling_params import SamplingParams
 
     texts = [llm.engine.render_chat([{"role": "user", "content": p}]) for p in prompts]
     results = llm._run(texts, [SamplingParams(temperature=0.0, max_tokens=max_tokens)] * len(texts),
                        add_special_tokens=False)
-    return [r.prompt_token_ids + r.outputs[0].token_ids for r in results]
+    return ([r.prompt_token_ids + r.outputs[0].token_ids for r in results],
+            [len(r.prompt_token_ids) for r in results])
+
+
+def read_corpus(path: Path) -> tuple[list[list[int]], list[int]]:
+    """A corpus ``--corpus`` wrote: ``{"conversations": [{"ids": [...], "answer_start": n}]}``."""
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict) or not isinstance(data.get("conversations"), list):
+        raise SystemExit(f"--corpus {path}: not a corpus this version writes (an object with "
+                         "'conversations', each with 'ids' and 'answer_start'); delete it to regenerate")
+    convs = data["conversations"]
+    return [c["ids"] for c in convs], [int(c["answer_start"]) for c in convs]
+
+
+def write_corpus(path: Path, sequences: list[list[int]], starts: list[int]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"conversations": [{"ids": s, "answer_start": a}
+                                                  for s, a in zip(sequences, starts)]}))
 
 
 # ---- 2. features ---------------------------------------------------------------------------
@@ -142,14 +163,17 @@ def _cosine(step: int, total: int, warm: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
 
 
-def _medusa_targets(labels, num_heads: int) -> torch.Tensor:
-    """[N, heads]: head k at t learns y_{t+1+k}; -100 where that runs past the conversation's end."""
+def _medusa_targets(labels, num_heads: int, starts) -> torch.Tensor:
+    """[N, heads]: head k at t learns y_{t+1+k}; -100 where that runs past the conversation's end
+    and before its answer: the heads draft from h_t for t >= answer start - 1 (the first from the
+    prompt's last position, whose y is the answer's first token)."""
     ys = []
-    for lab in labels:
+    for lab, start in zip(labels, starts):
         rows = []
         for k in range(num_heads):
             y = torch.full_like(lab, -100)
             y[:lab.shape[0] - 1 - k] = lab[1 + k:]
+            y[:max(0, start - 1)] = -100
             rows.append(y)
         ys.append(torch.stack(rows, dim=1))
     return torch.cat(ys)
@@ -166,19 +190,21 @@ def _medusa_accuracy(heads, x, y, lm_weight, chunk: int = 1024) -> torch.Tensor:
     return correct / count.clamp(min=1)
 
 
-def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, epochs: int,
+def train_medusa(features, labels, starts, lm_weight, num_heads: int, num_layers: int, epochs: int,
                  batch: int = 256, lr: float = 1e-3, seed: int = 0, held_out=None):
-    """``held_out``: (features, labels) of conversations kept out of training; the epoch whose
-    heads predict them best is the one returned."""
+    """``starts``: where each conversation's answer begins (only answer positions are trained).
+    ``held_out``: (features, labels, starts) of conversations kept out of training; the epoch
+    whose heads predict them best is the one returned."""
     from sluice.engine.spec_decode.heads import MedusaHeads
 
     torch.manual_seed(seed)
     hidden = lm_weight.shape[1]
     heads = MedusaHeads(hidden, num_heads, num_layers)
-    x = torch.cat(features)                                            # [N, H]
-    y = _medusa_targets(labels, num_heads)                             # [N, heads]
+    y = _medusa_targets(labels, num_heads, starts)                     # [N, heads]
+    keep = (y >= 0).any(dim=1)                                         # rows some head learns from
+    x, y = torch.cat(features)[keep], y[keep]                          # [N, H], [N, heads]
     val = None if not held_out or not held_out[0] else (torch.cat(held_out[0]),
-                                                          _medusa_targets(held_out[1], num_heads))
+                                                          _medusa_targets(held_out[1], num_heads, held_out[2]))
     best = (-1.0, None)
     opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     steps = epochs * math.ceil(x.shape[0] / batch)
@@ -219,19 +245,32 @@ def train_medusa(features, labels, lm_weight, num_heads: int, num_layers: int, e
     return heads.eval()
 
 
-def _eagle_accuracy(head, features, labels, sequences, loaded, lm_weight) -> tuple[float, float]:
-    """Top-1 on whole conversations of the first draft (y_{i+1} from the pair at i, teacher-forced)
-    and of the second (y_{i+2} from the head fed its own first prediction, ``_second_drafts``)."""
+def _answer_targets(lab: torch.Tensor, start: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The labels a first and a second draft learn, -100 before the answer. The pair at i
+    (teacher-forced) drafts y_{i+1}; at serving the first draft comes from the pair at
+    answer start - 1 on. The second draft at p (fed the head's own h_p) drafts y_{p+1} and follows
+    a first draft, so it starts a position later; its row p - 1 has the same bound."""
+    first, second = lab[1:t + 1].clone(), lab[2:t + 1].clone()
+    first[:max(0, start - 1)] = -100
+    second[:max(0, start - 1)] = -100
+    return first, second
+
+
+def _eagle_accuracy(head, features, labels, sequences, starts, loaded, lm_weight) -> tuple[float, float]:
+    """Top-1 on the answers of whole conversations of the first draft (y_{i+1} from the pair at
+    i, teacher-forced) and of the second (y_{i+2} from the head fed its own first prediction,
+    ``_second_drafts``)."""
     ok = [0, 0]
     n = [0, 0]
     with torch.no_grad():
-        for seq, f, lab in zip(sequences, features, labels):
+        for seq, f, lab, start in zip(sequences, features, labels, starts):
             t = len(seq) - 1
             embeds = loaded.model.embed(torch.tensor(seq[1:])).float()
             pred = head(embeds, f[:t], list(range(t)))
-            steps = [(pred, lab[1:t + 1])]
+            first, second = _answer_targets(lab, start, t)
+            steps = [(pred, first)]
             if t > 1:
-                steps.append((_second_drafts(head, embeds, f[:t], pred), lab[2:t + 1]))
+                steps.append((_second_drafts(head, embeds, f[:t], pred), second))
             for j, (p, target) in enumerate(steps):
                 ok[j] += int((F.linear(p, lm_weight).argmax(-1) == target).sum())
                 n[j] += int((target >= 0).sum())
@@ -247,10 +286,12 @@ def _second_drafts(head, embeds: torch.Tensor, inputs: torch.Tensor, pred: torch
     return head.forward_next_drafts(embeds[1:t], pred[:t - 1], list(range(1, t)), (k, v, list(range(t))))
 
 
-def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, intermediate_size: int | None,
+def train_eagle(features, labels, sequences, starts, loaded, lm_weight, epochs: int, intermediate_size: int | None,
                 tokens_per_step: int = 512, lr: float = 1e-3, noise: float = 0.1, seed: int = 0, held_out=None,
                 second_draft: bool = True):
-    """``held_out``: (features, labels, sequences) kept out of training; the best epoch on them
+    """Trained on answer positions only (``starts``: where each answer begins); the head still
+    runs over the whole conversation, whose prompt its attention reads.
+    ``held_out``: (features, labels, sequences, starts) kept out of training; the best epoch on them
     (by first- plus second-draft top-1) is returned. ``second_draft``: also train every position
     as a second draft, the head fed its own first prediction (``_second_drafts``), with the same
     losses; serving feeds the head its own outputs from the second draft on, and a head trained
@@ -269,7 +310,7 @@ def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, int
         head.down_proj.weight.mul_(0.1)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
     order = list(range(len(sequences)))
-    total_tokens = sum(len(s) - 1 for s in sequences)
+    total_tokens = sum(max(0, len(s) - max(1, a)) for s, a in zip(sequences, starts))
     steps = epochs * math.ceil(total_tokens / tokens_per_step)
     rng = random.Random(seed)
     step, best = 0, (-1.0, None)
@@ -279,31 +320,37 @@ def train_eagle(features, labels, sequences, loaded, lm_weight, epochs: int, int
         pending = 0
         opt.zero_grad(set_to_none=True)
         for n, i in enumerate(order):
-            seq, f, lab = sequences[i], features[i], labels[i]
+            seq, f, lab, start = sequences[i], features[i], labels[i], starts[i]
             t = len(seq) - 1                          # pairs (embed(x_{i+1}), h_i) for i < T - 1
+            rows = max(0, start - 1)                  # the first row a draft comes from
+            if rows >= t:
+                continue
             with torch.no_grad():
                 embeds = loaded.model.embed(torch.tensor(seq[1:])).float()
                 scale = f.std() * noise
             inp = f[:t] + torch.randn_like(f[:t]) * scale
             pred = head(embeds, inp, list(range(t)))  # predicts h_{i+1}
             # Per token: smooth L1 averaged over the hidden dimensions, as the EAGLE paper weighs it.
-            reg = F.smooth_l1_loss(pred, f[1:t + 1], reduction="sum") / f.shape[1]
-            logits = F.linear(pred, lm_weight)
-            target = lab[1:t + 1]
+            # The regression covers every answer row (also those whose label is outside the draft
+            # vocabulary, -100 for the cross-entropy).
+            reg = F.smooth_l1_loss(pred[rows:], f[1 + rows:t + 1], reduction="sum") / f.shape[1]
+            logits = F.linear(pred[rows:], lm_weight)
+            first, second = _answer_targets(lab, start, t)
+            target = first[rows:]
             cls = F.cross_entropy(logits, target, reduction="sum", ignore_index=-100)
             loss = reg + 0.1 * cls
-            if second_draft and t > 1:
-                pred2 = _second_drafts(head, embeds, inp, pred)
-                reg2 = F.smooth_l1_loss(pred2, f[2:t + 1], reduction="sum") / f.shape[1]
-                cls2 = F.cross_entropy(F.linear(pred2, lm_weight), lab[2:t + 1], reduction="sum", ignore_index=-100)
+            if second_draft and t - 1 > rows:
+                pred2 = _second_drafts(head, embeds, inp, pred)[rows:]
+                reg2 = F.smooth_l1_loss(pred2, f[2 + rows:t + 1], reduction="sum") / f.shape[1]
+                cls2 = F.cross_entropy(F.linear(pred2, lm_weight), second[rows:], reduction="sum", ignore_index=-100)
                 loss = loss + reg2 + 0.1 * cls2
             (loss / tokens_per_step).backward()
-            pending += t
+            pending += t - rows
             with torch.no_grad():
                 sums["reg"] += float(reg)
                 sums["cls"] += float(cls)
                 sums["acc"] += float((logits.argmax(-1) == target).sum())
-                sums["n"] += t
+                sums["n"] += t - rows
                 sums["valid"] += int((target >= 0).sum())
             if pending >= tokens_per_step or n == len(order) - 1:
                 for group in opt.param_groups:
@@ -344,17 +391,17 @@ def run(args) -> int:
     loaded = load_model(args.model, dtype="float32", device="cpu")
     corpus = Path(args.corpus) if args.corpus else None
     if corpus is not None and corpus.is_file():
-        sequences = json.loads(corpus.read_text())
+        sequences, starts = read_corpus(corpus)
     else:
         llm = LLM(loaded=loaded, device="cpu", max_num_seqs=32,
                   **({"num_threads": args.threads} if args.threads else {}))
-        sequences = generate_corpus(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens)
+        sequences, starts = generate_corpus(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens)
         del llm
         if corpus is not None:
-            corpus.parent.mkdir(parents=True, exist_ok=True)
-            corpus.write_text(json.dumps(sequences))
-    _log(f"corpus: {len(sequences)} conversations, {sum(map(len, sequences))} tokens "
-         f"({time.perf_counter() - t0:.0f} s)")
+            write_corpus(corpus, sequences, starts)
+    answer_tokens = sum(len(q) - a for q, a in zip(sequences, starts))
+    _log(f"corpus: {len(sequences)} conversations, {sum(map(len, sequences))} tokens, {answer_tokens} in the "
+         f"answers ({time.perf_counter() - t0:.0f} s)")
     t1 = time.perf_counter()
     features = hidden_states(loaded, sequences, torch.device("cpu"), torch.float32)
     lm_weight = target_lm_weight(loaded.model).detach().float()
@@ -364,9 +411,10 @@ def run(args) -> int:
     if 0 < args.draft_vocab < loaded.arch.vocab_size:
         # Drafts, and so the heads' training, only ever use these tokens; the labels of any other
         # token are left out of the cross-entropies.
-        mask = draft_vocabulary(labels, loaded.arch.vocab_size, args.draft_vocab)
+        answers = [lab[a:] for lab, a in zip(labels, starts)]        # the choices drafts must match
+        mask = draft_vocabulary(answers, loaded.arch.vocab_size, args.draft_vocab)
         _log(f"draft vocabulary: {args.draft_vocab} tokens cover "
-             f"{float(mask[torch.cat(labels)].float().mean()):.1%} of the target's choices")
+             f"{float(mask[torch.cat(answers)].float().mean()):.1%} of the target's choices in the answers")
         remap = torch.full((loaded.arch.vocab_size,), -100, dtype=torch.long)
         remap[mask] = torch.arange(int(mask.sum()))
         lm_weight, labels = lm_weight[mask], [remap[lab] for lab in labels]
@@ -374,20 +422,21 @@ def run(args) -> int:
     # (the heads memorise a small corpus quickly; what matters is prompts they never saw).
     held = set(range(9, len(sequences), 10)) if len(sequences) >= 10 else set()
     split = lambda items, keep: [x for i, x in enumerate(items) if (i in held) == keep]  # noqa: E731
-    train_set = (split(features, False), split(labels, False), split(sequences, False))
-    held_set = (split(features, True), split(labels, True), split(sequences, True))
+    train_set = (split(features, False), split(labels, False), split(sequences, False), split(starts, False))
+    held_set = (split(features, True), split(labels, True), split(sequences, True), split(starts, True))
     out = Path(args.out)
     kinds = ("medusa", "eagle") if args.kind == "both" else (args.kind,)
     for kind in kinds:
         t2 = time.perf_counter()
         folder = out / kind if args.kind == "both" else out
         if kind == "medusa":
-            heads = train_medusa(train_set[0], train_set[1], lm_weight, args.medusa_heads, args.medusa_layers,
-                                 args.medusa_epochs, seed=args.seed, held_out=held_set[:2])
+            heads = train_medusa(train_set[0], train_set[1], train_set[3], lm_weight, args.medusa_heads,
+                                 args.medusa_layers, args.medusa_epochs, seed=args.seed,
+                                 held_out=(held_set[0], held_set[1], held_set[3]))
             heads.set_draft_vocab(mask)
             save_medusa(heads, folder, str(args.model))
         else:
-            head = train_eagle(train_set[0], train_set[1], train_set[2], loaded, lm_weight, args.eagle_epochs,
+            head = train_eagle(*train_set, loaded, lm_weight, args.eagle_epochs,
                                args.eagle_intermediate_size, seed=args.seed, held_out=held_set,
                                second_draft=not args.eagle_first_draft_only)
             head.set_draft_vocab(mask)

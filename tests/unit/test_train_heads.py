@@ -40,6 +40,27 @@ def test_labels_are_the_greedy_choices_and_the_draft_vocabulary_the_most_frequen
     assert mask.tolist() == [i in (3, 5) for i in range(10)]
 
 
+def test_only_answer_positions_are_trained_and_scored(tmp_path):
+    # Conversation of 8 tokens whose answer starts at 5: y_j (label j) is the choice for token j + 1.
+    lab = torch.arange(10, 18)
+    first, second = train._answer_targets(lab, 5, 7)
+    # The first draft from the pair at i >= 4 (the prompt's last position), labels y_{i+1}.
+    assert first.tolist() == [-100] * 4 + [15, 16, 17]
+    # The second draft's row p - 1 drafts y_{p+1}, for p >= 5.
+    assert second.tolist() == [-100] * 4 + [16, 17]
+    # Medusa head k on h_t (t >= 4) learns y_{t+1+k}.
+    y = train._medusa_targets([lab], 2, [5])
+    assert y[:, 0].tolist() == [-100] * 4 + [15, 16, 17, -100]
+    assert y[:, 1].tolist() == [-100] * 4 + [16, 17, -100, -100]
+    # The corpus keeps where each answer starts; a file without it is refused, not misread.
+    path = tmp_path / "corpus.json"
+    train.write_corpus(path, [[1, 2, 3], [4, 5]], [2, 1])
+    assert train.read_corpus(path) == ([[1, 2, 3], [4, 5]], [2, 1])
+    path.write_text(json.dumps([[1, 2, 3]]))
+    with pytest.raises(SystemExit, match="answer_start"):
+        train.read_corpus(path)
+
+
 def test_train_heads_writes_public_layouts_that_serve(tiny_smollm2, tmp_path, capsys):
     out = tmp_path / "heads"
     corpus = tmp_path / "corpus.json"
@@ -53,8 +74,9 @@ def test_train_heads_writes_public_layouts_that_serve(tiny_smollm2, tmp_path, ca
     eagle = [float(x) for x in re.findall(r"eagle epoch \d+/\d+: smooth-L1 ([\d.]+)", log)]
     assert len(medusa) == len(eagle) == 6
     assert medusa[-1] < medusa[0] and eagle[-1] < eagle[0], log
-    sequences = json.loads(corpus.read_text())
-    assert len(sequences) == 12 and all(isinstance(t, int) for s in sequences for t in s)
+    sequences, starts = train.read_corpus(corpus)
+    assert len(sequences) == len(starts) == 12 and all(isinstance(t, int) for s in sequences for t in s)
+    assert all(0 < a < len(s) for s, a in zip(sequences, starts))     # a prompt, then an answer
 
     # The files are the public layouts, read back by the loaders.
     cfg = json.loads((out / "medusa" / "config.json").read_text())
