@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     ap.add_argument("--penalties", action="store_true", help=f"every request also sets {PENALTIES}")
     ap.add_argument("--context", type=int, default=0, help="about this many prompt tokens per stream")
     ap.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "float32", "float16"))
+    ap.add_argument("--quantization", default=None, help="the weight format (default: the model's auto)")
     ap.add_argument("--quick", action="store_true", help="tiny settings: checks the plumbing, measures nothing")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -118,6 +119,8 @@ def main(argv=None) -> int:
 
     kv = max(256 << 20, max(streams) * (args.context + args.steps + 64) * 64 << 10)   # SmolLM2: ~45 KiB a token
     extra = {} if args.kv_cache_dtype == "auto" else {"kv_cache_dtype": args.kv_cache_dtype}
+    if args.quantization:
+        extra["quantization"] = args.quantization
     llm = LLM(args.model, kv_cache_memory_bytes=kv, max_num_seqs=max(streams), **extra)
     core = llm.engine
     timers = instrument(core)

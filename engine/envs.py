@@ -28,6 +28,12 @@ def cpu_packed_weights() -> bool:
     return os.environ.get("SLUICE_CPU_PACKED_WEIGHTS", "1") != "0"
 
 
+def cpu_cpp_layers() -> bool:
+    """SLUICE_CPU_CPP_LAYERS=0 runs float32 CPU steps through the Python layers instead of the
+    C++ layer stack (for comparison; the block formats always use the C++ one)."""
+    return os.environ.get("SLUICE_CPU_CPP_LAYERS", "1") != "0"
+
+
 def debug_invariants() -> bool:
     """SLUICE_DEBUG_INVARIANTS=1 makes every engine step check that each request the core
     tracks is running, waiting or already reported, and that the scheduler holds no request the

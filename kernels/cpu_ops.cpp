@@ -1,6 +1,7 @@
 // The float32 CPU decode path: the small per-layer ops of a Llama-family layer, paged decode
-// attention, and a whole-stack decode step (LlamaDecoder) that runs every layer in C++ with the
-// block-quantized projections of cpu_blockq.cpp, so that a decode step makes one call from Python.
+// attention, and a whole-stack step (LlamaDecoder) that runs every layer in C++ with the
+// block-quantized projections of cpu_blockq.cpp or oneDNN's packed float32 ones, so that a step
+// makes one call from Python.
 //
 // Each op has a torch reference it is tested against (tests/unit/test_cpu_ops.py):
 //   rms_norm        F.rms_norm
@@ -583,20 +584,48 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 // ---- a whole decode step ----------------------------------------------------------------------
 namespace {
 
-struct BlockWeight {
+// The row count a oneDNN-packed product runs at: models/llama.py's row_bucket, the same buckets
+// (exact up to 16 rows, then four per doubling), so that a step compiles no primitive the Python
+// layers would not and a row's bits are those of the Python layers' product.
+int64_t row_bucket(int64_t rows) {
+  if (rows <= 16) return rows;
+  const int64_t bits = 64 - __builtin_clzll(static_cast<unsigned long long>(rows - 1));   // (rows - 1).bit_length()
+  const int64_t step = int64_t{1} << (bits - 3);
+  return (rows + step - 1) / step * step;
+}
+
+// y = x @ W^T for a float32 W that mkldnn::_reorder_linear_weight packed (models/llama.py's
+// packed_linear: the same operator, the same zero-padded rows).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+  static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  const int64_t rows = x.size(0), padded = row_bucket(rows);
+  const torch::Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
+  torch::jit::Stack stack{in, packed, c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string(""))};
+  op.callBoxed(&stack);
+  torch::Tensor out = stack.back().toTensor();
+  return padded == rows ? out : out.narrow(0, 0, rows);
+}
+
+// A bias-free projection: block-quantized (bits 4 or 8; d and m its block scales and offsets) or
+// float32 packed by oneDNN (bits 32; d and m unused).
+struct Projection {
   torch::Tensor packed, d, m;
   int64_t bits = 0, n = 0;
-  torch::Tensor operator()(const torch::Tensor& x) const { return blockq_linear(x, packed, d, m, bits, n); }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return bits == 32 ? onednn_linear(x, packed) : blockq_linear(x, packed, d, m, bits, n);
+  }
 };
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  BlockWeight qkv, o, gate_up, down;
+  Projection qkv, o, gate_up, down;
 };
 
 }  // namespace
 
-// The layers of a Llama-family model whose projections are all block-quantized and bias-free.
+// The layers of a Llama-family model whose projections are all bias-free and either block-quantized
+// or float32 packed by oneDNN.
 // forward() is LlamaForCausalLM.forward for a step where every sequence has one new token:
 // embeddings in, the final norm's output out.
 class LlamaDecoder {
@@ -613,9 +642,12 @@ class LlamaDecoder {
       Layer layer;
       layer.input_norm = t[0];
       layer.post_norm = t[1];
-      BlockWeight* w[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      Projection* w[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
       for (int j = 0; j < 4; ++j) {
-        *w[j] = BlockWeight{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], s[2 * j], s[2 * j + 1]};
+        const int64_t bits = s[2 * j];
+        TORCH_CHECK(bits == 4 || bits == 8 || bits == 32, "LlamaDecoder: layer ", i, ": bits must be 4, 8 or 32 "
+                    "(float32 packed by oneDNN), got ", bits);
+        *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bits, s[2 * j + 1]};
       }
       layers_.push_back(layer);
     }

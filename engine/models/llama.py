@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
+from sluice.engine import envs
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, row_prefixes
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models import quant
@@ -232,25 +233,37 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _cpu_decoder(self):
         """The C++ layer stack (``kernels/cpu_ops.cpp``'s LlamaDecoder) when every projection is
-        block-quantized (``w4a8`` / ``w8a8``) and bias-free; None otherwise. Every step (prefill,
-        decode, verification, mixed) then runs all the layers in one call, with the arithmetic of
-        the layers here (norms, RoPE, SwiGLU, residuals in float32), each row attending over its
-        own causal prefix (``row_prefixes``): a token's bits depend only on its sequence, not on
-        the batch, the chunking, a prefix-cache hit or speculation."""
+        bias-free and either block-quantized (``w4a8`` / ``w8a8``) or float32 packed for oneDNN
+        (``none`` on CPU); None otherwise. Every step (prefill, decode, verification, mixed) then
+        runs all the layers in one call, with the arithmetic of the layers here (norms, RoPE,
+        SwiGLU, residuals in float32), each row attending over its own causal prefix
+        (``row_prefixes``): a token's bits depend only on its sequence, not on the batch, the
+        chunking, a prefix-cache hit or speculation. In float32 the products are the Python
+        layers' own (the same oneDNN operator and row buckets); what goes is ~0.5 ms of Python and
+        small torch ops per layer and step."""
         if self._decoder is None:
             self._decoder = False
             linears = [m for m in self.modules() if isinstance(m, _Linear)]
-            if linears and all(isinstance(m.quantized, quant.BlockQLinear) and m.bias is None for m in linears):
+            blockq = all(isinstance(m.quantized, quant.BlockQLinear) for m in linears)
+            packed = all(m.quantized is None and m.packed is not None for m in linears)
+            if linears and (blockq or packed) and all(m.bias is None for m in linears):
                 from sluice.kernels import cpu_ext
 
+                if not blockq and not (envs.cpu_cpp_layers() and cpu_ext.available()):
+                    return None    # float32 keeps the Python layers (the block formats need the kernels)
+                none = torch.empty(0)
                 tensors, shapes = [], []
                 for layer in self.layers:
                     attn, mlp = layer.self_attn, layer.mlp
-                    projs = [attn.qkv_proj.quantized, attn.o_proj.quantized, mlp.gate_up_proj.quantized,
-                             mlp.down_proj.quantized]
-                    tensors.append([layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
-                                   + [t for w in projs for t in (w.packed, w.d, w.m)])
-                    shapes.append([v for w in projs for v in (w.bits, w.out_features)])
+                    projs = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+                    norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+                    if blockq:
+                        ws = [p.quantized for p in projs]
+                        tensors.append(norms + [t for w in ws for t in (w.packed, w.d, w.m)])
+                        shapes.append([v for w in ws for v in (w.bits, w.out_features)])
+                    else:
+                        tensors.append(norms + [t for p in projs for t in (p.packed, none, none)])
+                        shapes.append([v for p in projs for v in (32, p.out_features)])
                 arch, ops = self.arch, cpu_ext.module()
                 self._decoder = ops.LlamaDecoder(
                     tensors, shapes, self.norm.weight.detach(), arch.num_attention_heads,

@@ -284,14 +284,16 @@ def test_a_float16_cache_stores_as_torch_rounds_and_attends_as_its_float32_value
 
 
 # ---- the whole decode step -------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_w4a8(tiny_smollm2):
+@pytest.fixture(scope="module", params=["w4a8", "none"])
+def tiny_cpp(request, tiny_smollm2):
+    """The tiny model in a format whose layers run in C++: block-quantized (w4a8) and float32
+    packed for oneDNN (none)."""
     from sluice.engine.loaders import load_model
 
-    return load_model(str(tiny_smollm2), quantization="w4a8")
+    return load_model(str(tiny_smollm2), quantization=request.param)
 
 
-def test_a_sequences_tokens_depend_on_nothing_else(ops, tiny_w4a8):
+def test_a_sequences_tokens_depend_on_nothing_else(ops, tiny_cpp):
     """Through the C++ layers every row attends over its own prefix: greedy tokens are the same
     alone, in a batch, prefilled in small chunks beside decodes, and after a prefix-cache hit."""
     from sluice.engine.llm import LLM
@@ -301,11 +303,11 @@ def test_a_sequences_tokens_depend_on_nothing_else(ops, tiny_w4a8):
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
     def run(batch, **options):
-        llm = LLM(loaded=tiny_w4a8, quantization="w4a8", kv_cache_memory_bytes=8 << 20, **options)
+        llm = LLM(loaded=tiny_cpp, quantization=tiny_cpp.quantization, kv_cache_memory_bytes=8 << 20, **options)
         return [r.outputs[0].token_ids for r in llm.generate(batch, params)], llm
 
     batched, llm = run(prompts)
-    assert tiny_w4a8.model._decoder, "the C++ layers were not used"
+    assert tiny_cpp.model._decoder, "the C++ layers were not used"
     alone = [run([p])[0][0] for p in prompts]
     assert alone == batched
     chunked, _ = run(prompts, max_num_batched_tokens=16)
@@ -324,13 +326,13 @@ def _plain_forward(model, *args):
         model._decoder = decoder
 
 
-def test_cpu_layers_match_the_torch_layers(ops, tiny_w4a8):
+def test_cpu_layers_match_the_torch_layers(ops, tiny_cpp):
     """A mixed step (a prefill chunk after cached context, beside a decode row) and a decode step
     through LlamaDecoder against the Python layers: equal up to float32 rounding (amplified a
     little where it moves an int8 rounding of an activation), and the caches written alike."""
     from sluice.engine.attention.base import AttentionMetadata
 
-    model = tiny_w4a8.model
+    model = tiny_cpp.model
     arch = model.arch
     assert model._cpu_decoder() is not None
     caches = [_cache(blocks=4, block_size=16, kv_heads=arch.num_key_value_heads, dim=arch.head_dim, seed=i)
