@@ -309,7 +309,10 @@ def train_eagle(features, labels, sequences, starts, loaded, lm_weight, epochs: 
         head.o_proj.weight.mul_(0.1)
         head.down_proj.weight.mul_(0.1)
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    order = list(range(len(sequences)))
+    # Conversations with an answer to draft in (one whose answer is empty has nothing to learn).
+    order = [i for i, (q, a) in enumerate(zip(sequences, starts)) if max(0, a - 1) < len(q) - 1]
+    if not order:
+        raise SystemExit("train-heads: no conversation has an answer to train EAGLE on")
     total_tokens = sum(max(0, len(s) - max(1, a)) for s, a in zip(sequences, starts))
     steps = epochs * math.ceil(total_tokens / tokens_per_step)
     rng = random.Random(seed)
@@ -323,8 +326,6 @@ def train_eagle(features, labels, sequences, starts, loaded, lm_weight, epochs: 
             seq, f, lab, start = sequences[i], features[i], labels[i], starts[i]
             t = len(seq) - 1                          # pairs (embed(x_{i+1}), h_i) for i < T - 1
             rows = max(0, start - 1)                  # the first row a draft comes from
-            if rows >= t:
-                continue
             with torch.no_grad():
                 embeds = loaded.model.embed(torch.tensor(seq[1:])).float()
                 scale = f.std() * noise
