@@ -305,7 +305,10 @@ class LlamaForCausalLM(torch.nn.Module):
     def warm_up(self, max_rows: int, max_logit_rows: int) -> None:
         """Compile the packed projections' primitives for every step size up to ``max_rows`` tokens
         and the LM head's up to ``max_logit_rows`` sampled rows (``warm_up_row_buckets``); what an
-        earlier engine on this model already warmed is not run again. A no-op unless packed."""
+        earlier engine on this model already warmed is not run again. A no-op unless packed.
+        The C++ layer stack is made here too, so that a machine's first start compiles its
+        kernels (about a minute, once) before the engine is ready, not inside the first request."""
+        self._cpu_decoder()
         done = getattr(self, "_warmed", (0, 0))
         shapes = {(m.in_features, m.out_features): m.packed for m in self.modules()
                   if isinstance(m, _Linear) and m.packed is not None}
