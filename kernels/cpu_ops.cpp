@@ -594,26 +594,30 @@ int64_t row_bucket(int64_t rows) {
   return (rows + step - 1) / step * step;
 }
 
-// y = x @ W^T for a float32 W that mkldnn::_reorder_linear_weight packed (models/llama.py's
-// packed_linear: the same operator, the same zero-padded rows).
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed) {
+// y = x @ W^T (+ bias) for a float32 W that mkldnn::_reorder_linear_weight packed (models/llama.py's
+// packed_linear: the same operator, the bias passed to it, the same zero-padded rows).
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const int64_t rows = x.size(0), padded = row_bucket(rows);
   const torch::Tensor in = padded == rows ? x : at::constant_pad_nd(x, {0, 0, 0, padded - rows});
-  torch::jit::Stack stack{in, packed, c10::IValue(), c10::IValue(std::string("none")),
+  torch::jit::Stack stack{in, packed, bias.numel() ? c10::IValue(bias) : c10::IValue(), c10::IValue(std::string("none")),
                           c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string(""))};
   op.callBoxed(&stack);
   torch::Tensor out = stack.back().toTensor();
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
-// A bias-free projection: block-quantized (bits 4 or 8; d and m its block scales and offsets) or
-// float32 packed by oneDNN (bits 32; d and m unused).
+// A projection: block-quantized (bits 4 or 8; d and m its block scales and offsets) or float32
+// packed by oneDNN (bits 32; d and m unused), with a float32 bias (Qwen2's q/k/v) or none (an
+// empty tensor). The bias is added as the Python layers add it: after the block product, inside
+// oneDNN's.
 struct Projection {
-  torch::Tensor packed, d, m;
+  torch::Tensor packed, d, m, bias;
   int64_t bits = 0, n = 0;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return bits == 32 ? onednn_linear(x, packed) : blockq_linear(x, packed, d, m, bits, n);
+    if (bits == 32) return onednn_linear(x, packed, bias);
+    torch::Tensor out = blockq_linear(x, packed, d, m, bits, n);
+    return bias.numel() ? out.add_(bias) : out;
   }
 };
 
@@ -624,8 +628,9 @@ struct Layer {
 
 }  // namespace
 
-// The layers of a Llama-family model whose projections are all bias-free and either block-quantized
-// or float32 packed by oneDNN.
+// The layers of a Llama-family model whose projections are all either block-quantized or float32
+// packed by oneDNN. Per layer: the two norm weights, (packed, d, m) for qkv, o, gate_up and down,
+// then their four biases (empty: none).
 // forward() is LlamaForCausalLM.forward for a step where every sequence has one new token:
 // embeddings in, the final norm's output out.
 class LlamaDecoder {
@@ -638,7 +643,7 @@ class LlamaDecoder {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const auto& t = tensors[i];
       const auto& s = shapes[i];
-      TORCH_CHECK(t.size() == 14 && s.size() == 8, "LlamaDecoder: layer ", i, " needs 14 tensors and 8 sizes");
+      TORCH_CHECK(t.size() == 18 && s.size() == 8, "LlamaDecoder: layer ", i, " needs 18 tensors and 8 sizes");
       Layer layer;
       layer.input_norm = t[0];
       layer.post_norm = t[1];
@@ -647,7 +652,11 @@ class LlamaDecoder {
         const int64_t bits = s[2 * j];
         TORCH_CHECK(bits == 4 || bits == 8 || bits == 32, "LlamaDecoder: layer ", i, ": bits must be 4, 8 or 32 "
                     "(float32 packed by oneDNN), got ", bits);
-        *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bits, s[2 * j + 1]};
+        const torch::Tensor& bias = t[14 + j];
+        TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+                                          bias.numel() == s[2 * j + 1]),
+                    "LlamaDecoder: layer ", i, ": a bias must be a contiguous float32 [out] or empty");
+        *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bias, bits, s[2 * j + 1]};
       }
       layers_.push_back(layer);
     }

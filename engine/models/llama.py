@@ -233,8 +233,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _cpu_decoder(self):
         """The C++ layer stack (``kernels/cpu_ops.cpp``'s LlamaDecoder) when every projection is
-        bias-free and either block-quantized (``w4a8`` / ``w8a8``) or float32 packed for oneDNN
-        (``none`` on CPU); None otherwise. Every step (prefill, decode, verification, mixed) then
+        either block-quantized (``w4a8`` / ``w8a8``) or float32 packed for oneDNN (``none`` on
+        CPU), with or without biases (Qwen2's q/k/v); None otherwise. Every step (prefill, decode, verification, mixed) then
         runs all the layers in one call, with the arithmetic of the layers here (norms, RoPE,
         SwiGLU, residuals in float32), each row attending over its own causal prefix
         (``row_prefixes``): a token's bits depend only on its sequence, not on the batch, the
@@ -246,7 +246,7 @@ class LlamaForCausalLM(torch.nn.Module):
             linears = [m for m in self.modules() if isinstance(m, _Linear)]
             blockq = all(isinstance(m.quantized, quant.BlockQLinear) for m in linears)
             packed = all(m.quantized is None and m.packed is not None for m in linears)
-            if linears and (blockq or packed) and all(m.bias is None for m in linears):
+            if linears and (blockq or packed):
                 from sluice.kernels import cpu_ext
 
                 if not blockq and not (envs.cpu_cpp_layers() and cpu_ext.available()):
@@ -257,12 +257,13 @@ class LlamaForCausalLM(torch.nn.Module):
                     attn, mlp = layer.self_attn, layer.mlp
                     projs = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
                     norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
+                    biases = [none if p.bias is None else p.bias.detach().float().contiguous() for p in projs]
                     if blockq:
                         ws = [p.quantized for p in projs]
-                        tensors.append(norms + [t for w in ws for t in (w.packed, w.d, w.m)])
+                        tensors.append(norms + [t for w in ws for t in (w.packed, w.d, w.m)] + biases)
                         shapes.append([v for w in ws for v in (w.bits, w.out_features)])
                     else:
-                        tensors.append(norms + [t for p in projs for t in (p.packed, none, none)])
+                        tensors.append(norms + [t for p in projs for t in (p.packed, none, none)] + biases)
                         shapes.append([v for p in projs for v in (32, p.out_features)])
                 arch, ops = self.arch, cpu_ext.module()
                 self._decoder = ops.LlamaDecoder(

@@ -330,9 +330,29 @@ def test_cpu_layers_match_the_torch_layers(ops, tiny_cpp):
     """A mixed step (a prefill chunk after cached context, beside a decode row) and a decode step
     through LlamaDecoder against the Python layers: equal up to float32 rounding (amplified a
     little where it moves an int8 rounding of an activation), and the caches written alike."""
+    _layers_match(tiny_cpp.model)
+
+
+@pytest.mark.parametrize("quantization", ["w4a8", "none"])
+def test_cpu_layers_add_qwen2_style_biases_as_the_torch_layers_do(ops, tiny_smollm2, quantization):
+    from sluice.engine.loaders import load_model
+
+    model = load_model(str(tiny_smollm2), quantization=quantization).model
+    g = torch.Generator().manual_seed(7)
+    for layer in model.layers:
+        qkv = layer.self_attn.qkv_proj
+        qkv.bias = torch.nn.Parameter(torch.randn(qkv.out_features, generator=g) * 0.5, requires_grad=False)
+    _layers_match(model)
+    # A bias of the wrong size is refused by the stack, not read past its end.
+    model.layers[0].self_attn.qkv_proj.bias = torch.nn.Parameter(torch.zeros(3), requires_grad=False)
+    model._decoder = None
+    with pytest.raises(RuntimeError, match="bias must be a contiguous float32"):
+        model._cpu_decoder()
+
+
+def _layers_match(model):
     from sluice.engine.attention.base import AttentionMetadata
 
-    model = tiny_cpp.model
     arch = model.arch
     assert model._cpu_decoder() is not None
     caches = [_cache(blocks=4, block_size=16, kv_heads=arch.num_key_value_heads, dim=arch.head_dim, seed=i)
