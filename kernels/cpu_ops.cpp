@@ -585,8 +585,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 namespace {
 
 // The row count a oneDNN-packed product runs at: models/llama.py's row_bucket, the same buckets
-// (exact up to 16 rows, then four per doubling), so that a step compiles no primitive the Python
-// layers would not and a row's bits are those of the Python layers' product.
+// (exact up to 16 rows, then four per doubling), so that a step meets only the primitives the
+// engine's warm-up compiled (tests/unit/test_cpu_ops.py holds the two to each other).
 int64_t row_bucket(int64_t rows) {
   if (rows <= 16) return rows;
   const int64_t bits = 64 - __builtin_clzll(static_cast<unsigned long long>(rows - 1));   // (rows - 1).bit_length()
@@ -710,6 +710,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("silu_mul", &silu_mul);
   mod.def("store_kv", &store_kv);
   mod.def("paged_decode", &paged_decode);
+  mod.def("row_bucket", &row_bucket, "the row count a oneDNN-packed projection of this many rows runs at");
   pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())

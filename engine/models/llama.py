@@ -234,13 +234,13 @@ class LlamaForCausalLM(torch.nn.Module):
     def _cpu_decoder(self):
         """The C++ layer stack (``kernels/cpu_ops.cpp``'s LlamaDecoder) when every projection is
         either block-quantized (``w4a8`` / ``w8a8``) or float32 packed for oneDNN (``none`` on
-        CPU), with or without biases (Qwen2's q/k/v); None otherwise. Every step (prefill, decode, verification, mixed) then
-        runs all the layers in one call, with the arithmetic of the layers here (norms, RoPE,
-        SwiGLU, residuals in float32), each row attending over its own causal prefix
-        (``row_prefixes``): a token's bits depend only on its sequence, not on the batch, the
-        chunking, a prefix-cache hit or speculation. In float32 the products are the Python
-        layers' own (the same oneDNN operator and row buckets); what goes is ~0.5 ms of Python and
-        small torch ops per layer and step."""
+        CPU), with or without biases (Qwen2's q/k/v); None otherwise. Every step (prefill,
+        decode, verification, mixed) then runs all the layers in one call, with the arithmetic of
+        the layers here (norms, RoPE, SwiGLU, residuals in float32), each row attending over its
+        own causal prefix (``row_prefixes``): a token's bits depend only on its sequence, not on
+        the batch, the chunking, a prefix-cache hit or speculation. In float32 the products are
+        the Python layers' own (the same oneDNN operator and row buckets, ``row_bucket``); what
+        goes is ~0.5 ms of Python and small torch ops per layer and step."""
         if self._decoder is None:
             self._decoder = False
             linears = [m for m in self.modules() if isinstance(m, _Linear)]

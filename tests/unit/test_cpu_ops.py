@@ -326,6 +326,14 @@ def _plain_forward(model, *args):
         model._decoder = decoder
 
 
+def test_the_stack_pads_rows_to_the_python_layers_buckets(ops):
+    # The engine's warm-up compiles oneDNN's primitives for llama.row_bucket's row counts; the C++
+    # stack must run its float32 products at exactly those, or every other count compiles anew.
+    from sluice.engine.models.llama import row_bucket
+
+    assert [ops.row_bucket(r) for r in range(1, 9000)] == [row_bucket(r) for r in range(1, 9000)]
+
+
 def test_cpu_layers_match_the_torch_layers(ops, tiny_cpp):
     """A mixed step (a prefill chunk after cached context, beside a decode row) and a decode step
     through LlamaDecoder against the Python layers: equal up to float32 rounding (amplified a
