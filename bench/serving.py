@@ -44,6 +44,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -366,6 +367,7 @@ def open_targets(args: argparse.Namespace):
         for t in targets:
             if t.proc is not None:
                 _stop(t.proc)
+        shutil.rmtree(logdir, ignore_errors=True)   # a server that failed to start had its log's tail printed
 
 
 # ------------------------------------------------------------------------------ load drivers

@@ -1,6 +1,6 @@
 """sluice's C++ CPU kernels (``cpu_blockq.cpp``, ``cpu_ops.cpp``), built on first use.
 
-They are compiled once per machine, torch version and source by ``torch.utils.cpp_extension``
+They are compiled once per machine, torch installation and source by ``torch.utils.cpp_extension``
 (which needs a C++ compiler and the ``ninja`` package) into ``$SLUICE_CACHE_DIR/ext`` (default
 ``~/.cache/sluice/ext``); the first build takes about a minute on 2 cores, later loads are
 instant. ``-march=native``: the AVX512-VNNI paths are compiled where the CPU has them, AVX2 ones
@@ -11,6 +11,7 @@ need the kernels say so.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import threading
@@ -36,10 +37,13 @@ def _cpu_flags() -> bytes:
 
 def build_dir(portable: bool = False) -> Path:
     root = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "ext"
-    # The sources' folder is part of the key: torch's build files name the sources by path, so two
-    # checkouts (or an install and a checkout) sharing one folder would rebuild on every switch.
+    # The sources' folder and torch's own are part of the key: torch's build files name the sources
+    # and torch's headers by path, so two checkouts (or an install and a checkout), or two
+    # environments with the same torch version (CI's floors venv and the test venv), sharing one
+    # folder would rebuild on every switch.
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + _cpu_flags()
-                         + str(_SOURCES[0].resolve().parent).encode())
+                         + str(_SOURCES[0].resolve().parent).encode()
+                         + str(Path(torch.__file__).resolve().parent).encode())
     return root / f"cpu-{'portable-' if portable else ''}{key.hexdigest()[:16]}"
 
 
@@ -51,10 +55,18 @@ def _build(portable: bool):
     # -fopenmp: at::parallel_for is OpenMP inline in the headers; without it the loops run on one
     # thread. The libgomp.so.1 that torch has loaded is the one used.
     arch = "-march=x86-64-v2" if portable else "-march=native"
-    return cpp_extension.load(
-        name="sluice_cpu_portable" if portable else "sluice_cpu", sources=[str(p) for p in _SOURCES],
-        build_directory=str(build), extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"],
-        verbose=False)
+    with open(build / "sluice.lock", "w") as guard:
+        # torch marks a build in progress with a `lock` file that it deletes when done, and waits,
+        # without a timeout, for one it finds. A process killed while it built (Ctrl-C during a
+        # first `sluice serve`) leaves it behind, and every later load would wait forever. This
+        # flock is released by the kernel when its holder dies: whoever holds it is the only one
+        # of sluice's processes building here, so a `lock` file it finds is stale.
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name="sluice_cpu_portable" if portable else "sluice_cpu", sources=[str(p) for p in _SOURCES],
+            build_directory=str(build), extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"],
+            verbose=False)
 
 
 def _load():

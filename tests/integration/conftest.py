@@ -9,6 +9,7 @@ tiny random-weight SmolLM2 (``tiny_smollm2``, tests/conftest.py) where only the 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -108,6 +109,14 @@ def _launch_session_engine() -> EngineProcess:
     return launch_engine(log, "--mode", "local", "--overrides", MAIN_OVERRIDES, fault_injection=True)
 
 
+def _stop_session_engine(engine: EngineProcess) -> None:
+    """Stop it and remove its log's folder (a failing test has already shown the log's tail)."""
+    try:
+        engine.stop()
+    finally:
+        shutil.rmtree(engine.log_path.parent, ignore_errors=True)
+
+
 def pytest_itemcollected(item) -> None:
     if ("engine_server" in getattr(item, "fixturenames", ()) and not _early
             and not item.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ):
@@ -117,12 +126,12 @@ def pytest_itemcollected(item) -> None:
 @pytest.hookimpl(trylast=True)   # after -k / -m deselected what they deselect
 def pytest_collection_modifyitems(items) -> None:
     if _early and not any("engine_server" in getattr(i, "fixturenames", ()) for i in items):
-        _early.pop("engine").stop()
+        _stop_session_engine(_early.pop("engine"))
 
 
 def pytest_sessionfinish() -> None:
     if _early:   # started, never used (an interrupted or failed collection)
-        _early.pop("engine").stop()
+        _stop_session_engine(_early.pop("engine"))
 
 
 @pytest.fixture(scope="session")
@@ -132,7 +141,7 @@ def engine_server() -> EngineProcess:
         wait_serving(engine)
         yield engine
     finally:
-        engine.stop()
+        _stop_session_engine(engine)
 
 
 @pytest.fixture

@@ -30,8 +30,10 @@ sys.path.insert(0, str(REPO / "bench"))
 import serving  # noqa: E402
 
 
-def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: float, tmpdir: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
+    if tmpdir is not None:
+        env["TMPDIR"] = str(tmpdir)
     return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -133,10 +135,14 @@ def test_offline_quick_runs_every_section(tmp_path, tiny_smollm2):
 @pytest.mark.timeout(600)
 def test_serving_against_real_facade_and_grpc_engine(tmp_path, tiny_smollm2):
     out = tmp_path / "serving.json"
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     r = _run(["bench/serving.py", "--model", str(tiny_smollm2), "--threads", "1",
               "--launch", "http", "--launch", "grpc", "--num-prompts", "3", "--input-len", "12",
-              "--output-len", "4", "--concurrency", "2", "--slo-ttft-ms", "600000", "--json", str(out)], timeout=580)
+              "--output-len", "4", "--concurrency", "2", "--slo-ttft-ms", "600000", "--json", str(out)], timeout=580,
+             tmpdir=scratch)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert not list(scratch.iterdir())     # the servers' logs went with them
     res = json.loads(out.read_text())
     assert {x["target"] for x in res["results"]} == {"sluice-http", "sluice-grpc"}
     for x in res["results"]:
