@@ -204,8 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     proc = None
     url, engine_pid = args.url, args.engine_pid
     if args.launch:
-        proc, url, engine_pid = launch(args.launch, args.overrides, Path(os.environ.get("TMPDIR", "/tmp"))
-                                       / f"sluice-soak-{os.getpid()}.log")
+        log = Path(os.environ.get("TMPDIR", "/tmp")) / f"sluice-soak-{os.getpid()}.log"
+        print(f"sluice serve's log: {log}", file=sys.stderr, flush=True)   # kept: an hour's run may need reading
+        proc, url, engine_pid = launch(args.launch, args.overrides, log)
     try:
         result = asyncio.run(soak(url, args.duration, args.concurrency, args.seed, engine_pid, args.warmup,
                                    args.sample_every, args.max_tokens))

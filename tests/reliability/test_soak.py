@@ -23,6 +23,7 @@ test process, and fails; so does any leak of more than ~2 kB per request.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -41,7 +42,8 @@ def test_soak_leaves_rss_fds_tasks_and_kv_flat(tmp_path):
     run = subprocess.run([sys.executable, str(REPO / "bench" / "soak.py"), "--launch", str(folder),
                           "--duration", "12", "--warmup", "6", "--concurrency", "8", "--max-tokens", "12",
                           "--json", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=360)
+                         cwd=REPO, env={**os.environ, "TMPDIR": str(tmp_path)},   # the server's log goes there
+                         capture_output=True, text=True, timeout=360)
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(out.read_text())
     start, end, counts = result["start"], result["end"], result["counts"]
