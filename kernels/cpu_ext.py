@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("cpu_blockq.cpp", "cpu_ops.cpp")]
 _lock = threading.Lock()
+log = logging.getLogger("sluice.kernels")
 _module = None
 _error: str | None = None
 
@@ -61,10 +63,18 @@ def _build(portable: bool):
         # first `sluice serve`) leaves it behind, and every later load would wait forever. This
         # flock is released by the kernel when its holder dies: whoever holds it is the only one
         # of sluice's processes building here, so a `lock` file it finds is stale.
-        fcntl.flock(guard, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that is building sluice's C++ CPU kernels in %s", build)
+            fcntl.flock(guard, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
+        name = "sluice_cpu_portable" if portable else "sluice_cpu"
+        if not (build / f"{name}.so").exists():   # a first start spends a minute here: say so, or it looks hung
+            log.info("compiling sluice's C++ CPU kernels%s into %s (once per machine, torch and source; "
+                     "about a minute on 2 cores)", " (portable build)" if portable else "", build)
         return cpp_extension.load(
-            name="sluice_cpu_portable" if portable else "sluice_cpu", sources=[str(p) for p in _SOURCES],
+            name=name, sources=[str(p) for p in _SOURCES],
             build_directory=str(build), extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False)
 
