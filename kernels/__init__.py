@@ -8,6 +8,24 @@ import importlib
 import sys
 import types
 
+if __name__ == "kernels":
+    # This folder is ``sluice.kernels``; it is found under the bare name only when a checkout's root
+    # is on sys.path (a test run, a shell in the checkout). There it would hide Hugging Face's
+    # ``kernels``, which transformers (>= 5.25 requires it) imports whenever it is installed. Hand
+    # the name to that package, or fail as a missing module does.
+    import importlib.machinery
+    import importlib.util
+    import os
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
+    if _spec is None:
+        raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ is sluice.kernels)",
+                                  name="kernels")
+    sys.modules["kernels"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["kernels"])
+
 _HOME = {
     "kv_store": "kv_store", "kv_store_ref": "kv_store",
     "paged_decode": "paged_decode", "paged_decode_ref": "paged_decode",
@@ -30,4 +48,5 @@ class _Package(types.ModuleType):
         return getattr(importlib.import_module(f"{__name__}.{home}"), name)
 
 
-sys.modules[__name__].__class__ = _Package
+if __name__ != "kernels":
+    sys.modules[__name__].__class__ = _Package

@@ -5,7 +5,10 @@ to nobody (Hugging Face's ``kernels`` package owns the top-level ``kernels``).""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -63,3 +66,25 @@ def test_the_check_sees_a_bare_import(source):
     assert len(_bare_imports(source, "probe.py")) == 1
     assert _bare_imports(source.replace("kernels", "sluice.kernels").replace("engine", "sluice.engine")
                          .replace("http_facade", "sluice.http_facade"), "probe.py") == []
+
+
+def _import_kernels_in_the_checkout(*python_args: str, pythonpath: list[Path]) -> subprocess.CompletedProcess:
+    """``import kernels`` from a shell in the checkout: its root is sys.path[0], as in a test run."""
+    code = "import kernels; print(kernels.WHO)"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, pythonpath))}
+    return subprocess.run([sys.executable, *python_args, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_bare_name_kernels_is_never_this_checkouts_folder(tmp_path):
+    # transformers (>= 5.25 requires Hugging Face's kernels) imports `kernels` whenever it is
+    # installed; in a checkout, the folder kernels/ came first and transformers failed on it.
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("WHO = 'the installed kernels package'\n")
+    found = _import_kernels_in_the_checkout(pythonpath=[REPO, site])
+    assert found.returncode == 0, found.stderr[-2000:]
+    assert found.stdout.strip() == "the installed kernels package"
+    # Not installed (-S: no site-packages): the name is missing, as anywhere else.
+    missing = _import_kernels_in_the_checkout("-S", pythonpath=[REPO])
+    assert "ModuleNotFoundError: No module named 'kernels'" in missing.stderr, missing.stderr[-2000:]
