@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared run for a session that is lent a GPU machine: the kernel tests on CUDA (the
-# interpreter cases compiled for real, plus the `gpu`-marked ones), then bench/kernels.py, whose
+# interpreter cases compiled for real, plus the `gpu`-marked ones), then bench/triton_kernels.py, whose
 # table and goals go to $OUT/kernels.md for the README. It installs nothing: it needs torch,
 # triton (>= 3.4), pytest, numpy, jinja2 and tokenizers, which the lent machine's python3 has.
 #
@@ -33,7 +33,7 @@ timeout 240 $py -m pytest -q -p no:cacheprovider -rs -o timeout=120 -m "not slow
     --deselect tests/kernels/test_bench_smoke.py::test_bench_kernels_quick 2>&1 | tee "$out/tests.log"
 tests=${PIPESTATUS[0]}
 
-timeout 300 $py bench/kernels.py --out "$out/kernels.md" 2>&1 | tee "$out/bench.log"
+timeout 300 $py bench/triton_kernels.py --out "$out/kernels.md" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 
 echo "kernel tests exit $tests, benchmark exit $bench" | tee -a "$out/env.txt"

@@ -1,4 +1,4 @@
-"""bench/kernels.py --quick runs to completion: on CPU it checks every kernel under the
+"""bench/triton_kernels.py --quick runs to completion: on CPU it checks every kernel under the
 interpreter, says timing needs a GPU and exits 0. Its goal verdicts follow from the rows measured,
 and its GPU measurement path runs end to end on CPU at a tiny sweep."""
 from __future__ import annotations
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_kernels_quick():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "2"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels.py"), "--quick"], env=env,
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "triton_kernels.py"), "--quick"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     if torch.cuda.is_available():
@@ -28,7 +28,7 @@ def test_bench_kernels_quick():
 def _bench_module():
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "kernels.py")
+    spec = importlib.util.spec_from_file_location("bench_kernels", ROOT / "bench" / "triton_kernels.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module        # dataclasses look their module up there
     spec.loader.exec_module(module)

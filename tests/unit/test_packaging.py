@@ -5,6 +5,7 @@ to nobody (Hugging Face's ``kernels`` package owns the top-level ``kernels``).""
 from __future__ import annotations
 
 import ast
+import importlib.machinery
 import os
 import re
 import subprocess
@@ -88,3 +89,14 @@ def test_the_bare_name_kernels_is_never_this_checkouts_folder(tmp_path):
     # Not installed (-S: no site-packages): the name is missing, as anywhere else.
     missing = _import_kernels_in_the_checkout("-S", pythonpath=[REPO])
     assert "ModuleNotFoundError: No module named 'kernels'" in missing.stderr, missing.stderr[-2000:]
+
+
+def test_no_bench_script_hides_an_installed_module():
+    # A bench script runs with bench/ first on sys.path (and the suite imports some of them), so a
+    # script named like an installed package hides it from everything in that process, e.g. a
+    # bench/kernels.py hid Hugging Face's kernels from transformers.
+    elsewhere = [p for p in sys.path if Path(p or os.curdir).resolve() not in (REPO, REPO / "bench")]
+    hidden = [script.name for script in sorted((REPO / "bench").glob("*.py"))
+              if importlib.machinery.PathFinder.find_spec(script.stem, elsewhere) is not None
+              or script.stem in sys.builtin_module_names]
+    assert hidden == []

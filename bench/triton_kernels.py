@@ -1,6 +1,6 @@
 """Benchmark the Triton kernels against torch baselines at serving shapes.
 
-    python bench/kernels.py [--quick] [--out kernels.md]
+    python bench/triton_kernels.py [--quick] [--out kernels.md]
 
 On CUDA: times each kernel and its baselines with ``triton.testing.do_bench`` (which flushes L2
 between runs) and prints µs, achieved GB/s or TFLOP/s, the share of the device's peak, and the
