@@ -17,9 +17,11 @@ if __name__ == "kernels":
     import importlib.util
     import os
 
-    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # Real paths on both sides: a checkout also reached through a symlink would otherwise find
+    # this file again, and run it again, without end.
+    _checkout = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
-        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
+        "kernels", [p for p in sys.path if os.path.realpath(p or os.curdir) != _checkout])
     if _spec is None:
         raise ModuleNotFoundError("No module named 'kernels' (this checkout's kernels/ is sluice.kernels)",
                                   name="kernels")

@@ -19,7 +19,7 @@ def test_a_stale_build_lock_does_not_hang_the_next_load(tmp_path):
     assert cpu_ext.available(), cpu_ext.unavailable_reason()
     built = cpu_ext.build_dir()
     copy = tmp_path / "ext" / built.name
-    shutil.copytree(built, copy)          # modification times kept: nothing is rebuilt
+    shutil.copytree(built, copy)          # modification times kept: only the link runs again
     (copy / "lock").touch()               # what the killed build left: its lock, no library
     library = copy / "sluice_cpu.so"
     library.unlink()

@@ -86,8 +86,11 @@ def test_the_bare_name_kernels_is_never_this_checkouts_folder(tmp_path):
     found = _import_kernels_in_the_checkout(pythonpath=[REPO, site])
     assert found.returncode == 0, found.stderr[-2000:]
     assert found.stdout.strip() == "the installed kernels package"
-    # Not installed (-S: no site-packages): the name is missing, as anywhere else.
-    missing = _import_kernels_in_the_checkout("-S", pythonpath=[REPO])
+    # Not installed (-S: no site-packages): the name is missing, as anywhere else, also with the
+    # checkout on sys.path by a second path (a symlink), which must not find the folder again.
+    link = tmp_path / "checkout"
+    link.symlink_to(REPO)
+    missing = _import_kernels_in_the_checkout("-S", pythonpath=[link, REPO])
     assert "ModuleNotFoundError: No module named 'kernels'" in missing.stderr, missing.stderr[-2000:]
 
 
