@@ -25,6 +25,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer, models, pre_tokenizers
 
 from sluice.engine.tokenizer import Tokenizer
+from tests.model.conftest import _gguf_parsed_once
 from tests.model_files import SMOLLM2_GGUF, minilm_folder, smollm2_gguf
 
 CORPUS = [
@@ -60,7 +61,8 @@ def ours(smollm2_tokenizer) -> Tokenizer:
 def hf():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(smollm2_gguf().parent), gguf_file=SMOLLM2_GGUF)
+    with _gguf_parsed_once():     # the oracle's load: the GGUF parsed once, by gguf's faster reader
+        return AutoTokenizer.from_pretrained(str(smollm2_gguf().parent), gguf_file=SMOLLM2_GGUF)
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,9 @@
 """``open_gguf``'s reader (gguf's ``GGUFReader`` parsing over a plain ndarray view of the file's
-memory map, ~3x faster on a large vocabulary) reads exactly what the stock reader reads: every
-field's name, types, parts and decoded contents, every tensor's name, type, shape, offset and
-bytes. On a GGUF written here with strings, string and number arrays, scalars of several types
-and tensors in float32, float16 and Q8_0; and the file stays mapped, not read into memory."""
+memory map, with its own walk of metadata arrays: ~10x faster on a large vocabulary) reads exactly
+what the stock reader reads: every field's name, types, parts and decoded contents, every
+tensor's name, type, shape, offset and bytes. On a GGUF written here with strings, string and
+number arrays, scalars of several types and tensors in float32, float16 and Q8_0; and the file
+stays mapped, not read into memory. A file cut inside its vocabulary is refused by name."""
 from __future__ import annotations
 
 import numpy as np
@@ -57,3 +58,18 @@ def test_same_fields_and_tensors_as_the_stock_reader(tmp_path):
         assert got.data.dtype == want.data.dtype and got.data.shape == want.data.shape
         assert np.shares_memory(got.data, ours.data)   # a view of the mapping, not a copy
     assert isinstance(ours.data.base, np.memmap)
+
+
+def test_a_file_cut_inside_the_vocabulary_is_refused_by_name(tmp_path):
+    import pytest
+
+    from sluice.engine.errors import ModelLoadError
+
+    path = tmp_path / "t.gguf"
+    _write(path)
+    data = path.read_bytes()
+    cut = data.index(b"tok1500")           # inside tokenizer.ggml.tokens, a string array
+    for end in (cut - 4, cut + 3):          # inside a length, and inside a string's bytes
+        (tmp_path / "cut.gguf").write_bytes(data[:end])
+        with pytest.raises(ModelLoadError, match=r"cut\.gguf: not a readable GGUF file .*past the end"):
+            open_gguf(tmp_path / "cut.gguf")
