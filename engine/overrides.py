@@ -204,7 +204,7 @@ def model_context_window(model: str) -> int:
     path = resolve_path(model)
     if not path.is_file():
         return arch_from_folder(path).max_position_embeddings
-    reader = open_gguf(path)
+    reader = open_gguf(path, arrays=False)   # the scalars only: the vocabulary is read when loading
     window = gguf_metadata(reader, f"{gguf_architecture(reader, path)}.context_length")
     if window is None:
         raise ModelLoadError(f"{path}: GGUF metadata lacks the context length")

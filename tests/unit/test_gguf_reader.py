@@ -3,7 +3,8 @@ memory map, with its own walk of metadata arrays: ~10x faster on a large vocabul
 what the stock reader reads: every field's name, types, parts and decoded contents, every
 tensor's name, type, shape, offset and bytes. On a GGUF written here with strings, string and
 number arrays, scalars of several types and tensors in float32, float16 and Q8_0; and the file
-stays mapped, not read into memory. A file cut inside its vocabulary is refused by name."""
+stays mapped, not read into memory. A file cut inside its vocabulary is refused by name. Read
+without its metadata arrays (``arrays=False``), the same file gives the same scalars and tensors."""
 from __future__ import annotations
 
 import numpy as np
@@ -73,3 +74,21 @@ def test_a_file_cut_inside_the_vocabulary_is_refused_by_name(tmp_path):
         (tmp_path / "cut.gguf").write_bytes(data[:end])
         with pytest.raises(ModelLoadError, match=r"cut\.gguf: not a readable GGUF file .*past the end"):
             open_gguf(tmp_path / "cut.gguf")
+
+
+def test_without_arrays_the_scalars_and_tensors_are_the_stock_readers(tmp_path):
+    from gguf import GGUFReader, GGUFValueType
+
+    path = tmp_path / "t.gguf"
+    _write(path)
+    stock, header = GGUFReader(path), open_gguf(path, arrays=False)
+    arrays = [k for k, f in stock.fields.items() if f.types[0] == GGUFValueType.ARRAY]
+    assert {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"} <= set(arrays)
+    assert list(header.fields) == [k for k in stock.fields if k not in arrays]
+    for name, got in header.fields.items():
+        assert (got.offset, got.types, got.contents()) == (stock.fields[name].offset, stock.fields[name].types,
+                                                           stock.fields[name].contents()), name
+    assert header.data_offset == stock.data_offset
+    for got, want in zip(header.tensors, stock.tensors, strict=True):
+        assert (got.name, got.tensor_type, got.data_offset) == (want.name, want.tensor_type, want.data_offset)
+        assert np.array_equal(got.data, want.data)
