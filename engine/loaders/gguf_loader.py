@@ -73,16 +73,13 @@ def plain_array_reader():
     from gguf import GGUFReader, GGUFValueType
 
     array, string = int(GGUFValueType.ARRAY), int(GGUFValueType.STRING)
-    value_types = {int(t) for t in GGUFValueType}
     length = struct.Struct("=Q")
 
     class PlainArrayReader(GGUFReader):
-        # True: metadata arrays are walked for their size only and left out of ``fields``
-        # (``open_gguf(path, arrays=False)``).
-        skip_arrays = False
-
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
+        def __init__(self, path, mode: str = "r", arrays: bool = True) -> None:
+            # arrays=False: metadata arrays are walked for their size only and left out of ``fields``.
+            self.skip_arrays = not arrays
+            super().__init__(path, mode)
             if self.skip_arrays:
                 for name in [k for k, f in self.fields.items() if f.types[:1] == [GGUFValueType.ARRAY]]:
                     del self.fields[name]
@@ -100,7 +97,7 @@ def plain_array_reader():
                 return super()._get_field_parts(orig_offs, raw_type)
             raw_itype = self._get(orig_offs, np.uint32)
             item = int(raw_itype[0])
-            scalar = self.gguf_scalar_to_np.get(GGUFValueType(item)) if item in value_types else None
+            scalar = self.gguf_scalar_to_np.get(item)   # keyed by GGUFValueType, an IntEnum: ints find it
             if item != string and scalar is None:
                 return super()._get_field_parts(orig_offs, raw_type)
             alen = self._get(orig_offs + 4, np.uint64)
@@ -128,10 +125,6 @@ def plain_array_reader():
                 offs += 8 + size
             return offs - orig_offs, parts, list(range(3, 3 + 2 * n, 2)) if keep else [], types
 
-    class HeaderReader(PlainArrayReader):
-        skip_arrays = True
-
-    PlainArrayReader.without_arrays = HeaderReader
     return PlainArrayReader
 
 
@@ -143,9 +136,8 @@ def open_gguf(path: str | Path, arrays: bool = True):
     path = Path(path)
     if not path.is_file():
         raise ModelLoadError(f"{path}: no such GGUF file")
-    reader = plain_array_reader()
     try:
-        return (reader if arrays else reader.without_arrays)(path)
+        return plain_array_reader()(path, arrays=arrays)
     except Exception as exc:  # the reader raises ValueError/IndexError/... on bad bytes
         raise ModelLoadError(f"{path}: not a readable GGUF file (corrupt or truncated?): {exc}") from exc
 

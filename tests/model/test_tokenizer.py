@@ -61,7 +61,7 @@ def ours(smollm2_tokenizer) -> Tokenizer:
 def hf():
     from transformers import AutoTokenizer
 
-    with _gguf_parsed_once():     # the oracle's load: the GGUF parsed once, by gguf's faster reader
+    with _gguf_parsed_once():     # as the oracle model loads: the GGUF parsed once, by sluice's reader
         return AutoTokenizer.from_pretrained(str(smollm2_gguf().parent), gguf_file=SMOLLM2_GGUF)
 
 

@@ -8,6 +8,7 @@ without its metadata arrays (``arrays=False``), the same file gives the same sca
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sluice.engine.loaders.gguf_loader import open_gguf
 
@@ -62,8 +63,6 @@ def test_same_fields_and_tensors_as_the_stock_reader(tmp_path):
 
 
 def test_a_file_cut_inside_the_vocabulary_is_refused_by_name(tmp_path):
-    import pytest
-
     from sluice.engine.errors import ModelLoadError
 
     path = tmp_path / "t.gguf"
