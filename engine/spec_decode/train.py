@@ -5,12 +5,15 @@ model itself, on CPU:
 
 1. **Corpus.** The engine answers a bounded set of chat prompts (``training_prompts``: task
    templates crossed with subjects, written for this purpose and disjoint from the prompts of
-   ``bench/spec_decode.py``), greedily, as it would serve them. Each conversation keeps where its
-   answer starts: the heads only ever draft inside answers, so only answer positions are trained
-   and scored (the chat template's system prompt, the same in every conversation, is predicted
+   ``bench/spec_decode.py``), greedily, as it would serve them: in the model's served format
+   (``--corpus-quantization``, default ``auto``), 64 at a time. Decoding is the one sequential
+   stage, and w4a8 answers 2.3x faster than float32 on SmolLM2, so the corpus is 3x what float32
+   answered in the same time (the heads are limited by their data, not by their size). Each
+   conversation keeps where its answer starts: the heads only ever draft inside answers, so only
+   answer positions are trained and scored (the chat template's system prompt, the same in every conversation, is predicted
    almost perfectly and would make the held-out figures look far better than drafting is).
-2. **Features.** The target runs once over each conversation (prompt + answer) and keeps its last
-   hidden state ``h_t`` at every position; the labels are its own greedy choices
+2. **Features.** The float32 target runs once over each conversation (prompt + answer) and keeps
+   its last hidden state ``h_t`` at every position; the labels are its own greedy choices
    ``y_t = argmax LM(h_t)`` (the token after ``t``), which are what a greedy request's drafts must
    match to be accepted.
 3. **Training** with the target frozen (its LM head is shared, never trained):
@@ -23,7 +26,8 @@ model itself, on CPU:
    their cross-entropies run over it alone: six times less LM head for SmolLM2.
 4. The heads are written in the public layouts ``spec_decode.heads`` reads.
 
-Every stage prints its time; the defaults take SmolLM2-135M about 35 minutes on 2 cores.
+Every stage prints its time; the defaults take SmolLM2-135M about 38 minutes on 2 cores
+(AVX512-VNNI; peak RSS 6.2 GB, most of it the features of 362k tokens).
 """
 from __future__ import annotations
 
@@ -45,6 +49,12 @@ TASKS = (
     "Write a friendly email to a colleague about {}.", "How would you teach a beginner about {}?",
     "Write a diary entry about {}.", "What questions would a curious child ask about {}? Answer them.",
     "Give me a step-by-step plan for a weekend project involving {}.", "Summarise what people get wrong about {}.",
+    "Tell me a bedtime story involving {}.", "What is the most interesting thing about {}?",
+    "Write a short dialogue between two friends talking about {}.", "Write a news report about {}.",
+    "Write a speech for a school assembly about {}.", "What would the world be like without {}?",
+    "Create a quiz with five questions about {}, with the answers.", "Write the opening of a blog post about {}.",
+    "Answer as a teacher: why should students learn about {}?", "Write a limerick about {} and explain its joke.",
+    "Give me three surprising ideas for a school project about {}.", "Write a review of a book about {}.",
 )
 SUBJECTS = (
     "the ocean", "volcanoes", "a city at night", "learning a new language", "bicycles", "the moon",
@@ -62,11 +72,22 @@ SUBJECTS = (
     "a school play", "mushrooms", "a broken umbrella", "climbing", "the first airplane", "a fishing boat",
     "board games", "spring flowers", "a museum visit", "writing letters", "a power cut", "penguins",
     "street food", "a quiet morning", "the periodic table", "volunteering", "a snowstorm", "maps",
+    "the printing press", "a hot air balloon", "honey", "the rainforest", "a city park", "teamwork",
+    "submarines", "the solar system", "a road trip", "pottery", "elephants", "a summer festival",
+    "the stock market", "lighthouses", "a village bakery", "the Great Wall of China", "owls", "a violin",
+    "a science fair", "rainbows", "the Arctic", "a farmers' market", "handwriting", "a shipwreck",
+    "video games", "a mountain hut", "wolves", "the first computer", "a crossword puzzle", "tides",
+    "a lemonade stand", "castles", "a treehouse", "the nervous system", "a marching band", "comets",
+    "an old clock", "sea turtles", "a city bus driver", "the Olympic Games", "candles", "a vegetable patch",
+    "the Amazon river", "a circus", "microscopes", "a long winter night", "sharks", "a pen pal",
+    "the water cycle", "a small boat", "ants", "a new neighbour", "the Sahara", "a jigsaw puzzle",
+    "the compass", "a snowman", "whales", "a kitchen garden", "glassblowing", "a fire station",
+    "hedgehogs", "a windmill", "the underground railway", "a paper boat",
 )
 
 
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct user prompts (at most len(TASKS) * len(SUBJECTS) = 1152), shuffled by ``seed``."""
+    """``n`` distinct user prompts (at most len(TASKS) * len(SUBJECTS) = 3840), shuffled by ``seed``."""
     every = [t.format(s) for s in SUBJECTS for t in TASKS]
     random.Random(seed).shuffle(every)
     return every[:n]
@@ -394,10 +415,15 @@ def run(args) -> int:
     if corpus is not None and corpus.is_file():
         sequences, starts = read_corpus(corpus)
     else:
-        llm = LLM(loaded=loaded, device="cpu", max_num_seqs=32,
+        # Answering is the one sequential stage: in the format the model is served in (w4a8 decodes
+        # SmolLM2 2.3x faster than float32 here), 64 at a time. The labels are still float32's.
+        fast = loaded if args.corpus_quantization == "none" else load_model(
+            args.model, dtype="float32", device="cpu", quantization=args.corpus_quantization)
+        llm = LLM(loaded=loaded if fast.quantization == "none" else fast, device="cpu", max_num_seqs=64,
                   **({"num_threads": args.threads} if args.threads else {}))
         sequences, starts = generate_corpus(llm, training_prompts(args.num_prompts, args.seed), args.max_tokens)
-        del llm
+        _log(f"corpus answered in the {fast.quantization} format")
+        del llm, fast
         if corpus is not None:
             write_corpus(corpus, sequences, starts)
     answer_tokens = sum(len(q) - a for q, a in zip(sequences, starts))

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_prompts_are_distinct_bounded_and_not_the_benchmarks():
     every = train.training_prompts(len(train.TASKS) * len(train.SUBJECTS))
-    assert len(set(every)) == len(every) == 1152
+    assert len(set(every)) == len(every) == 3840
     assert train.training_prompts(5, seed=1) == train.training_prompts(5, seed=1) != train.training_prompts(5)
     from bench.prompts import GROUNDED, OPEN
     assert not set(every) & set(GROUNDED + OPEN)
