@@ -409,6 +409,11 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     if not 1 <= args.num_prompts <= len(TASKS) * len(SUBJECTS):
         raise SystemExit(f"--num-prompts: must be in [1, {len(TASKS) * len(SUBJECTS)}], got {args.num_prompts}")
+    from sluice.engine.models.quant import QUANTIZATIONS
+
+    if args.corpus_quantization not in QUANTIZATIONS:
+        raise SystemExit(f"--corpus-quantization: must be one of {', '.join(QUANTIZATIONS)}, "
+                         f"got {args.corpus_quantization!r}")
     t0 = time.perf_counter()
     loaded = load_model(args.model, dtype="float32", device="cpu")
     corpus = Path(args.corpus) if args.corpus else None

@@ -31,6 +31,12 @@ def test_prompts_are_distinct_bounded_and_not_the_benchmarks():
     assert not set(every) & set(GROUNDED + OPEN)
 
 
+def test_a_corpus_format_that_does_not_exist_is_refused_by_name(tmp_path):
+    with pytest.raises(SystemExit, match="--corpus-quantization: must be one of .*got 'int3'"):
+        train.main(["smollm2", "--out", str(tmp_path), "--corpus-quantization", "int3"])
+    assert not any(tmp_path.iterdir())
+
+
 def test_labels_are_the_greedy_choices_and_the_draft_vocabulary_the_most_frequent():
     w = torch.randn(10, 4)
     f = torch.randn(7, 4)
