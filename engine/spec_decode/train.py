@@ -10,8 +10,9 @@ model itself, on CPU:
    stage, and w4a8 answers 2.3x faster than float32 on SmolLM2, so the corpus is 3x what float32
    answered in the same time (the heads are limited by their data, not by their size). Each
    conversation keeps where its answer starts: the heads only ever draft inside answers, so only
-   answer positions are trained and scored (the chat template's system prompt, the same in every conversation, is predicted
-   almost perfectly and would make the held-out figures look far better than drafting is).
+   answer positions are trained and scored (the chat template's system prompt, the same in every
+   conversation, is predicted almost perfectly and would make the held-out figures look far better
+   than drafting is).
 2. **Features.** The float32 target runs once over each conversation (prompt + answer) and keeps
    its last hidden state ``h_t`` at every position; the labels are its own greedy choices
    ``y_t = argmax LM(h_t)`` (the token after ``t``), which are what a greedy request's drafts must
