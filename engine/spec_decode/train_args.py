@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from sluice.engine.cli import QUANTIZATIONS   # no torch import there either
+
 DESCRIPTION = "Self-distilled draft heads: ``sluice train-heads MODEL --kind medusa|eagle --out FOLDER``."
 
 
@@ -25,7 +27,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
                    help="EAGLE drafts from the N tokens the model's answers use most (0: the whole vocabulary)")
     p.add_argument("--eagle-intermediate-size", type=int, default=None,
                    help="the EAGLE layer's MLP width (default: the target's)")
-    p.add_argument("--corpus-quantization", default="auto",
+    p.add_argument("--corpus-quantization", default="auto", choices=QUANTIZATIONS,
                    help="the weight format the engine answers the corpus prompts in (auto: the one `sluice serve` "
                         "picks for this model, w4a8 for SmolLM2's GGUF on a CPU with the block kernels); the "
                         "labels are always the float32 model's own choices")

@@ -31,9 +31,10 @@ def test_prompts_are_distinct_bounded_and_not_the_benchmarks():
     assert not set(every) & set(GROUNDED + OPEN)
 
 
-def test_a_corpus_format_that_does_not_exist_is_refused_by_name(tmp_path):
-    with pytest.raises(SystemExit, match="--corpus-quantization: must be one of .*got 'int3'"):
+def test_a_corpus_format_that_does_not_exist_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit):
         train.main(["smollm2", "--out", str(tmp_path), "--corpus-quantization", "int3"])
+    assert "--corpus-quantization: invalid choice: 'int3'" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
 
 
