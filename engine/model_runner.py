@@ -19,10 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, TreeRows
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
 from sluice.engine.penalty_rows import PenaltyRows
 from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
+from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.rows import rows_of
 from sluice.engine.spec_decode.verify import DraftedSeq, verify
 
@@ -33,6 +34,8 @@ class BatchInputs:
     positions: torch.Tensor        # [num_tokens] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor      # [num_sampled] int64: hidden row of each sampled sequence's last token
+    # request id -> the cache slots of its draft tree's nodes, in draft order (spec_decode.tree)
+    tree_slots: dict | None = None
 
 
 def zeroed_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -91,6 +94,7 @@ class ModelRunner:
         # computed for it this step, rejected drafts' included.
         self.capture: str | None = None
         self.captured: dict[str, tuple[int, torch.Tensor]] = {}
+        self._accepted_nodes: dict[str, list[int]] = {}   # this step's draft trees: the accepted path
 
     def execute(self, out) -> RunnerOutput:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
@@ -102,17 +106,23 @@ class ModelRunner:
         for request_id in out.preempted_ids:
             self.block_tables.drop(request_id)
         self.captured.clear()
+        self._accepted_nodes.clear()
         if not out.scheduled:
             return RunnerOutput()
         batch = self.prepare(out.scheduled, self.block_tables)
         hidden = self.forward(batch)
+        # Work that needs the batch but not the logits (a grammar bitmask) goes here.
+        res = self.sample(out.scheduled, batch, hidden)
         if self.capture == "all":
             row = 0
             for s in out.scheduled:
-                self.captured[s.request.request_id] = (s.num_computed_tokens, hidden[row:row + s.num_new_tokens])
+                rid = s.request.request_id
+                rows = hidden[row:row + s.num_new_tokens]
+                if rid in self._accepted_nodes:   # a tree: the known rows, then the accepted path's
+                    known = s.num_new_tokens - _num_drafts(s)
+                    rows = rows[[*range(known), *(known + a for a in self._accepted_nodes[rid])]]
+                self.captured[rid] = (s.num_computed_tokens, rows)
                 row += s.num_new_tokens
-        # Work that needs the batch but not the logits (a grammar bitmask) goes here.
-        res = self.sample(out.scheduled, batch, hidden)
         if self.capture == "last":
             self._capture_last(out.scheduled, batch, hidden, res)
         return res
@@ -125,7 +135,8 @@ class ModelRunner:
             if rid not in res.sampled_token_ids:
                 continue
             accepted = len(drafts) - res.num_rejected_tokens.get(rid, 0)
-            row = int(batch.sample_rows[first + accepted])
+            nodes = self._accepted_nodes.get(rid)
+            row = int(batch.sample_rows[first + (accepted if nodes is None else 1 + nodes[-1] if nodes else 0)])
             # The row's position: the last known token's (N - 1) plus the drafts accepted.
             self.captured[rid] = (req.num_tokens - 1 + accepted, hidden[row])
 
@@ -154,15 +165,16 @@ class ModelRunner:
                                                  self._bitmask([(r, ()) for r in reqs]), self.penalty_rows)
                 self._to_output(reqs, self.sampler(plain_logits, sb), res)
             if plan.drafted:
-                self._verify(plan, logits, res)
+                self._verify(plan, logits, res, batch)
         return res
 
-    def _verify(self, plan, logits: torch.Tensor, res: RunnerOutput) -> None:
+    def _verify(self, plan, logits: torch.Tensor, res: RunnerOutput, batch: BatchInputs) -> None:
         rows, seqs = [], []
         for i in plan.drafted:
             req, drafts = plan.seqs[i]
-            seqs.append(DraftedSeq(req, len(rows), drafts, self.draft_probs.pop(req.request_id, None)))
-            rows.extend(rows_of(req, drafts))
+            parents = plan.parents[i]
+            seqs.append(DraftedSeq(req, len(rows), drafts, self.draft_probs.pop(req.request_id, None), parents))
+            rows.extend(rows_of(req, drafts, parents))
         idx = torch.tensor([plan.first_row[i] + j for i in plan.drafted
                             for j in range(len(plan.seqs[i][1]) + 1)], device=self.device)
         sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
@@ -173,6 +185,20 @@ class ModelRunner:
             res.num_rejected_tokens[rid] = v.num_rejected
             if v.logprobs is not None:
                 res.logprobs[rid] = v.logprobs
+            if v.accepted_nodes is not None:
+                self._accepted_nodes[rid] = v.accepted_nodes
+                self._move_kv(batch.tree_slots[rid], tree.accepted_moves(v.accepted_nodes))
+
+    def _move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:
+        """Copy the K/V of draft nodes to other draft slots (``tree.accepted_moves``), every layer."""
+        if not moves:
+            return
+        src = torch.from_numpy(slots[[a for a, _b in moves]]).to(self.device)
+        dst = torch.from_numpy(slots[[b for _a, b in moves]]).to(self.device)
+        for cache in self.kv_caches:
+            for c in cache:
+                flat = c.view(-1, *c.shape[2:])
+                flat[dst] = flat[src]
 
     def _bitmask(self, rows) -> torch.Tensor | None:
         """[num_rows, ceil(V / 32)] grammar bitmask for (request, drafts) rows, or None."""
@@ -189,6 +215,8 @@ class ModelRunner:
             tables_rows = [np.asarray(s.block_ids, dtype=np.int32) for s in scheduled]
         tables = np.zeros((len(scheduled), max(len(r) for r in tables_rows)), dtype=np.int32)
         ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
+        trees: dict[int, tuple] = {}     # row offset -> (draft tree's depths, parents, its first draft row)
+        tree_slots: dict[str, np.ndarray] = {}
         single = True
         row = 0
         for i, (s, table) in enumerate(zip(scheduled, tables_rows)):
@@ -203,8 +231,17 @@ class ModelRunner:
                 single = False
                 ids.append(_token_slice(req, start, end))
                 p = np.arange(start, end, dtype=np.int64)
-                pos.append(p)
                 slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
+                num_drafts = max(0, end - req.num_tokens)
+                parents = _tree_parents(req, num_drafts)
+                if parents is not None:
+                    # Node i runs at index n + i (its slot) but sits at position n - 1 + depth.
+                    depth = np.asarray(tree.depths(parents), dtype=np.int64)
+                    p = p.copy()
+                    p[len(p) - num_drafts:] = req.num_tokens - 1 + depth
+                    trees[row + len(p) - num_drafts] = (depth, parents, slots[-1][len(p) - num_drafts:])
+                    tree_slots[req.request_id] = slots[-1][len(p) - num_drafts:]
+                pos.append(p)
             q_lens.append(s.num_new_tokens)
             seq_lens.append(end)
             ctx_lens.append(start)
@@ -225,6 +262,7 @@ class ModelRunner:
             qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
             np.cumsum(q_lens, out=qsl[1:])
             qsl = torch.from_numpy(qsl)
+        tree_rows = None if not trees else _tree_rows(positions, trees, dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             query_start_loc=qsl.to(dev),
@@ -236,12 +274,14 @@ class ModelRunner:
             max_seq_len=max(seq_lens),
             query_lens_cpu=tuple(q_lens),
             seq_lens_cpu=tuple(seq_lens),
+            tree=tree_rows,
         )
         return BatchInputs(
             input_ids=input_ids.to(dev),
             positions=positions.to(dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            tree_slots=tree_slots or None,
         )
 
     @staticmethod
@@ -265,6 +305,34 @@ class SamplePlan:
     first_row: list[int]       # each one's first logit row
     plain: list[int]           # indices into seqs without drafts
     drafted: list[int]         # indices into seqs with drafts
+    parents: list[list[int] | None]   # each one's draft tree (spec_decode.tree), None: a chain
+
+
+def _tree_parents(req, num_drafts: int) -> list[int] | None:
+    """The parents of the drafts that run, when they are a tree (``Request.spec_parents``)."""
+    parents = getattr(req, "spec_parents", None)
+    if parents is None or num_drafts == 0:
+        return None
+    if len(parents) < num_drafts:
+        raise ValueError(f"request {req.request_id!r}: {num_drafts} drafts but {len(parents)} tree parents")
+    return list(parents[:num_drafts])
+
+
+def _tree_rows(positions: torch.Tensor, trees: dict[int, tuple], device) -> TreeRows:
+    """Every row's prefix length (position + 1) and, for a draft tree's node rows, its path's
+    slots from the first draft position on (``TreeRows``)."""
+    lens = positions + 1
+    start = lens.clone()
+    width = max(int(depth.max()) for depth, _p, _s in trees.values())
+    tail = np.zeros((len(positions), width), dtype=np.int64)
+    for first, (depth, parents, slots) in trees.items():
+        first_pos = int(positions[first]) - int(depth[0]) + 1     # the first draft position (n)
+        for i in range(len(parents)):
+            path = tree.path(parents, i)
+            tail[first + i, :len(path)] = slots[path]
+            start[first + i] = first_pos
+    return TreeRows(lens=lens.to(torch.int32).to(device), tail_start=start.to(torch.int32).to(device),
+                    tail_slots=torch.from_numpy(tail).to(device))
 
 
 def _num_drafts(s) -> int:
@@ -273,16 +341,17 @@ def _num_drafts(s) -> int:
 
 
 def sample_plan(scheduled) -> SamplePlan:
-    seqs, first, plain, drafted, row = [], [], [], [], 0
+    seqs, first, plain, drafted, parents, row = [], [], [], [], [], 0
     for s in scheduled:
         if not s.sample:
             continue
         drafts = list(s.request.spec_token_ids[:_num_drafts(s)])
         (drafted if drafts else plain).append(len(seqs))
         seqs.append((s.request, drafts))
+        parents.append(_tree_parents(s.request, len(drafts)))
         first.append(row)
         row += len(drafts) + 1
-    return SamplePlan(seqs, first, plain, drafted)
+    return SamplePlan(seqs, first, plain, drafted, parents)
 
 
 def _token_at(req, i: int) -> int:

@@ -87,6 +87,7 @@ KEYS: dict[str, _Key] = {
     "spec_max_batch_size": _Key("spec_max_batch_size", _int, "no drafts above this many running requests"),
     "spec_min_draft_prob": _Key("spec_min_draft_prob", float, "eagle/medusa: a draft ends below this head probability"),
     "spec_head_format": _Key("spec_head_format", str, "eagle/medusa: drafting weights: auto | float32 | w8a8 (CPU)"),
+    "spec_tree_width": _Key("spec_tree_width", _int, "eagle: children per draft node (1: a chain; >1: a draft tree)"),
     "seed": _Key("seed", _int, "the engine's base random seed"),
     # Request caps (engine.config.LimitsConfig); over a cap a request is INVALID_ARGUMENT.
     "max_n": _Key("max_n", _int, "choices per request"),

@@ -58,6 +58,9 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0             # prompt tokens served by the prefix cache
     spec_token_ids: list[int] = field(default_factory=list)  # draft tokens proposed for this step
+    # A draft tree's parent of each spec token (an earlier index, -1: the last known token), or
+    # None: the drafts are a chain. Every prefix of the list is a tree, so trimming keeps one.
+    spec_parents: list[int] | None = None
     num_draft_tokens: int = 0              # drafts verified for this request, over its life
     num_accepted_tokens: int = 0           # ... and accepted
     num_preemptions: int = 0

@@ -237,6 +237,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids.clear()
+        req.spec_parents = None
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -256,6 +257,7 @@ class Scheduler:
             req.num_computed_tokens = seq.num_computed_tokens + seq.num_new_tokens - rejected
             # Drafts are consumed by the step that verified them; the proposer sets new ones.
             req.spec_token_ids.clear()
+            req.spec_parents = None
             tokens = res.sampled_token_ids.get(req.request_id, ())
             for used, token_id in enumerate(tokens, 1):
                 req.append_output_token(token_id)

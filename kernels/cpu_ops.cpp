@@ -307,14 +307,26 @@ void exp_shifted(float* x, int64_t n, float shift) {
 
 // Calls fn(t, pointer to token t's row for this KV head) for t = t0 .. t1 - 1, walking the
 // sequence's blocks in order (one table lookup per block).
+// Where a row's tokens are: through its sequence's block table, except that from ``tail_start`` on
+// (a draft-tree row: its ancestors and itself, wherever the step wrote them) token t is at the
+// flat slot tail[t - tail_start]. Tokens are visited in the same order either way, so a tree row
+// computes exactly what the same tokens in a plain sequence would.
+struct RowKeys {
+  const int32_t* table;
+  const int64_t* tail = nullptr;
+  int64_t tail_start = std::numeric_limits<int64_t>::max();
+};
+
 template <typename T, typename Fn>
-inline void each_token(const T* cache, const int32_t* table, int64_t block_size, int64_t row,
+inline void each_token(const T* cache, const RowKeys& keys, int64_t block_size, int64_t row,
                        int64_t offset, int64_t t0, int64_t t1, Fn&& fn) {
-  for (int64_t t = t0; t < t1;) {
-    const int64_t blk = t / block_size, end = std::min(t1, (blk + 1) * block_size);
-    const T* p = cache + (static_cast<int64_t>(table[blk]) * block_size + (t - blk * block_size)) * row + offset;
+  const int64_t mid = std::min(t1, std::max(t0, keys.tail_start));
+  for (int64_t t = t0; t < mid;) {
+    const int64_t blk = t / block_size, end = std::min(mid, (blk + 1) * block_size);
+    const T* p = cache + (static_cast<int64_t>(keys.table[blk]) * block_size + (t - blk * block_size)) * row + offset;
     for (; t < end; ++t, p += row) fn(t, p);   // no division per token
   }
+  for (int64_t t = mid; t < t1; ++t) fn(t, cache + keys.tail[t - keys.tail_start] * row + offset);
 }
 
 // A row attends over its tokens in chunks of kChunk positions (the last may be shorter): per
@@ -339,7 +351,7 @@ struct Partial {
 
 template <int G, int CH, typename T>
 void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t kv_heads,
-                 int64_t kvh, const int32_t* table, int64_t block_size, int64_t t0, int64_t t1, float scale,
+                 int64_t kvh, const RowKeys& table, int64_t block_size, int64_t t0, int64_t t1, float scale,
                  std::vector<float>& scores) {
   constexpr int64_t dim = 16 * CH;
   const int64_t len = t1 - t0;
@@ -393,7 +405,7 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
 
 template <typename T>
 using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int64_t,
-                         const int32_t*, int64_t, int64_t, int64_t, float, std::vector<float>&);
+                         const RowKeys&, int64_t, int64_t, int64_t, float, std::vector<float>&);
 
 template <int CH, typename T>
 ChunkFn<T> pick_group(int64_t group) {
@@ -427,7 +439,7 @@ inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
 
 template <typename T>
 void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T* kc,
-               const T* vc, int64_t kv_heads, int64_t kvh, const int32_t* table,
+               const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& table,
                int64_t block_size, int64_t t0, int64_t t1, float scale, std::vector<float>& scores) {
   const int64_t len = t1 - t0;
   scores.resize(static_cast<size_t>(group * len));
@@ -496,8 +508,12 @@ void merge_chunks(const Partial* parts, int64_t n, int64_t group, int64_t dim, f
 // seq_lens[b] tokens of the sequence block_tables[b] describes: a decode row is its sequence's
 // last token, and a prefill or verification row is one row per token with its own length.
 // Work is split into (row, chunk, KV head) items over the threads.
+// Draft-tree rows (optional): tail_start [B] int32 and tail_slots [B, W] int64; row b reads its
+// tokens from tail_start[b] on at the slots tail_slots[b, :] (RowKeys). A row without a tail has
+// tail_start[b] >= seq_lens[b].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
-                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                           torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                           std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
   check_cache(kc, vc);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32 [B, Hq, D]");
   auto qc = q.contiguous();
@@ -509,6 +525,31 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch && sl.numel() == batch, "paged_decode: one table and length per row");
   const int64_t group = heads / kv_heads, width = bt.size(1);
   const int32_t* lens = sl.data_ptr<int32_t>();
+  TORCH_CHECK(tail_start.has_value() == tail_slots.has_value(), "paged_decode: tail_start and tail_slots go together");
+  torch::Tensor ts, tt;
+  if (tail_start.has_value()) {
+    ts = tail_start->to(torch::kInt64).contiguous();
+    tt = tail_slots->to(torch::kInt64).contiguous();
+    TORCH_CHECK(ts.numel() == batch && tt.dim() == 2 && tt.size(0) == batch, "paged_decode: one tail per row");
+    const int64_t* start = ts.data_ptr<int64_t>();
+    const int64_t cache_slots = kc.size(0) * block_size;
+    for (int64_t b = 0; b < batch; ++b) {
+      TORCH_CHECK(start[b] >= 0 && (start[b] >= lens[b] || lens[b] - start[b] <= tt.size(1)),
+                  "paged_decode: row ", b, "'s tail does not fit tail_slots");
+      for (int64_t t = start[b]; t < lens[b]; ++t) {
+        const int64_t slot_id = tt.data_ptr<int64_t>()[b * tt.size(1) + t - start[b]];
+        TORCH_CHECK(slot_id >= 0 && slot_id < cache_slots, "paged_decode: tail slot ", slot_id, " is outside the cache");
+      }
+    }
+  }
+  auto row_keys = [&](int64_t b) {
+    RowKeys keys{bt.data_ptr<int32_t>() + b * width};
+    if (ts.defined()) {
+      keys.tail_start = ts.data_ptr<int64_t>()[b];
+      keys.tail = tt.data_ptr<int64_t>() + b * tt.size(1);
+    }
+    return keys;
+  };
   // Each row's first chunk, over (row, chunk): a row's chunks are consecutive. Rows of more than
   // one chunk keep their partial results in a workspace (its slots: `slot`), merged afterwards;
   // a one-chunk row is finished where it is computed.
@@ -528,7 +569,6 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   static thread_local std::vector<float> workspace;
   workspace.resize(static_cast<size_t>(split * kv_heads * per_part));
   const float* qp = qc.data_ptr<float>();
-  const int32_t* tp = bt.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   float* wp = workspace.data();
   auto part_in = [&](float* base) { return Partial{base, base + group * dim, base + group * dim + group}; };
@@ -550,11 +590,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
         const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
 #if SLUICE_V16
         if (fixed != nullptr) {
-          fixed(qh, part, kp, vp, kv_heads, kvh, tp + b * width, block_size, t0, t1, static_cast<float>(scale), scores);
+          fixed(qh, part, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1, static_cast<float>(scale), scores);
         } else
 #endif
         {
-          chunk_any(qh, part, group, dim, kp, vp, kv_heads, kvh, tp + b * width, block_size, t0, t1,
+          chunk_any(qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
                     static_cast<float>(scale), scores);
         }
         if (slot[c] < 0) merge_chunks(&part, 1, group, dim, op + (b * heads + kvh * group) * dim);
@@ -664,7 +704,8 @@ class LlamaDecoder {
 
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
-                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens) {
+                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
+                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "LlamaDecoder: one cache pair per layer");
     const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_, rows = h.size(0);
@@ -679,7 +720,7 @@ class LlamaDecoder {
       auto k = qk.narrow(1, heads_, kv_heads_);
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads_, dim_});
       store_kv(k, v, key_caches[i], value_caches[i], slots);
-      auto attn = paged_decode(qk.narrow(1, 0, heads_), key_caches[i], value_caches[i], bt, sl, scale_);
+      auto attn = paged_decode(qk.narrow(1, 0, heads_), key_caches[i], value_caches[i], bt, sl, scale_, tail_start, tail_slots);
       auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, eps_);
       auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
@@ -709,10 +750,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("rotary", &rotary);
   mod.def("silu_mul", &silu_mul);
   mod.def("store_kv", &store_kv);
-  mod.def("paged_decode", &paged_decode);
+  mod.def("paged_decode", &paged_decode, pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
+          pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
+          pybind11::arg("tail_start") = pybind11::none(), pybind11::arg("tail_slots") = pybind11::none());
   mod.def("row_bucket", &row_bucket, "the row count a oneDNN-packed projection of this many rows runs at");
   pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
                           torch::Tensor, int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &LlamaDecoder::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &LlamaDecoder::forward, pybind11::arg("h"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("slots"),
+           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("tail_start") = pybind11::none(),
+           pybind11::arg("tail_slots") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
 }

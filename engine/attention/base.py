@@ -22,6 +22,20 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [n
 
 
 @dataclass(frozen=True)
+class TreeRows:
+    """A step with draft trees: a tree node's row is at position (last known token) + depth and
+    attends to the sequence's known tokens and then to its ancestors and itself only, which the
+    step wrote to its slots in tree order, not by position. Per query row: ``lens`` [T] int32 its
+    prefix length (position + 1), ``tail_start`` [T] int32 the first position read from
+    ``tail_slots`` [T, W] int64 instead of the block table (>= its length: none). Only the C++
+    layer stack reads it (``kernels/cpu_ops.cpp``'s paged_decode)."""
+
+    lens: torch.Tensor
+    tail_start: torch.Tensor
+    tail_slots: torch.Tensor
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor        # [num_tokens] int64: flat cache slot of each new token
     query_start_loc: torch.Tensor     # [num_seqs + 1] int32: cumulative query lengths
@@ -34,6 +48,9 @@ class AttentionMetadata:
     # Host copies, so that backends that loop or branch on lengths never sync with the device.
     query_lens_cpu: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...]
+    # Draft-tree rows (``spec_decode.tree``), or None: per query row its prefix length and where
+    # its tokens leave the block table for explicit slots (``TreeRows``).
+    tree: TreeRows | None = None
 
     @property
     def num_seqs(self) -> int:

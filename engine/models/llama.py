@@ -226,7 +226,12 @@ class LlamaForCausalLM(torch.nn.Module):
         if attn.name == "torch" and self._cpu_decoder() is not None:
             keys, values = zip(*kv_caches)
             tables, lens = row_prefixes(meta)
-            return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping, tables, lens)
+            if meta.tree is None:
+                return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping, tables, lens)
+            return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping, tables,
+                                         meta.tree.lens, meta.tree.tail_start, meta.tree.tail_slots)
+        if meta.tree is not None:
+            raise RuntimeError("draft trees need the C++ layer stack (supports_draft_trees)")
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, attn)
         return self.norm(h)
@@ -270,6 +275,11 @@ class LlamaForCausalLM(torch.nn.Module):
                     tensors, shapes, self.norm.weight.detach(), arch.num_attention_heads,
                     arch.num_key_value_heads, arch.head_dim, float(arch.rms_norm_eps), arch.head_dim ** -0.5)
         return self._decoder or None
+
+    def supports_draft_trees(self, attn: AttentionBackend) -> bool:
+        """Whether a step may carry draft trees (``AttentionMetadata.tree``): only the C++ layer
+        stack attends through explicit slots."""
+        return attn.name == "torch" and self._cpu_decoder() is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input ids [T] → embeddings [T, hidden] (EAGLE's heads share them)."""

@@ -23,6 +23,7 @@ DEFAULT_MAX_BATCH_SIZE = 3
 DEFAULT_MIN_DRAFT_PROB = 0.35
 # eagle/medusa: the weights drafting reads (heads.resolve_head_format)
 HEAD_FORMATS = ("auto", "float32", "w8a8")
+MAX_TREE_WIDTH = 8
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,11 @@ class SpeculativeConfig:
     # eagle/medusa: the weights drafting reads: auto (w8a8 where the CPU block kernels are
     # vectorized, else float32) | float32 | w8a8 (heads.resolve_head_format)
     spec_head_format: str = "auto"
+    # eagle: children per draft node. 1: a chain, which ends before the first token the head gives
+    # less than spec_min_draft_prob. W > 1: a draft tree (spec_decode.tree) of greedy requests:
+    # each node's W likeliest children, kept while the product of the head's probabilities along
+    # the path is at least spec_min_draft_prob (EAGLE-2's score), at most K deep and K * W nodes.
+    spec_tree_width: int = 1
 
     def __post_init__(self) -> None:
         mode = self.speculative_mode
@@ -52,6 +58,9 @@ class SpeculativeConfig:
         p = self.spec_min_draft_prob
         if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
             raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
+        _int_in("spec_tree_width", self.spec_tree_width, 1, MAX_TREE_WIDTH)
+        if self.spec_tree_width > 1 and mode != "eagle":
+            raise ValueError(f"spec_tree_width: draft trees are drafted by speculative_mode eagle only, not {mode}")
         if self.spec_head_format not in HEAD_FORMATS:
             raise ValueError(f"spec_head_format: must be one of {', '.join(HEAD_FORMATS)}, "
                              f"got {self.spec_head_format!r}")
@@ -71,8 +80,8 @@ class SpeculativeConfig:
 
     @property
     def num_speculative_tokens(self) -> int:
-        """What the scheduler budgets per request: K when drafting, else 0."""
-        return self.spec_draft_length if self.enabled else 0
+        """What the scheduler budgets per request: K when drafting (K * W for draft trees), else 0."""
+        return self.spec_draft_length * self.spec_tree_width if self.enabled else 0
 
 
 def _int_in(name: str, value, lo: int, hi: int) -> None:

@@ -40,6 +40,7 @@ class SpecDecoder:
         self.config = config
         self.proposer = proposer
         self.k = config.spec_draft_length
+        self.max_drafts = config.num_speculative_tokens   # a tree's nodes: up to K * width
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
         self._draft_probs = {} if draft_probs is None else draft_probs   # the runner's, shared
 
@@ -57,7 +58,8 @@ class SpecDecoder:
         by_id = {r.request_id: r for r in ready}
         for rid, draft in self.proposer.propose(ready, self.k).items():
             req = by_id[rid]
-            req.spec_token_ids = list(draft.token_ids[:self.k])
+            req.spec_token_ids = list(draft.token_ids[:self.max_drafts])
+            req.spec_parents = None if draft.parents is None else list(draft.parents[:self.max_drafts])
             if draft.probs is not None:
                 self._draft_probs[rid] = draft.probs
             else:

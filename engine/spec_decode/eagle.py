@@ -28,7 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import GeneratorCache
+from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize
+from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.heads import DraftLMHead, EagleCache, EagleHead
 from sluice.engine.spec_decode.proposer import Draft, draft_prob, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
@@ -38,9 +39,10 @@ class EagleProposer:
     name = "eagle"
 
     def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0,
-                 min_prob: float = 0.0, head_format: str = "float32") -> None:
+                 min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1) -> None:
         self.head = head
         self.min_prob = min_prob            # a draft ends before a token the head gives less
+        self.tree_width = tree_width        # > 1: greedy requests get draft trees (propose_trees)
         self.head_format = head.pack_for_serving(head_format)   # what drafting reads: "w8a8" or "float32"
         self.target = target
         self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
@@ -111,6 +113,19 @@ class EagleProposer:
             hidden.append(got[1])
         if not live:
             return {}
+        out: dict[str, Draft] = {}
+        if self.tree_width > 1:
+            sb = SamplingBatch.from_requests([req for req, _r, _c in live], self.vocab_size, self.device, self.generators)
+            # Greedy requests without a grammar get trees; the others chains.
+            tree_ok = [g and req.sampling_params.structured is None
+                       for (req, _r, _c), g in zip(live, sb.greedy.tolist())]
+            if any(tree_ok):
+                out = self._propose_trees([x for x, t in zip(live, tree_ok) if t],
+                                          [h for h, t in zip(hidden, tree_ok) if t])
+                hidden = [h for h, t in zip(hidden, tree_ok) if not t]
+                live = [x for x, t in zip(live, tree_ok) if not t]
+                if not live:
+                    return out
         drafts: dict[str, list[int]] = {req.request_id: [] for req, _r, _c in live}
         probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _r, _c in live}
         with torch.inference_mode():
@@ -135,4 +150,57 @@ class EagleProposer:
                     (e[m:m + 1], h[i:i + 1], [live[i][0].num_tokens - 1 + j], live[i][2])
                     for m, i in enumerate(going)]))
                 live = [live[i] for i in going]
-        return {rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items() if d}
+        out.update({rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items() if d})
+        return out
+
+    def _propose_trees(self, live: list, hidden: list[torch.Tensor]) -> dict[str, Draft]:
+        """Draft trees (``spec_decode.tree``) for greedy requests, depth by depth over all of them
+        at once: each frontier node's ``tree_width`` likeliest children (after penalties, as a
+        greedy chain's argmax), kept while the product of the head's probabilities along the path
+        is at least ``min_prob`` (EAGLE-2's score), the best-scoring first, at most K * width
+        nodes a request. A kept child that may have children runs the head on (its embedding, its
+        parent's predicted hidden state), in a copy of its parent's cache when it has siblings."""
+        width = self.tree_width
+        tokens: list[list[int]] = [[] for _ in live]
+        parents: list[list[int]] = [[] for _ in live]
+        # (request index, node (-1: the root), predicted hidden [H], cache, score)
+        frontier = [(i, -1, h, cache, 1.0) for i, ((_req, _room, cache), h) in enumerate(zip(live, hidden))]
+        with torch.inference_mode():
+            for depth in range(1, max(room for _req, room, _c in live) + 1):
+                rows = [SampleRow(live[i][0], tuple(tokens[i][a] for a in tree.path(parents[i], node)) if node >= 0 else ())
+                        for i, node, _h, _c, _s in frontier]
+                sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+                probs = torch.softmax(penalize(self._lm(torch.stack([h for _i, _n, h, _c, _s in frontier])), sb), dim=-1)
+                top = probs.topk(width, dim=-1)
+                per_request: dict[int, list] = {}
+                for f, (ids, ps) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
+                    i, _node, _h, _c, score = frontier[f]
+                    for tok, p in zip(ids, ps):
+                        if score * p >= self.min_prob:
+                            per_request.setdefault(i, []).append((score * p, f, tok))
+                grow = []      # (frontier index, request index, new node, score)
+                for i, cands in per_request.items():
+                    room = live[i][1] * width - len(tokens[i])
+                    for score, f, tok in sorted(cands, key=lambda c: -c[0])[:room]:
+                        parents[i].append(frontier[f][1])
+                        tokens[i].append(tok)
+                        if depth < live[i][1]:
+                            grow.append((f, i, len(tokens[i]) - 1, score))
+                if not grow:
+                    break
+                # Each parent's first growing child extends its cache in place, the others a copy.
+                seen, items = set(), []
+                for f, i, node, _score in grow:
+                    cache = frontier[f][3]
+                    if f in seen:
+                        cache = cache.fork()
+                    seen.add(f)
+                    items.append((f, i, node, cache))
+                e = self.target.embed(torch.tensor([tokens[i][node] for _f, i, node, _c in items],
+                                                   dtype=torch.long, device=self.device))
+                pos = [live[i][0].num_tokens - 2 + depth for _f, i, _n, _c in items]
+                h = self.head.forward_many([(e[m:m + 1], frontier[f][2][None], [pos[m]], cache)
+                                            for m, (f, _i, _n, cache) in enumerate(items)])
+                frontier = [(i, node, h[m][0], cache, score)
+                            for m, ((_f, i, node, cache), (_f2, _i2, _n2, score)) in enumerate(zip(items, grow))]
+        return {req.request_id: Draft(t, None, p) for (req, _r, _c), t, p in zip(live, tokens, parents) if t}

@@ -67,9 +67,15 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
         # cache, the row behind each request's last token for Medusa. Off in the other modes.
         runner.capture = "all" if mode == "eagle" else "last"
         cls = EagleProposer if mode == "eagle" else MedusaProposer
+        tree = {}
+        if config.spec_tree_width > 1:
+            if not runner.model.supports_draft_trees(runner.attn):
+                raise ValueError("spec_tree_width: draft trees need the C++ layer stack (CPU, attention backend "
+                                 f"torch, the cpu extension built); this engine runs attention {runner.attn.name!r}")
+            tree = {"tree_width": config.spec_tree_width}
         proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
                        min_prob=config.spec_min_draft_prob,
-                       head_format=resolve_head_format(config.spec_head_format, runner.device))
+                       head_format=resolve_head_format(config.spec_head_format, runner.device), **tree)
     else:   # SpeculativeConfig refuses every other mode
         raise ValueError(f"speculative_mode: {config.speculative_mode!r} has no proposer")
     return SpecDecoder(config, proposer, runner.draft_probs)

@@ -214,6 +214,14 @@ class EagleCache:
     def __len__(self) -> int:
         return len(self.positions)
 
+    def fork(self) -> "EagleCache":
+        """A copy that grows apart from this one (a draft tree's sibling branches)."""
+        n = len(self.positions)
+        out = EagleCache.__new__(EagleCache)
+        out.k, out.v = self.k[:n + 8].clone(), self.v[:n + 8].clone()
+        out.positions = list(self.positions)
+        return out
+
     def truncate(self, position: int) -> None:
         """Drop every entry at ``position`` or later."""
         del self.positions[bisect.bisect_left(self.positions, position):]

@@ -22,6 +22,8 @@ class Draft:
     # [len(token_ids), vocab] float32: the distribution each draft token was drawn from, for the
     # rejection sampler. None: a point mass on each token (the n-gram proposer, greedy drafts).
     probs: torch.Tensor | None = None
+    # A draft tree's parent per token (spec_decode.tree; greedy drafts only), or None: a chain.
+    parents: list[int] | None = None
 
 
 class Proposer(Protocol):

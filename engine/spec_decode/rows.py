@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sluice.engine.request import Request
+from sluice.engine.spec_decode import tree
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,12 @@ class SampleRow:
         return self.request.num_output_tokens + len(self.drafts)
 
 
-def rows_of(req: Request, drafts: list[int]) -> list[Request | SampleRow]:
-    """The K + 1 rows of a request with K drafts (the request itself when K is 0)."""
+def rows_of(req: Request, drafts: list[int], parents: list[int] | None = None) -> list[Request | SampleRow]:
+    """The K + 1 rows of a request with K drafts (the request itself when K is 0). For a draft
+    tree (``parents``, ``spec_decode.tree``) node i's row holds the drafts on its path."""
     if not drafts:
         return [req]
+    if parents is not None:
+        return [SampleRow(req, ())] + [SampleRow(req, tuple(drafts[a] for a in tree.path(parents, i)))
+                                       for i in range(len(drafts))]
     return [SampleRow(req, tuple(drafts[:j])) for j in range(len(drafts) + 1)]

@@ -6,7 +6,8 @@ drafts; see ``rows``), already sampled-from in ``SamplingBatch`` form, and the d
 * Greedy requests: accept the longest prefix of drafts equal to the target's argmax (after
   penalties, bias and the min_tokens mask, per row), then add the argmax at the first mismatch,
   or the bonus row's argmax when all K are accepted. The output is what K + 1 greedy steps
-  without drafts would give.
+  without drafts would give. A draft tree (``spec_decode.tree``) is walked the same way: from
+  each accepted node to its child equal to that node's row's argmax.
 * Sampling requests: rejection sampling (Leviathan et al. 2023; Chen et al. 2023). With target
   distributions ``p_j`` (every sampling stage applied, the same distribution a plain step
   draws from) and draft distributions ``q_j``: accept ``d_j`` with probability
@@ -29,6 +30,7 @@ import torch
 
 from sluice.engine.outputs import TokenLogprob
 from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize, processed_probs, request_seed
+from sluice.engine.spec_decode import tree
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class DraftedSeq:
     first_row: int                     # its K + 1 rows are first_row .. first_row + K
     draft_ids: list[int]               # K >= 1 drafts
     draft_probs: torch.Tensor | None   # [K, V] or None (point mass)
+    parents: list[int] | None = None   # a draft tree's (spec_decode.tree), greedy only; None: a chain
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class Verified:
     token_ids: list[int]               # accepted drafts, then the added token
     num_rejected: int                  # K - accepted
     logprobs: list[TokenLogprob] | None
+    accepted_nodes: list[int] | None = None   # a tree's accepted path (draft indices); None: a chain
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
@@ -53,10 +57,17 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
     argmax = penalised.argmax(dim=-1).tolist()
     greedy = batch.greedy.tolist()
     emitted: list[list[int]] = [None] * len(seqs)
+    nodes: list[list[int] | None] = [None] * len(seqs)
     random_seqs = []
     for i, s in enumerate(seqs):
-        if greedy[s.first_row]:
-            emitted[i] = _greedy(argmax[s.first_row:s.first_row + len(s.draft_ids) + 1], s.draft_ids)
+        rows = argmax[s.first_row:s.first_row + len(s.draft_ids) + 1]
+        if s.parents is not None:
+            if not greedy[s.first_row]:
+                raise ValueError(f"request {s.request.request_id!r}: draft trees are verified greedily only")
+            nodes[i], last = tree.accept_greedy(rows, s.draft_ids, s.parents)
+            emitted[i] = [s.draft_ids[a] for a in nodes[i]] + [last]
+        elif greedy[s.first_row]:
+            emitted[i] = _greedy(rows, s.draft_ids)
         else:
             random_seqs.append(i)
     if random_seqs:
@@ -64,8 +75,8 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
         draw = _rejection_kernel if use_kernel else _rejection_torch
         for i, toks in zip(random_seqs, draw(probs, [seqs[i] for i in random_seqs], generators)):
             emitted[i] = toks
-    logprobs = _logprobs(penalised, batch, seqs, emitted)
-    return [Verified(e, len(s.draft_ids) + 1 - len(e), lp) for s, e, lp in zip(seqs, emitted, logprobs)]
+    logprobs = _logprobs(penalised, batch, seqs, emitted, nodes)
+    return [Verified(e, len(s.draft_ids) + 1 - len(e), lp, a) for s, e, lp, a in zip(seqs, emitted, logprobs, nodes)]
 
 
 def _greedy(argmax: list[int], drafts: list[int]) -> list[int]:
@@ -138,19 +149,20 @@ def _philox_seed(req, generators: GeneratorCache) -> int:
 
 
 def _logprobs(penalised: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
-              emitted: list[list[int]]) -> list[list[TokenLogprob] | None]:
+              emitted: list[list[int]], nodes: list[list[int] | None]) -> list[list[TokenLogprob] | None]:
     """OpenAI semantics, as plain steps: the processed distribution before temperature, per row."""
     if batch.max_num_logprobs is None:
         return [None] * len(seqs)
     lsm = penalised.log_softmax(dim=-1)                               # [R, V]
     top = lsm.topk(batch.max_num_logprobs, dim=-1) if batch.max_num_logprobs else None
     out = []
-    for s, toks in zip(seqs, emitted):
+    for s, toks, accepted in zip(seqs, emitted, nodes):
         k = batch.num_logprobs[s.first_row]
         if k is None:
             out.append(None)
             continue
-        rows = range(s.first_row, s.first_row + len(toks))
+        rows = (range(s.first_row, s.first_row + len(toks)) if accepted is None
+                else [s.first_row] + [s.first_row + 1 + a for a in accepted])
         lps = []
         for r, t in zip(rows, toks):
             alts = () if top is None or k == 0 else tuple(

@@ -231,6 +231,50 @@ def test_paged_decode_matches_sdpa_per_sequence(ops, kv_heads, group, dim):
         ops.paged_decode(q, kc, vc, tables, torch.tensor([10, 1, 17], dtype=torch.int32), 0.25)
 
 
+@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 5, 64), (2, 3, 16)])
+@pytest.mark.parametrize("length", [10, 300])      # one chunk; the tail in the second of two
+def test_a_draft_tree_row_attends_as_the_same_tokens_in_a_plain_sequence(ops, kv_heads, group, dim, length):
+    """A tree row reads its tokens from tail_start on at explicit slots (its ancestors and itself,
+    wherever the step wrote them): its result is bit for bit that of a plain sequence holding
+    the same tokens in order, and rows without a tail are untouched."""
+    kc, vc = _cache(blocks=200, block_size=4, kv_heads=kv_heads, dim=dim, seed=5)
+    g = torch.Generator().manual_seed(2)
+    plain = torch.randperm(100, generator=g).to(torch.int32)             # a sequence's table
+    flat_k, flat_v = kc.view(-1, kv_heads, dim), vc.view(-1, kv_heads, dim)
+    start, depth = length - 3, 3
+    # The tree row's last three tokens live at scattered slots of blocks 100-199, holding copies.
+    scattered = (400 + torch.randperm(400, generator=g)[:depth]).long()
+    for j in range(depth):
+        t = start + j
+        src = int(plain[t // 4]) * 4 + t % 4
+        flat_k[scattered[j]], flat_v[scattered[j]] = flat_k[src], flat_v[src]
+    # The tree row's own table: the plain one up to the tail, nothing valid after it.
+    tree_table = plain.clone()
+    tree_table[(start + 3) // 4 + 1:] = 199
+    tables = torch.stack([plain, tree_table])
+    lens = torch.tensor([length, length], dtype=torch.int32)
+    tail_start = torch.tensor([length, start], dtype=torch.int32)        # row 0: no tail
+    tail_slots = torch.zeros(2, 4, dtype=torch.int64)
+    tail_slots[1, :depth] = scattered
+    q = torch.randn(1, kv_heads * group, dim, generator=g).expand(2, -1, -1).contiguous()
+    got = ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, tail_start, tail_slots)
+    assert torch.equal(got[1], got[0])
+    assert torch.equal(got[0], ops.paged_decode(q[:1], kc, vc, tables[:1], lens[:1], dim ** -0.5)[0])
+    # The tree row does read the tail: pointed elsewhere, it changes.
+    moved = tail_slots.clone()
+    moved[1, depth - 1] = scattered[0]
+    assert not torch.equal(ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, tail_start, moved)[1], got[0])
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        bad = tail_slots.clone()
+        bad[1, 0] = 200 * 4
+        ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, tail_start, bad)
+    with pytest.raises(RuntimeError, match="does not fit tail_slots"):
+        ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, torch.tensor([length, start - 2], dtype=torch.int32),
+                         tail_slots[:, :3].contiguous())
+    with pytest.raises(RuntimeError, match="go together"):
+        ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, tail_start, None)
+
+
 @pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 5, 64)])
 def test_long_rows_attend_in_chunks_that_merge_to_sdpa(ops, kv_heads, group, dim):
     """Rows past 256 tokens attend in chunks of 256 merged afterwards (so one long sequence keeps

@@ -1,0 +1,65 @@
+"""Draft trees: several candidate continuations verified in one step, sharing their prefixes.
+
+A tree is the draft tokens in an order where every node comes after its parent, with
+``parents[i]`` the index of node ``i``'s parent (-1: the request's last known token). Every
+prefix of that order is itself a tree, so the scheduler trims a tree as it trims a chain, and a
+chain is the tree ``parents = [-1, 0, 1, ...]``.
+
+The step runs the last known token and every node as rows: node ``i`` at depth ``d`` (a child of
+the last known token has depth 1) sits at position ``n - 1 + d`` of a request with ``n`` known
+tokens and attends to the known tokens, then to its ancestors and itself, by position
+(``attention.base.TreeRows``). Its row is what the target computes for the sequence "known
+tokens + its path", so verification is the chain's, along the path the target's argmax takes:
+greedy output is what steps without drafts give. The accepted nodes' K/V are then moved to the
+slots of positions n, n + 1, ... (``accepted_moves``) and the rejected ones are overwritten later,
+as a chain's rejected drafts are.
+
+Only greedy requests get trees (a tree's branches are point masses; rejection sampling over
+several of them is not implemented), and only where the C++ layer stack runs the step
+(``LlamaForCausalLM.supports_draft_trees``).
+"""
+from __future__ import annotations
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node (1 for the children of the last known token)."""
+    out: list[int] = []
+    for i, p in enumerate(parents):
+        if not -1 <= p < i:
+            raise ValueError(f"draft tree: node {i}'s parent {p} does not come before it")
+        out.append(1 if p < 0 else out[p] + 1)
+    return out
+
+
+def path(parents: list[int], node: int) -> list[int]:
+    """The nodes from the root's child down to ``node``, inclusive."""
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = parents[node]
+    return out[::-1]
+
+
+def accept_greedy(argmax: list[int], drafts: list[int], parents: list[int]) -> tuple[list[int], int]:
+    """Walk the tree along the target's argmax: ``argmax[0]`` is the last known token's row,
+    ``argmax[1 + i]`` node i's. Returns the accepted nodes (a path from the root) and the token the
+    target adds after them."""
+    children: dict[int, dict[int, int]] = {}
+    for i, (tok, p) in enumerate(zip(drafts, parents)):
+        children.setdefault(p, {}).setdefault(tok, i)
+    accepted: list[int] = []
+    node = -1
+    while True:
+        tok = argmax[0 if node < 0 else 1 + node]
+        nxt = children.get(node, {}).get(tok)
+        if nxt is None:
+            return accepted, tok
+        accepted.append(nxt)
+        node = nxt
+
+
+def accepted_moves(accepted: list[int]) -> list[tuple[int, int]]:
+    """(from, to) draft indices that put the accepted nodes' K/V where a chain's would be: node
+    ``accepted[j]`` to index j. In order: a node's index is at least its depth - 1, so no move
+    reads an index an earlier one wrote."""
+    return [(a, j) for j, a in enumerate(accepted) if a != j]

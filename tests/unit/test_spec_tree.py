@@ -1,0 +1,143 @@
+"""EAGLE draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1) on the tiny random-weight
+model: the tree helpers; greedy output with trees is token for token the output without
+speculation, one request at a time and for 16 mixed concurrent requests, with branches other than
+the first accepted (their K/V moved to the chain's slots); the pool and the proposer come back to
+baseline through preemptions and cancellations; sampled requests keep chains; and a tree where the
+step cannot attend through one, or in another mode, is refused before anything runs."""
+from __future__ import annotations
+
+import pytest
+
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.sampling_params import SamplingParams
+from sluice.engine.spec_decode import tree
+from sluice.engine.spec_decode.config import SpeculativeConfig
+from tests.tiny_model import prompt
+from tests.unit.test_spec_heads import (OPTS, _assert_pool_idle, _assert_same, _mixed, base, folder,  # noqa: F401
+                                        heads_folders, tiny)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_tree_helpers():
+    parents = [-1, -1, 0, 0, 2, 1]
+    assert tree.depths(parents) == [1, 1, 2, 2, 3, 2]
+    assert tree.path(parents, 4) == [0, 2, 4] and tree.path(parents, 1) == [1]
+    drafts = [10, 11, 12, 13, 14, 15]
+    # argmax per row: the last known token's, then node i's at 1 + i.
+    assert tree.accept_greedy([11, 0, 15, 0, 0, 0, 7], drafts, parents) == ([1, 5], 7)
+    assert tree.accept_greedy([10, 13, 0, 0, 0, 0, 0], drafts, parents) == ([0, 3], 0)
+    assert tree.accept_greedy([9] * 7, drafts, parents) == ([], 9)
+    assert tree.accepted_moves([1, 5]) == [(1, 0), (5, 1)]
+    assert tree.accepted_moves([0, 2, 4]) == [(2, 1), (4, 2)]
+    assert tree.accepted_moves([0]) == []
+    with pytest.raises(ValueError, match="node 1's parent 1 does not come before it"):
+        tree.depths([-1, 1])
+
+
+def _trees(tiny, heads_folders, monkeypatch, **kw) -> tuple[LLM, dict]:
+    """An eagle engine drafting full trees (width 3, every node kept) that counts the accepted
+    paths and the K/V moves they took."""
+    seen = {"moves": 0, "branch": 0}
+    inner = tree.accepted_moves
+
+    def moves(accepted):
+        out = inner(accepted)
+        seen["moves"] += len(out)
+        seen["branch"] += bool(accepted) and accepted[0] != 0
+        return out
+
+    monkeypatch.setattr(tree, "accepted_moves", moves)
+    llm = LLM(loaded=tiny, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
+              **(OPTS | dict(spec_max_batch_size=16, spec_min_draft_prob=0.0, spec_tree_width=3) | kw))
+    assert llm.engine.spec.max_drafts == 12 and llm.engine.spec.proposer.tree_width == 3
+    return llm, seen
+
+
+def test_greedy_identical_with_trees_one_request_at_a_time(base, tiny, heads_folders, monkeypatch):
+    llm, seen = _trees(tiny, heads_folders, monkeypatch)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.2)
+    biased = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, logit_bias={7: 4.0})
+    drafted = accepted = 0
+    for p, params in ((prompt(5), sp), (prompt(23) + " w1 w2 w3 w1 w2", sp), ("w9 w9 w9 w9", biased),
+                      (prompt(11), biased)):
+        got = llm.generate([p], params)
+        _assert_same(got, base.generate([p], params))
+        drafted += got[0].usage.draft_tokens
+        accepted += got[0].usage.accepted_tokens
+    assert drafted > 4 * accepted > 0
+    assert seen["branch"] > 0 and seen["moves"] > 0   # paths through later branches were accepted
+    assert not llm.engine.spec.proposer._caches
+
+
+def test_greedy_identical_with_trees_for_16_mixed_concurrent_requests(base, tiny, heads_folders, monkeypatch):
+    prompts, params = _mixed(base)
+    llm, seen = _trees(tiny, heads_folders, monkeypatch)
+    _assert_same(llm.generate(prompts, params), base.generate(prompts, params))
+    assert seen["branch"] > 0
+
+
+def test_sampled_requests_keep_chains_beside_trees(tiny, heads_folders, monkeypatch):
+    llm, _seen = _trees(tiny, heads_folders, monkeypatch)
+    proposer = llm.engine.spec.proposer
+    shapes = []
+    inner = proposer.propose
+
+    def propose(requests, k):
+        out = inner(requests, k)
+        by_id = {r.request_id: r for r in requests}
+        for rid, draft in out.items():
+            greedy = by_id[rid].sampling_params.temperature == 0
+            shapes.append((greedy, draft.parents is not None))
+            assert draft.parents is None or draft.probs is None
+        return out
+
+    proposer.propose = propose
+    ps = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+          SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=1)]
+    llm.generate([prompt(6), prompt(9)], ps)
+    assert (True, True) in shapes and (False, False) in shapes
+    assert all(greedy == is_tree for greedy, is_tree in shapes)
+
+
+def test_pool_and_proposer_back_to_baseline_with_trees(tiny, heads_folders, monkeypatch):
+    llm, seen = _trees(tiny, heads_folders, monkeypatch, max_total_tokens=128)
+    ref = LLM(loaded=tiny, device="cpu", block_size=4, max_total_tokens=128, num_threads=1)
+    prompts = [prompt(10) + " w3 w4 w3 w4", prompt(14), "w1 w2 " * 6, prompt(8)]
+    sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
+    got = llm.generate(prompts, sp)
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in ref.generate(prompts, sp)]
+    assert llm.engine.scheduler.num_preemptions > 0
+    _assert_pool_idle(llm, [r.prompt_token_ids + r.outputs[0].token_ids for r in got])
+    core = llm.engine
+    for i, p in enumerate(prompts):
+        core.add_request(f"c{i}", p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    for _ in range(4):
+        core.step()
+    assert any(r.spec_parents for r in core.scheduler.running)
+    core.abort_request([f"c{i}" for i in range(len(prompts))])
+    while core.has_unfinished_requests():
+        core.step()
+    core.kv.check_invariants()
+    assert core.kv.stats().in_use == 0
+    proposer = core.spec.proposer
+    assert not proposer._caches and not proposer._next and not proposer._preemptions
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(spec_tree_width=0), "spec_tree_width: must be an integer in \\[1, 8\\], got 0"),
+    (dict(spec_tree_width=9), "spec_tree_width: must be an integer in \\[1, 8\\], got 9"),
+    (dict(spec_tree_width=True), "spec_tree_width: must be an integer"),
+    (dict(speculative_mode="medusa", spec_tree_width=2), "eagle only, not medusa"),
+])
+def test_bad_tree_widths_are_refused_before_anything_loads(kw, message):
+    with pytest.raises(ValueError, match=message):
+        SpeculativeConfig(**({"speculative_mode": "eagle", "additional_models": "heads"} | kw))
+
+
+def test_a_tree_where_the_step_cannot_attend_through_one_is_refused(folder, heads_folders, monkeypatch):
+    monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")     # float32 through the Python layers
+    with pytest.raises(ValueError, match="draft trees need the C\\+\\+ layer stack"):
+        LLM(loaded=load_model(str(folder)), speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
+            spec_tree_width=2, **OPTS)
