@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sluice.engine.llm import LLM  # noqa: E402
 from sluice.engine.loaders import load_model  # noqa: E402
 from sluice.engine.sampling_params import SamplingParams  # noqa: E402
-from sluice.engine.spec_decode.config import DEFAULT_MIN_DRAFT_PROB  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompts import GROUNDED, OPEN  # noqa: E402
@@ -77,17 +76,21 @@ def engines(loaded, k: int, heads: Path | None = None, **opts):
 
     medusa_k = min(k, load_medusa(heads / "medusa", loaded.arch).num_heads)
     for mode, mode_k in (("eagle", k), ("medusa", medusa_k)):
-        # With the default spec_min_draft_prob (drafts end at the head's first unconfident
-        # token), and with every one of the K drafts proposed (0), to show what the rule buys.
+        # The defaults (eagle: draft trees where the step can attend through them; drafts end at
+        # the head's first unconfident token), and with every one of the K drafts of a chain
+        # proposed (spec_min_draft_prob 0), to show what the rule buys; eagle also as a chain.
         # Where the heads draft in w8a8 (spec_head_format auto on a CPU with the vectorized
         # block kernels), also with their float32 weights, to show what the 8-bit copies buy.
-        variants = [(mode, DEFAULT_MIN_DRAFT_PROB, "auto"), (f"{mode} (all K)", 0.0, "auto")]
+        chain = {"spec_tree_width": 1} if mode == "eagle" else {}
+        variants = [(mode, {})]
+        if chain:
+            variants.append((f"{mode} (chain)", chain))
+        variants.append((f"{mode} (all K)", chain | {"spec_min_draft_prob": 0.0}))
         if resolve_head_format("auto", loaded.device) == "w8a8":
-            variants.append((f"{mode} (float32 head)", DEFAULT_MIN_DRAFT_PROB, "float32"))
-        for name, min_prob, head_format in variants:
+            variants.append((f"{mode} (float32 head)", {"spec_head_format": "float32"}))
+        for name, kw in variants:
             yield name, LLM(loaded=loaded, speculative_mode=mode, additional_models=str(heads / mode),
-                            spec_draft_length=mode_k, spec_min_draft_prob=min_prob,
-                            spec_head_format=head_format, **opts)
+                            spec_draft_length=mode_k, **kw, **opts)
 
 
 def heads_folder(args) -> Path | None:

@@ -36,7 +36,8 @@ from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
 from sluice.engine.structured.manager import StructuredOutputManager
 from sluice.engine.tool_prompt import fallback_messages, template_renders_tools
-from sluice.engine.spec_decode.factory import build_spec_decoder, load_draft, load_heads, shared_num_blocks
+from sluice.engine.spec_decode.factory import (build_spec_decoder, load_draft, load_heads, resolve_tree_width,
+                                               shared_num_blocks)
 from sluice.engine.spec_decode.stops import add_tokens_until_stop
 
 log = logging.getLogger("sluice.engine")
@@ -168,7 +169,8 @@ class EngineCore:
         num_blocks = shared_num_blocks(self._num_blocks(arch, kv_dtype, device), arch, shared,
                                        torch.tensor([], dtype=kv_dtype).element_size(), block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
-        sched_config = replace(config.scheduler, num_speculative_tokens=config.speculative.num_speculative_tokens)
+        speculative = resolve_tree_width(config.speculative, self.loaded.model, attn)   # eagle's draft trees
+        sched_config = replace(config.scheduler, num_speculative_tokens=speculative.num_speculative_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, block_size, self.max_model_len)
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, config.structured)
         self.runner = ModelRunner(
@@ -182,7 +184,7 @@ class EngineCore:
             num_kv_heads=self.draft.arch.num_key_value_heads, head_dim=self.draft.arch.head_dim,
             num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size, device=device,
             dtype=kv_dtype, attn=attn, sampler_backend="torch", seed=config.seed)
-        self.spec = build_spec_decoder(config.speculative, self.runner, self.kv, draft_runner,
+        self.spec = build_spec_decoder(speculative, self.runner, self.kv, draft_runner,
                                        self.heads, config.seed)   # None: off
         # Every step size's projection primitives compiled now (a few hundred ms on CPU float32),
         # not one by one under load, where each new one costs a stall and resident memory.

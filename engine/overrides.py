@@ -85,9 +85,10 @@ KEYS: dict[str, _Key] = {
     "spec_ngram_max": _Key("spec_ngram_max", _int, "ngram mode: longest suffix matched"),
     "spec_ngram_min": _Key("spec_ngram_min", _int, "ngram mode: shortest suffix matched"),
     "spec_max_batch_size": _Key("spec_max_batch_size", _int, "no drafts above this many running requests"),
-    "spec_min_draft_prob": _Key("spec_min_draft_prob", float, "eagle/medusa: a draft ends below this head probability"),
+    "spec_min_draft_prob": _Key("spec_min_draft_prob", float,
+                                "eagle/medusa: a chain ends below this head probability (0.35); a tree keeps paths above it (0.1)"),
     "spec_head_format": _Key("spec_head_format", str, "eagle/medusa: drafting weights: auto | float32 | w8a8 (CPU)"),
-    "spec_tree_width": _Key("spec_tree_width", _int, "eagle: children per draft node (1: a chain; >1: a draft tree)"),
+    "spec_tree_width": _Key("spec_tree_width", _int, "eagle: children per draft node (1: a chain; default 3 on the CPU stack)"),
     "seed": _Key("seed", _int, "the engine's base random seed"),
     # Request caps (engine.config.LimitsConfig); over a cap a request is INVALID_ARGUMENT.
     "max_n": _Key("max_n", _int, "choices per request"),

@@ -16,11 +16,16 @@ MAX_DRAFT_LENGTH = 16
 # (sweep, SmolLM2 on 2 CPU cores, K=5): ngram over no drafts 2.55-2.81x at batch 1, 1.48x at 2,
 # 1.29x at 3, 0.95x at 4, 0.76x at 8; forced on at 32 streams 0.50x. See README.
 DEFAULT_MAX_BATCH_SIZE = 3
-# eagle / medusa: a request's draft ends before the first token its head gives less than this
-# probability (EAGLE-2's observation: a head's confidence tracks how often the target agrees), so
-# steps stop paying for drafts that will be rejected. Measured with bench/spec_decode.py (batch1,
-# self-distilled SmolLM2 heads, K=4, 2 CPU cores): see README.
+# eagle / medusa chains: a request's draft ends before the first token its head gives less than
+# this probability (EAGLE-2's observation: a head's confidence tracks how often the target
+# agrees), so steps stop paying for drafts that will be rejected. Measured with
+# bench/spec_decode.py (batch1, self-distilled SmolLM2 heads, K=4, 2 CPU cores): see README.
 DEFAULT_MIN_DRAFT_PROB = 0.35
+# eagle draft trees: a node is kept while the product of the head's probabilities along its path
+# is at least this, with each node's DEFAULT_TREE_WIDTH likeliest children. Measured the same way
+# (widths 2-4, thresholds 0.05-0.2 within noise of each other; see README).
+DEFAULT_TREE_MIN_SCORE = 0.1
+DEFAULT_TREE_WIDTH = 3
 # eagle/medusa: the weights drafting reads (heads.resolve_head_format)
 HEAD_FORMATS = ("auto", "float32", "w8a8")
 MAX_TREE_WIDTH = 8
@@ -34,7 +39,9 @@ class SpeculativeConfig:
     spec_ngram_min: int = 1                # ... down to this length
     additional_models: str | None = None   # small_draft: the draft model; eagle/medusa: the heads' folder
     spec_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # drafting stops above this many running requests
-    spec_min_draft_prob: float = DEFAULT_MIN_DRAFT_PROB  # eagle/medusa: drafts end below this head probability
+    # eagle/medusa: a chain ends before a token its head gives less (default 0.35); a draft tree
+    # keeps a node while its path's probability is at least this (default 0.1). None: the default.
+    spec_min_draft_prob: float | None = None
     # eagle/medusa: the weights drafting reads: auto (w8a8 where the CPU block kernels are
     # vectorized, else float32) | float32 | w8a8 (heads.resolve_head_format)
     spec_head_format: str = "auto"
@@ -42,7 +49,9 @@ class SpeculativeConfig:
     # less than spec_min_draft_prob. W > 1: a draft tree (spec_decode.tree) of greedy requests:
     # each node's W likeliest children, kept while the product of the head's probabilities along
     # the path is at least spec_min_draft_prob (EAGLE-2's score), at most K deep and K * W nodes.
-    spec_tree_width: int = 1
+    # None (auto): DEFAULT_TREE_WIDTH where the step can attend through a tree (the C++ layer
+    # stack), else 1 (factory.resolve_tree_width, once the model is loaded).
+    spec_tree_width: int | None = None
 
     def __post_init__(self) -> None:
         mode = self.speculative_mode
@@ -56,10 +65,11 @@ class SpeculativeConfig:
                              f"got {self.spec_ngram_min}")
         _int_in("spec_max_batch_size", self.spec_max_batch_size, 1, 1 << 20)
         p = self.spec_min_draft_prob
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0):
             raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
-        _int_in("spec_tree_width", self.spec_tree_width, 1, MAX_TREE_WIDTH)
-        if self.spec_tree_width > 1 and mode != "eagle":
+        if self.spec_tree_width is not None:
+            _int_in("spec_tree_width", self.spec_tree_width, 1, MAX_TREE_WIDTH)
+        if (self.spec_tree_width or 1) > 1 and mode != "eagle":
             raise ValueError(f"spec_tree_width: draft trees are drafted by speculative_mode eagle only, not {mode}")
         if self.spec_head_format not in HEAD_FORMATS:
             raise ValueError(f"spec_head_format: must be one of {', '.join(HEAD_FORMATS)}, "
@@ -79,9 +89,21 @@ class SpeculativeConfig:
         return self.speculative_mode != "disable"
 
     @property
+    def tree_width(self) -> int:
+        """Children per draft node (1: chains); auto counts as 1 until it is resolved."""
+        return self.spec_tree_width or 1
+
+    @property
+    def min_draft_prob(self) -> float:
+        """spec_min_draft_prob, or its default for the draft's shape (chain or tree)."""
+        if self.spec_min_draft_prob is not None:
+            return float(self.spec_min_draft_prob)
+        return DEFAULT_TREE_MIN_SCORE if self.tree_width > 1 else DEFAULT_MIN_DRAFT_PROB
+
+    @property
     def num_speculative_tokens(self) -> int:
         """What the scheduler budgets per request: K when drafting (K * W for draft trees), else 0."""
-        return self.spec_draft_length * self.spec_tree_width if self.enabled else 0
+        return self.spec_draft_length * self.tree_width if self.enabled else 0
 
 
 def _int_in(name: str, value, lo: int, hi: int) -> None:

@@ -3,9 +3,11 @@ the KV pool is sized, or the heads (eagle, medusa), then the ``SpecDecoder`` (No
 speculation is off)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from sluice.engine.spec_decode.config import SpeculativeConfig
+from sluice.engine.spec_decode.config import DEFAULT_TREE_WIDTH, SpeculativeConfig
 from sluice.engine.spec_decode.decoder import SpecDecoder
 from sluice.engine.spec_decode.draft_model import DraftModelProposer, check_same_vocabulary, kv_bytes_per_block
 from sluice.engine.spec_decode.eagle import EagleProposer
@@ -49,6 +51,21 @@ def shared_num_blocks(target_blocks: int, target_arch, draft, dtype_bytes: int, 
     return max(1, target_blocks * t // (t + d))
 
 
+def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeConfig:
+    """The config with ``spec_tree_width`` decided: auto (None) is DEFAULT_TREE_WIDTH for eagle
+    where the step can attend through a draft tree (``supports_draft_trees``: the C++ layer
+    stack), else 1. A width above 1 asked for where it cannot is refused."""
+    width = config.spec_tree_width
+    able = (config.speculative_mode == "eagle" and hasattr(model, "supports_draft_trees")
+            and model.supports_draft_trees(attn))
+    if width is None:
+        return replace(config, spec_tree_width=DEFAULT_TREE_WIDTH if able else 1)
+    if width > 1 and not able:
+        raise ValueError("spec_tree_width: draft trees need the C++ layer stack (CPU, attention backend "
+                         f"torch, the cpu extension built); this engine runs attention {attn.name!r}")
+    return config
+
+
 def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=None, heads=None,
                        seed: int = 0) -> SpecDecoder | None:
     if not config.enabled:
@@ -67,14 +84,10 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
         # cache, the row behind each request's last token for Medusa. Off in the other modes.
         runner.capture = "all" if mode == "eagle" else "last"
         cls = EagleProposer if mode == "eagle" else MedusaProposer
-        tree = {}
-        if config.spec_tree_width > 1:
-            if not runner.model.supports_draft_trees(runner.attn):
-                raise ValueError("spec_tree_width: draft trees need the C++ layer stack (CPU, attention backend "
-                                 f"torch, the cpu extension built); this engine runs attention {runner.attn.name!r}")
-            tree = {"tree_width": config.spec_tree_width}
+        config = resolve_tree_width(config, runner.model, runner.attn)
+        tree = {"tree_width": config.tree_width} if config.tree_width > 1 else {}
         proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
-                       min_prob=config.spec_min_draft_prob,
+                       min_prob=config.min_draft_prob,
                        head_format=resolve_head_format(config.spec_head_format, runner.device), **tree)
     else:   # SpeculativeConfig refuses every other mode
         raise ValueError(f"speculative_mode: {config.speculative_mode!r} has no proposer")

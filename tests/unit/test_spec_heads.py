@@ -499,11 +499,11 @@ def _echo_heads(mode: str):
     return head
 
 
-@pytest.mark.parametrize("mode", ["eagle", "medusa"])
-def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preemptions(tiny, mode):
+@pytest.mark.parametrize("mode, width", [("eagle", 1), ("eagle", 3), ("medusa", None)])
+def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preemptions(tiny, mode, width):
     # float32 drafting: the echo must be exact (w8a8's rounded copies echo h_t only nearly).
     llm = LLM(loaded=tiny, speculative_mode=mode, additional_models="in-memory", heads=_echo_heads(mode),
-              spec_max_batch_size=8, spec_min_draft_prob=0.0, spec_head_format="float32",
+              spec_max_batch_size=8, spec_min_draft_prob=0.0, spec_head_format="float32", spec_tree_width=width,
               **(OPTS | dict(max_total_tokens=96)))
     proposer = llm.engine.spec.proposer
     seen = {"drafts": 0, "preempted": 0}
@@ -514,7 +514,10 @@ def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preempt
         by_id = {r.request_id: r for r in requests}
         for rid, draft in out.items():
             req = by_id[rid]
-            assert draft.token_ids == [req.all_token_ids[-1]] * len(draft.token_ids), (rid, req.num_tokens)
+            # A tree's first node is the root's likeliest child; the rest are its other guesses.
+            echoed = draft.token_ids if draft.parents is None else draft.token_ids[:1]
+            assert echoed == [req.all_token_ids[-1]] * len(echoed), (rid, req.num_tokens)
+            assert (draft.parents is None) == (width != 3)
             seen["drafts"] += 1
             seen["preempted"] += req.num_preemptions > 0
         return out
@@ -550,11 +553,12 @@ def test_a_draft_ends_before_the_first_token_its_head_gives_less_than_min_prob(b
     # end early in some steps and run to K in others.
     seen: list[float] = []
     monkeypatch.setattr(mod, "draft_prob", lambda *a: seen.append(draft_prob(*a)) or seen[-1])
-    _spec(tiny, mode, heads_folders).generate([prompt(9)], sp)
+    chain = {"spec_tree_width": 1} if mode == "eagle" else {}     # trees: test_spec_tree
+    _spec(tiny, mode, heads_folders, **chain).generate([prompt(9)], sp)
     threshold = sorted(seen)[len(seen) // 2]
 
     calls: list[tuple[list[float], int]] = []
-    llm = _spec(tiny, mode, heads_folders, spec_min_draft_prob=threshold)
+    llm = _spec(tiny, mode, heads_folders, spec_min_draft_prob=threshold, **chain)
     proposer = llm.engine.spec.proposer
     real = proposer.propose
 

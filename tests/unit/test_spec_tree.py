@@ -71,6 +71,27 @@ def test_greedy_identical_with_trees_one_request_at_a_time(base, tiny, heads_fol
     assert not llm.engine.spec.proposer._caches
 
 
+def test_a_tree_is_each_nodes_likeliest_children_up_to_k_times_width_nodes(tiny, heads_folders, monkeypatch):
+    """Every node kept (threshold 0): the root's 3 children, then their 3 children each (K * W =
+    12 nodes: the budget, r * W with room for r < K drafts), parents before children; and the
+    default width on this stack is 3, with the tree threshold."""
+    llm, _seen = _trees(tiny, heads_folders, monkeypatch)
+    proposer = llm.engine.spec.proposer
+    trees = []
+    inner = proposer.propose
+    proposer.propose = lambda requests, k: trees.extend(inner(requests, k).values()) or {}
+    llm.generate([prompt(7)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert trees and all(d.parents[:3] == [-1, -1, -1] and set(d.parents[3:]) <= {0, 1, 2} for d in trees)
+    full = [d for d in trees if len(d.token_ids) == 12]
+    assert len(full) >= 3 and all(sorted(d.parents[3:]) == [0, 0, 0, 1, 1, 1, 2, 2, 2] for d in full)
+    # Near max_tokens a request has room for fewer drafts (r), and so for r * 3 nodes.
+    assert sorted(len(d.token_ids) for d in trees if d not in full) == [3, 6, 9]
+    assert all(len(set(zip(d.parents, d.token_ids))) == len(d.token_ids) for d in trees)     # siblings differ
+    auto = LLM(loaded=tiny, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]), **OPTS)
+    assert auto.engine.spec.proposer.tree_width == 3 and auto.engine.spec.proposer.min_prob == 0.1
+    assert auto.engine.scheduler.config.num_speculative_tokens == 12
+
+
 def test_greedy_identical_with_trees_for_16_mixed_concurrent_requests(base, tiny, heads_folders, monkeypatch):
     prompts, params = _mixed(base)
     llm, seen = _trees(tiny, heads_folders, monkeypatch)
@@ -136,8 +157,13 @@ def test_bad_tree_widths_are_refused_before_anything_loads(kw, message):
         SpeculativeConfig(**({"speculative_mode": "eagle", "additional_models": "heads"} | kw))
 
 
-def test_a_tree_where_the_step_cannot_attend_through_one_is_refused(folder, heads_folders, monkeypatch):
+def test_a_tree_where_the_step_cannot_attend_through_one_is_refused_and_auto_is_a_chain(folder, heads_folders,
+                                                                                      monkeypatch):
     monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")     # float32 through the Python layers
+    loaded = load_model(str(folder))
     with pytest.raises(ValueError, match="draft trees need the C\\+\\+ layer stack"):
-        LLM(loaded=load_model(str(folder)), speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
+        LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
             spec_tree_width=2, **OPTS)
+    auto = LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]), **OPTS)
+    assert auto.engine.spec.proposer.tree_width == 1 and auto.engine.spec.proposer.min_prob == 0.35
+    assert auto.engine.scheduler.config.num_speculative_tokens == 4
