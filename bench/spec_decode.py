@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sluice.engine.llm import LLM  # noqa: E402
 from sluice.engine.loaders import load_model  # noqa: E402
 from sluice.engine.sampling_params import SamplingParams  # noqa: E402
+from sluice.engine.spec_decode.config import DEFAULT_TREE_WIDTH  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from prompts import GROUNDED, OPEN  # noqa: E402
@@ -76,21 +77,22 @@ def engines(loaded, k: int, heads: Path | None = None, **opts):
 
     medusa_k = min(k, load_medusa(heads / "medusa", loaded.arch).num_heads)
     for mode, mode_k in (("eagle", k), ("medusa", medusa_k)):
-        # The defaults (eagle: draft trees where the step can attend through them; drafts end at
-        # the head's first unconfident token), and with every one of the K drafts of a chain
-        # proposed (spec_min_draft_prob 0), to show what the rule buys; eagle also as a chain.
-        # Where the heads draft in w8a8 (spec_head_format auto on a CPU with the vectorized
-        # block kernels), also with their float32 weights, to show what the 8-bit copies buy.
-        chain = {"spec_tree_width": 1} if mode == "eagle" else {}
-        variants = [(mode, {})]
-        if chain:
-            variants.append((f"{mode} (chain)", chain))
-        variants.append((f"{mode} (all K)", chain | {"spec_min_draft_prob": 0.0}))
+        # The defaults (draft trees where they pay, chains elsewhere: factory.resolve_tree_width)
+        # and the other shape; every one of a chain's K drafts proposed (spec_min_draft_prob 0),
+        # to show what the cut at the head's confidence buys. Where the heads draft in w8a8
+        # (spec_head_format auto on a CPU with the vectorized block kernels), also with their
+        # float32 weights, to show what the 8-bit copies buy.
+        common = dict(speculative_mode=mode, additional_models=str(heads / mode), spec_draft_length=mode_k)
+        default = LLM(loaded=loaded, **common, **opts)
+        yield f"{mode} ({'tree' if default.engine.spec.proposer.tree_width > 1 else 'chain'}, the default)", default
+        if default.engine.spec.proposer.tree_width > 1:
+            yield f"{mode} (chain)", LLM(loaded=loaded, **common, spec_tree_width=1, **opts)
+        elif loaded.model.supports_draft_trees(default.engine.runner.attn):
+            yield f"{mode} (tree)", LLM(loaded=loaded, **common, spec_tree_width=DEFAULT_TREE_WIDTH, **opts)
+        yield f"{mode} (chain, all K)", LLM(loaded=loaded, **common, spec_tree_width=1, spec_min_draft_prob=0.0,
+                                            **opts)
         if resolve_head_format("auto", loaded.device) == "w8a8":
-            variants.append((f"{mode} (float32 head)", {"spec_head_format": "float32"}))
-        for name, kw in variants:
-            yield name, LLM(loaded=loaded, speculative_mode=mode, additional_models=str(heads / mode),
-                            spec_draft_length=mode_k, **kw, **opts)
+            yield f"{mode} (float32 head)", LLM(loaded=loaded, **common, spec_head_format="float32", **opts)
 
 
 def heads_folder(args) -> Path | None:

@@ -281,6 +281,13 @@ class LlamaForCausalLM(torch.nn.Module):
         stack attends through explicit slots."""
         return attn.name == "torch" and self._cpu_decoder() is not None
 
+    def extra_rows_are_cheap(self) -> bool:
+        """Whether a step's extra rows cost little next to its first: float32 projections stream
+        their weights once for a few rows (SmolLM2 on 2 cores: 8 rows 25 ms, 1 row 22 ms), where
+        the block formats' integer products are compute-bound from a few rows up (w4a8: 8 ms
+        against 4). Speculation's draft trees pay only in the first case (bench/spec_decode.py)."""
+        return not any(isinstance(m, _Linear) and isinstance(m.quantized, quant.BlockQLinear) for m in self.modules())
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input ids [T] → embeddings [T, hidden] (EAGLE's heads share them)."""
         embed = self.embed_tokens if self.quant_embedding is None else self.quant_embedding

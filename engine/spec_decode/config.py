@@ -69,8 +69,8 @@ class SpeculativeConfig:
             raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
         if self.spec_tree_width is not None:
             _int_in("spec_tree_width", self.spec_tree_width, 1, MAX_TREE_WIDTH)
-        if (self.spec_tree_width or 1) > 1 and mode != "eagle":
-            raise ValueError(f"spec_tree_width: draft trees are drafted by speculative_mode eagle only, not {mode}")
+        if (self.spec_tree_width or 1) > 1 and mode not in ("eagle", "medusa"):
+            raise ValueError(f"spec_tree_width: draft trees are drafted by speculative_mode eagle or medusa, not {mode}")
         if self.spec_head_format not in HEAD_FORMATS:
             raise ValueError(f"spec_head_format: must be one of {', '.join(HEAD_FORMATS)}, "
                              f"got {self.spec_head_format!r}")

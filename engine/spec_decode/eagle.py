@@ -171,21 +171,16 @@ class EagleProposer:
                         for i, node, _h, _c, _s in frontier]
                 sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
                 probs = torch.softmax(penalize(self._lm(torch.stack([h for _i, _n, h, _c, _s in frontier])), sb), dim=-1)
-                top = probs.topk(width, dim=-1)
-                per_request: dict[int, list] = {}
-                for f, (ids, ps) in enumerate(zip(top.indices.tolist(), top.values.tolist())):
-                    i, _node, _h, _c, score = frontier[f]
-                    for tok, p in zip(ids, ps):
-                        if score * p >= self.min_prob:
-                            per_request.setdefault(i, []).append((score * p, f, tok))
+                top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+                budget = {i: live[i][1] * width - len(tokens[i]) for i in {f[0] for f in frontier}}
                 grow = []      # (frontier index, request index, new node, score)
-                for i, cands in per_request.items():
-                    room = live[i][1] * width - len(tokens[i])
-                    for score, f, tok in sorted(cands, key=lambda c: -c[0])[:room]:
-                        parents[i].append(frontier[f][1])
-                        tokens[i].append(tok)
-                        if depth < live[i][1]:
-                            grow.append((f, i, len(tokens[i]) - 1, score))
+                for f, tok, score in tree.children([(i, sc) for i, _n, _h, _c, sc in frontier], top.indices.tolist(),
+                                                   top.values.tolist(), self.min_prob, budget):
+                    i = frontier[f][0]
+                    parents[i].append(frontier[f][1])
+                    tokens[i].append(tok)
+                    if depth < live[i][1]:
+                        grow.append((f, i, len(tokens[i]) - 1, score))
                 if not grow:
                     break
                 # Each parent's first growing child extends its cache in place, the others a copy.

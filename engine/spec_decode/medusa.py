@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import GeneratorCache
+from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize
+from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.heads import DraftLMHead, MedusaHeads
 from sluice.engine.spec_decode.proposer import Draft, draft_prob, draft_room, draw
 from sluice.engine.spec_decode.rows import SampleRow
@@ -26,9 +27,10 @@ class MedusaProposer:
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0,
-                 min_prob: float = 0.0, head_format: str = "float32") -> None:
+                 min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1) -> None:
         self.heads = heads
         self.min_prob = min_prob            # a draft ends before a token its head gives less
+        self.tree_width = tree_width        # > 1: greedy requests get draft trees (_propose_trees)
         self.target = target
         self.captured = captured           # the runner's: request id -> (position, hidden [H])
         self.vocab_size = vocab_size
@@ -57,6 +59,20 @@ class MedusaProposer:
             return {}
         with torch.inference_mode():
             logits = self.heads.logits(torch.stack(hidden), self._lm)   # [B, heads, V]
+            out: dict[str, Draft] = {}
+            if self.tree_width > 1:
+                sb = SamplingBatch.from_requests([req for req, _r in work], self.vocab_size, self.device,
+                                                 self.generators)
+                # Greedy requests without a grammar get trees; the others chains.
+                tree_ok = [g and req.sampling_params.structured is None
+                           for (req, _r), g in zip(work, sb.greedy.tolist())]
+                if any(tree_ok):
+                    idx = [i for i, t in enumerate(tree_ok) if t]
+                    out = self._propose_trees([work[i] for i in idx], logits[idx])
+                    keep = [i for i, t in enumerate(tree_ok) if not t]
+                    if not keep:
+                        return out
+                    work, logits = [work[i] for i in keep], logits[keep]
             drafts = {req.request_id: [] for req, _ in work}
             probs: dict[str, list[torch.Tensor]] = {req.request_id: [] for req, _ in work}
             ended: set[int] = set()      # requests whose draft ended at a low-probability token
@@ -74,4 +90,34 @@ class MedusaProposer:
                     drafts[rid].append(tok)
                     if q is not None:
                         probs[rid].append(q)
-        return {rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items() if d}
+        out.update({rid: Draft(d, torch.stack(probs[rid]) if probs[rid] else None) for rid, d in drafts.items() if d})
+        return out
+
+    def _propose_trees(self, work: list, logits: torch.Tensor) -> dict[str, Draft]:
+        """Draft trees (``spec_decode.tree``) for greedy requests, as Medusa's own trees: the
+        children of a node at depth j are head j's ``tree_width`` likeliest tokens (after the
+        penalties of the node's path), kept while the product of the heads' probabilities along
+        the path is at least ``min_prob``, the best-scoring first, at most K * width nodes."""
+        width = self.tree_width
+        tokens: list[list[int]] = [[] for _ in work]
+        parents: list[list[int]] = [[] for _ in work]
+        frontier = [(i, -1, 1.0) for i in range(len(work))]     # (request index, node, score)
+        for depth in range(max(room for _req, room in work)):
+            frontier = [f for f in frontier if depth < work[f[0]][1]]
+            if not frontier:
+                break
+            rows = [SampleRow(work[i][0], tuple(tokens[i][a] for a in tree.path(parents[i], node)) if node >= 0 else ())
+                    for i, node, _s in frontier]
+            sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+            probs = torch.softmax(penalize(logits[[i for i, _n, _s in frontier], depth], sb), dim=-1)
+            top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+            budget = {i: work[i][1] * width - len(tokens[i]) for i, _n, _s in frontier}
+            grown = []
+            for f, tok, score in tree.children([(i, sc) for i, _n, sc in frontier], top.indices.tolist(),
+                                               top.values.tolist(), self.min_prob, budget):
+                i = frontier[f][0]
+                parents[i].append(frontier[f][1])
+                tokens[i].append(tok)
+                grown.append((i, len(tokens[i]) - 1, score))
+            frontier = grown
+        return {req.request_id: Draft(t, None, p) for (req, _r), t, p in zip(work, tokens, parents) if t}

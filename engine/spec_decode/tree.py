@@ -58,6 +58,25 @@ def accept_greedy(argmax: list[int], drafts: list[int], parents: list[int]) -> t
         node = nxt
 
 
+def children(frontier: list[tuple[int, float]], top_ids: list[list[int]], top_probs: list[list[float]],
+             min_score: float, budget: dict[int, int]) -> list[tuple[int, int, float]]:
+    """One depth of a tree's growth. ``frontier``: (request index, path score) per node that may
+    get children; ``top_ids`` / ``top_probs``: each one's likeliest next tokens and their
+    probabilities. A child's score is its parent's times its probability; children scoring at
+    least ``min_score`` are kept, per request the best first, up to ``budget[request]`` nodes.
+    Returns (frontier index, token, score) per kept child, each request's best first."""
+    by_request: dict[int, list[tuple[float, int, int]]] = {}
+    for f, ((req, score), ids, probs) in enumerate(zip(frontier, top_ids, top_probs)):
+        for tok, p in zip(ids, probs):
+            if p > 0.0 and score * p >= min_score:     # p = 0: outside a draft vocabulary
+                by_request.setdefault(req, []).append((score * p, f, tok))
+    out = []
+    for req, cands in by_request.items():
+        cands.sort(key=lambda c: -c[0])
+        out.extend((f, tok, score) for score, f, tok in cands[:max(0, budget.get(req, 0))])
+    return out
+
+
 def accepted_moves(accepted: list[int]) -> list[tuple[int, int]]:
     """(from, to) draft indices that put the accepted nodes' K/V where a chain's would be: node
     ``accepted[j]`` to index j. In order: a node's index is at least its depth - 1, so no move

@@ -499,7 +499,7 @@ def _echo_heads(mode: str):
     return head
 
 
-@pytest.mark.parametrize("mode, width", [("eagle", 1), ("eagle", 3), ("medusa", None)])
+@pytest.mark.parametrize("mode, width", [("eagle", 1), ("eagle", 3), ("medusa", 1), ("medusa", 3)])
 def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preemptions(tiny, mode, width):
     # float32 drafting: the echo must be exact (w8a8's rounded copies echo h_t only nearly).
     llm = LLM(loaded=tiny, speculative_mode=mode, additional_models="in-memory", heads=_echo_heads(mode),
@@ -553,7 +553,7 @@ def test_a_draft_ends_before_the_first_token_its_head_gives_less_than_min_prob(b
     # end early in some steps and run to K in others.
     seen: list[float] = []
     monkeypatch.setattr(mod, "draft_prob", lambda *a: seen.append(draft_prob(*a)) or seen[-1])
-    chain = {"spec_tree_width": 1} if mode == "eagle" else {}     # trees: test_spec_tree
+    chain = {"spec_tree_width": 1}     # trees: test_spec_tree
     _spec(tiny, mode, heads_folders, **chain).generate([prompt(9)], sp)
     threshold = sorted(seen)[len(seen) // 2]
 

@@ -1,5 +1,5 @@
-"""EAGLE draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1) on the tiny random-weight
-model: the tree helpers; greedy output with trees is token for token the output without
+"""Draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1; EAGLE's by default, Medusa's when
+asked for) on the tiny random-weight model: the tree helpers; greedy output with trees is token for token the output without
 speculation, one request at a time and for 16 mixed concurrent requests, with branches other than
 the first accepted (their K/V moved to the chain's slots); the pool and the proposer come back to
 baseline through preemptions and cancellations; sampled requests keep chains; and a tree where the
@@ -36,9 +36,9 @@ def test_tree_helpers():
         tree.depths([-1, 1])
 
 
-def _trees(tiny, heads_folders, monkeypatch, **kw) -> tuple[LLM, dict]:
-    """An eagle engine drafting full trees (width 3, every node kept) that counts the accepted
-    paths and the K/V moves they took."""
+def _trees(tiny, heads_folders, monkeypatch, mode: str = "eagle", **kw) -> tuple[LLM, dict]:
+    """An engine drafting full trees (width 3, every node kept) that counts the accepted paths
+    and the K/V moves they took."""
     seen = {"moves": 0, "branch": 0}
     inner = tree.accepted_moves
 
@@ -49,14 +49,15 @@ def _trees(tiny, heads_folders, monkeypatch, **kw) -> tuple[LLM, dict]:
         return out
 
     monkeypatch.setattr(tree, "accepted_moves", moves)
-    llm = LLM(loaded=tiny, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
+    llm = LLM(loaded=tiny, speculative_mode=mode, additional_models=str(heads_folders[mode]),
               **(OPTS | dict(spec_max_batch_size=16, spec_min_draft_prob=0.0, spec_tree_width=3) | kw))
     assert llm.engine.spec.max_drafts == 12 and llm.engine.spec.proposer.tree_width == 3
     return llm, seen
 
 
-def test_greedy_identical_with_trees_one_request_at_a_time(base, tiny, heads_folders, monkeypatch):
-    llm, seen = _trees(tiny, heads_folders, monkeypatch)
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_greedy_identical_with_trees_one_request_at_a_time(base, tiny, heads_folders, monkeypatch, mode):
+    llm, seen = _trees(tiny, heads_folders, monkeypatch, mode)
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.2)
     biased = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, logit_bias={7: 4.0})
     drafted = accepted = 0
@@ -68,7 +69,7 @@ def test_greedy_identical_with_trees_one_request_at_a_time(base, tiny, heads_fol
         accepted += got[0].usage.accepted_tokens
     assert drafted > 4 * accepted > 0
     assert seen["branch"] > 0 and seen["moves"] > 0   # paths through later branches were accepted
-    assert not llm.engine.spec.proposer._caches
+    assert not getattr(llm.engine.spec.proposer, "_caches", {})
 
 
 def test_a_tree_is_each_nodes_likeliest_children_up_to_k_times_width_nodes(tiny, heads_folders, monkeypatch):
@@ -87,20 +88,23 @@ def test_a_tree_is_each_nodes_likeliest_children_up_to_k_times_width_nodes(tiny,
     # Near max_tokens a request has room for fewer drafts (r), and so for r * 3 nodes.
     assert sorted(len(d.token_ids) for d in trees if d not in full) == [3, 6, 9]
     assert all(len(set(zip(d.parents, d.token_ids))) == len(d.token_ids) for d in trees)     # siblings differ
-    auto = LLM(loaded=tiny, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]), **OPTS)
-    assert auto.engine.spec.proposer.tree_width == 3 and auto.engine.spec.proposer.min_prob == 0.1
-    assert auto.engine.scheduler.config.num_speculative_tokens == 12
+    for mode in ("eagle", "medusa"):    # float32 projections: trees by default
+        auto = LLM(loaded=tiny, speculative_mode=mode, additional_models=str(heads_folders[mode]), **OPTS)
+        assert auto.engine.spec.proposer.tree_width == 3 and auto.engine.spec.proposer.min_prob == 0.1
+        assert auto.engine.scheduler.config.num_speculative_tokens == 12
 
 
-def test_greedy_identical_with_trees_for_16_mixed_concurrent_requests(base, tiny, heads_folders, monkeypatch):
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_greedy_identical_with_trees_for_16_mixed_concurrent_requests(base, tiny, heads_folders, monkeypatch, mode):
     prompts, params = _mixed(base)
-    llm, seen = _trees(tiny, heads_folders, monkeypatch)
+    llm, seen = _trees(tiny, heads_folders, monkeypatch, mode)
     _assert_same(llm.generate(prompts, params), base.generate(prompts, params))
     assert seen["branch"] > 0
 
 
-def test_sampled_requests_keep_chains_beside_trees(tiny, heads_folders, monkeypatch):
-    llm, _seen = _trees(tiny, heads_folders, monkeypatch)
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_sampled_requests_keep_chains_beside_trees(tiny, heads_folders, monkeypatch, mode):
+    llm, _seen = _trees(tiny, heads_folders, monkeypatch, mode)
     proposer = llm.engine.spec.proposer
     shapes = []
     inner = proposer.propose
@@ -122,8 +126,9 @@ def test_sampled_requests_keep_chains_beside_trees(tiny, heads_folders, monkeypa
     assert all(greedy == is_tree for greedy, is_tree in shapes)
 
 
-def test_pool_and_proposer_back_to_baseline_with_trees(tiny, heads_folders, monkeypatch):
-    llm, seen = _trees(tiny, heads_folders, monkeypatch, max_total_tokens=128)
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_pool_and_proposer_back_to_baseline_with_trees(tiny, heads_folders, monkeypatch, mode):
+    llm, seen = _trees(tiny, heads_folders, monkeypatch, mode, max_total_tokens=128)
     ref = LLM(loaded=tiny, device="cpu", block_size=4, max_total_tokens=128, num_threads=1)
     prompts = [prompt(10) + " w3 w4 w3 w4", prompt(14), "w1 w2 " * 6, prompt(8)]
     sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
@@ -143,14 +148,16 @@ def test_pool_and_proposer_back_to_baseline_with_trees(tiny, heads_folders, monk
     core.kv.check_invariants()
     assert core.kv.stats().in_use == 0
     proposer = core.spec.proposer
-    assert not proposer._caches and not proposer._next and not proposer._preemptions
+    if mode == "eagle":
+        assert not proposer._caches and not proposer._next and not proposer._preemptions
+    assert not proposer.generators._by_request
 
 
 @pytest.mark.parametrize("kw, message", [
     (dict(spec_tree_width=0), "spec_tree_width: must be an integer in \\[1, 8\\], got 0"),
     (dict(spec_tree_width=9), "spec_tree_width: must be an integer in \\[1, 8\\], got 9"),
     (dict(spec_tree_width=True), "spec_tree_width: must be an integer"),
-    (dict(speculative_mode="medusa", spec_tree_width=2), "eagle only, not medusa"),
+    (dict(speculative_mode="ngram", additional_models=None, spec_tree_width=2), "eagle or medusa, not ngram"),
 ])
 def test_bad_tree_widths_are_refused_before_anything_loads(kw, message):
     with pytest.raises(ValueError, match=message):
@@ -167,3 +174,20 @@ def test_a_tree_where_the_step_cannot_attend_through_one_is_refused_and_auto_is_
     auto = LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]), **OPTS)
     assert auto.engine.spec.proposer.tree_width == 1 and auto.engine.spec.proposer.min_prob == 0.35
     assert auto.engine.scheduler.config.num_speculative_tokens == 4
+    with pytest.raises(ValueError, match="draft trees need the C\\+\\+ layer stack"):
+        LLM(loaded=loaded, speculative_mode="medusa", additional_models=str(heads_folders["medusa"]),
+            spec_tree_width=3, **OPTS)
+
+
+def test_block_formats_keep_chains_by_default_and_trees_stay_exact_on_them(folder, heads_folders, monkeypatch):
+    """On w8a8 projections a tree's extra rows cost (integer products are compute-bound), so auto
+    keeps chains; asked for, trees run on that stack with the same exactness."""
+    loaded = load_model(str(folder), quantization="w8a8")
+    auto = LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]), **OPTS)
+    assert auto.engine.spec.proposer.tree_width == 1 and auto.engine.spec.proposer.min_prob == 0.35
+    llm, seen = _trees(loaded, heads_folders, monkeypatch)
+    ref = LLM(loaded=loaded, **OPTS)
+    biased = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, logit_bias={7: 4.0})
+    for p in ("w9 w9 w9 w9", prompt(11), prompt(4)):
+        _assert_same(llm.generate([p], biased), ref.generate([p], biased))
+    assert seen["branch"] > 0 and seen["moves"] > 0
