@@ -215,7 +215,7 @@ class ModelRunner:
             tables_rows = [np.asarray(s.block_ids, dtype=np.int32) for s in scheduled]
         tables = np.zeros((len(scheduled), max(len(r) for r in tables_rows)), dtype=np.int32)
         ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
-        trees: dict[int, tuple] = {}     # row offset -> (draft tree's depths, parents, its first draft row)
+        trees: dict[int, tuple] = {}     # first draft row -> (its tree's depths, parents, the nodes' slots)
         tree_slots: dict[str, np.ndarray] = {}
         single = True
         row = 0
@@ -237,7 +237,6 @@ class ModelRunner:
                 if parents is not None:
                     # Node i runs at index n + i (its slot) but sits at position n - 1 + depth.
                     depth = np.asarray(tree.depths(parents), dtype=np.int64)
-                    p = p.copy()
                     p[len(p) - num_drafts:] = req.num_tokens - 1 + depth
                     trees[row + len(p) - num_drafts] = (depth, parents, slots[-1][len(p) - num_drafts:])
                     tree_slots[req.request_id] = slots[-1][len(p) - num_drafts:]
@@ -325,8 +324,8 @@ def _tree_rows(positions: torch.Tensor, trees: dict[int, tuple], device) -> Tree
     start = lens.clone()
     width = max(int(depth.max()) for depth, _p, _s in trees.values())
     tail = np.zeros((len(positions), width), dtype=np.int64)
-    for first, (depth, parents, slots) in trees.items():
-        first_pos = int(positions[first]) - int(depth[0]) + 1     # the first draft position (n)
+    for first, (_depth, parents, slots) in trees.items():
+        first_pos = int(positions[first])     # node 0, a child of the last known token, sits at n
         for i in range(len(parents)):
             path = tree.path(parents, i)
             tail[first + i, :len(path)] = slots[path]
