@@ -115,10 +115,8 @@ class EagleProposer:
             return {}
         out: dict[str, Draft] = {}
         if self.tree_width > 1:
-            sb = SamplingBatch.from_requests([req for req, _r, _c in live], self.vocab_size, self.device, self.generators)
-            # Greedy requests without a grammar get trees; the others chains.
-            tree_ok = [g and req.sampling_params.structured is None
-                       for (req, _r, _c), g in zip(live, sb.greedy.tolist())]
+            # Requests without a grammar get trees; the others chains.
+            tree_ok = [req.sampling_params.structured is None for req, _r, _c in live]
             if any(tree_ok):
                 out = self._propose_trees([x for x, t in zip(live, tree_ok) if t],
                                           [h for h, t in zip(hidden, tree_ok) if t])
@@ -154,12 +152,14 @@ class EagleProposer:
         return out
 
     def _propose_trees(self, live: list, hidden: list[torch.Tensor]) -> dict[str, Draft]:
-        """Draft trees (``spec_decode.tree``) for greedy requests, depth by depth over all of them
-        at once: each frontier node's ``tree_width`` likeliest children (after penalties, as a
-        greedy chain's argmax), kept while the product of the head's probabilities along the path
-        is at least ``min_prob`` (EAGLE-2's score), the best-scoring first, at most K * width
-        nodes a request. A kept child that may have children runs the head on (its embedding, its
-        parent's predicted hidden state), in a copy of its parent's cache when it has siblings."""
+        """Draft trees (``spec_decode.tree``), depth by depth over all the requests at once: each
+        frontier node's ``tree_width`` likeliest children (after penalties, as a greedy chain's
+        argmax), kept while the product of the head's probabilities along the path is at least
+        ``min_prob`` (EAGLE-2's score), the best-scoring first, at most K * width nodes a request.
+        Every node is a point mass, a sampled request's too (verified by elimination,
+        ``verify._tree_rejection``). A kept child that may have children runs the head on (its
+        embedding, its parent's predicted hidden state), in a copy of its parent's cache when it
+        has siblings."""
         width = self.tree_width
         tokens: list[list[int]] = [[] for _ in live]
         parents: list[list[int]] = [[] for _ in live]

@@ -61,11 +61,8 @@ class MedusaProposer:
             logits = self.heads.logits(torch.stack(hidden), self._lm)   # [B, heads, V]
             out: dict[str, Draft] = {}
             if self.tree_width > 1:
-                sb = SamplingBatch.from_requests([req for req, _r in work], self.vocab_size, self.device,
-                                                 self.generators)
-                # Greedy requests without a grammar get trees; the others chains.
-                tree_ok = [g and req.sampling_params.structured is None
-                           for (req, _r), g in zip(work, sb.greedy.tolist())]
+                # Requests without a grammar get trees; the others chains.
+                tree_ok = [req.sampling_params.structured is None for req, _r in work]
                 if any(tree_ok):
                     idx = [i for i, t in enumerate(tree_ok) if t]
                     out = self._propose_trees([work[i] for i in idx], logits[idx])
@@ -94,10 +91,10 @@ class MedusaProposer:
         return out
 
     def _propose_trees(self, work: list, logits: torch.Tensor) -> dict[str, Draft]:
-        """Draft trees (``spec_decode.tree``) for greedy requests, as Medusa's own trees: the
-        children of a node at depth j are head j's ``tree_width`` likeliest tokens (after the
-        penalties of the node's path), kept while the product of the heads' probabilities along
-        the path is at least ``min_prob``, the best-scoring first, at most K * width nodes."""
+        """Draft trees (``spec_decode.tree``), as Medusa's own: the children of a node at depth j
+        are head j's ``tree_width`` likeliest tokens (after the penalties of the node's path),
+        kept while the product of the heads' probabilities along the path is at least
+        ``min_prob``, the best-scoring first, at most K * width nodes; point masses, as EAGLE's."""
         width = self.tree_width
         tokens: list[list[int]] = [[] for _ in work]
         parents: list[list[int]] = [[] for _ in work]

@@ -9,14 +9,16 @@ The step runs the last known token and every node as rows: node ``i`` at depth `
 the last known token has depth 1) sits at position ``n - 1 + d`` of a request with ``n`` known
 tokens and attends to the known tokens, then to its ancestors and itself, by position
 (``attention.base.TreeRows``). Its row is what the target computes for the sequence "known
-tokens + its path", so verification is the chain's, along the path the target's argmax takes:
-greedy output is what steps without drafts give. The accepted nodes' K/V are then moved to the
-slots of positions n, n + 1, ... (``accepted_moves``) and the rejected ones are overwritten later,
-as a chain's rejected drafts are.
+tokens + its path", so verification is the chain's along one path: for a greedy request the
+path its argmax takes, and greedy output is what steps without drafts give. The accepted
+nodes' K/V are then moved to the slots of positions n, n + 1, ... (``accepted_moves``) and the
+rejected ones are overwritten later, as a chain's rejected drafts are.
 
-Only greedy requests get trees (a tree's branches are point masses; rejection sampling over
-several of them is not implemented), and only where the C++ layer stack runs the step
-(``LlamaForCausalLM.supports_draft_trees``).
+A sampled request's tree is verified by elimination (``verify._tree_rejection``): a node's
+children are point masses tried in turn, each rejected one's token removed from the target's
+distribution, so every emitted token is still distributed as the target samples it. Requests
+with a grammar keep chains (the grammar's bitmask is filled along one chain of drafts). Trees
+need the C++ layer stack (``LlamaForCausalLM.supports_draft_trees``).
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ drafts; see ``rows``), already sampled-from in ``SamplingBatch`` form, and the d
   draws from) and draft distributions ``q_j``: accept ``d_j`` with probability
   ``min(1, p_j[d_j] / q_j[d_j])``; at the first rejection draw from ``norm(max(0, p_j - q_j))``;
   after K acceptances draw the bonus from ``p_K``. Each emitted token is then distributed as
-  the target alone would sample it. A proposer without probabilities (n-gram, greedy draft
+  the target alone would sample it. A draft tree's children are point masses tried one after
+  another (``_tree_rejection``). A proposer without probabilities (n-gram, greedy draft
   model) is a point mass: ``q_j = onehot(d_j)``, so ``d_j`` is accepted with probability
   ``p_j[d_j]`` and the residual is ``p_j`` with ``d_j`` removed.
 
@@ -39,7 +40,7 @@ class DraftedSeq:
     first_row: int                     # its K + 1 rows are first_row .. first_row + K
     draft_ids: list[int]               # K >= 1 drafts
     draft_probs: torch.Tensor | None   # [K, V] or None (point mass)
-    parents: list[int] | None = None   # a draft tree's (spec_decode.tree), greedy only; None: a chain
+    parents: list[int] | None = None   # a draft tree's (spec_decode.tree); None: a chain
 
 
 @dataclass(frozen=True)
@@ -58,23 +59,24 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
     greedy = batch.greedy.tolist()
     emitted: list[list[int]] = [None] * len(seqs)
     nodes: list[list[int] | None] = [None] * len(seqs)
-    random_seqs = []
+    random_seqs, random_trees = [], []
     for i, s in enumerate(seqs):
         rows = argmax[s.first_row:s.first_row + len(s.draft_ids) + 1]
-        if s.parents is not None:
-            if not greedy[s.first_row]:
-                raise ValueError(f"request {s.request.request_id!r}: draft trees are verified greedily only")
+        if not greedy[s.first_row]:
+            (random_seqs if s.parents is None else random_trees).append(i)
+        elif s.parents is not None:
             nodes[i], last = tree.accept_greedy(rows, s.draft_ids, s.parents)
             emitted[i] = [s.draft_ids[a] for a in nodes[i]] + [last]
-        elif greedy[s.first_row]:
-            emitted[i] = _greedy(rows, s.draft_ids)
         else:
-            random_seqs.append(i)
-    if random_seqs:
+            emitted[i] = _greedy(rows, s.draft_ids)
+    if random_seqs or random_trees:
         probs = processed_probs(logits, batch)                        # [R, V]
+    if random_seqs:
         draw = _rejection_kernel if use_kernel else _rejection_torch
         for i, toks in zip(random_seqs, draw(probs, [seqs[i] for i in random_seqs], generators)):
             emitted[i] = toks
+    for i in random_trees:
+        nodes[i], emitted[i] = _tree_rejection(probs, seqs[i], generators)
     logprobs = _logprobs(penalised, batch, seqs, emitted, nodes)
     return [Verified(e, len(s.draft_ids) + 1 - len(e), lp, a) for s, e, lp, a in zip(seqs, emitted, logprobs, nodes)]
 
@@ -116,6 +118,37 @@ def _rejection_torch(probs: torch.Tensor, seqs: list[DraftedSeq], generators: Ge
         last = int(torch.multinomial(dist, 1, generator=gen)[0])
         out.append(s.draft_ids[:accepted] + [last])
     return out
+
+
+def _tree_rejection(probs: torch.Tensor, s: DraftedSeq, generators: GeneratorCache) -> tuple[list[int], list[int]]:
+    """A sampling request's draft tree: from the last known token's row, try the node's children
+    in draft order, each a point mass. Child c is accepted with probability p(c) / (the mass p
+    has left); a rejected child's token leaves p (its probability set to 0). An accepted child
+    moves the walk to its row; when every child is rejected, or a node has none, the added token
+    is drawn from what is left of p. Each token is then distributed as p: with one child this is
+    the chain's rule for a point mass, and with several it is p sampled by elimination.
+    Returns the accepted nodes and the emitted tokens."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(s.parents):
+        children.setdefault(parent, []).append(i)
+    gen = generators.get(s.request)
+    accepted: list[int] = []
+    node = -1
+    while True:
+        p = probs[s.first_row + (0 if node < 0 else 1 + node)].clone()
+        for child in children.get(node, ()):
+            tok = s.draft_ids[child]
+            u = torch.rand((), generator=gen, device=p.device)
+            if float(u * p.sum()) < float(p[tok]):
+                accepted.append(child)
+                node = child
+                break
+            p[tok] = 0.0
+        else:
+            if float(p.sum()) <= 0.0:   # only by rounding: a child that held all of p was rejected
+                p = probs[s.first_row + (0 if node < 0 else 1 + node)]
+            last = int(torch.multinomial(p, 1, generator=gen)[0])
+            return accepted, [s.draft_ids[a] for a in accepted] + [last]
 
 
 def _rejection_kernel(probs: torch.Tensor, seqs: list[DraftedSeq], generators: GeneratorCache) -> list[list[int]]:

@@ -23,6 +23,7 @@ from sluice.engine.llm import LLM
 from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.spec_decode import tree as tree_mod
 from sluice.engine.spec_decode import verify as verify_mod
 from sluice.engine.spec_decode.heads import EagleHead, MedusaHeads, eagle_config
 from tests.tiny_model import write_tiny_folder
@@ -125,29 +126,39 @@ def random_heads(tiny, mode: str, scale: float = 0.1, seed: int = 0):
     return heads
 
 
-def _spec(tiny, folder, mode: str, draft=None, min_prob: float = 0.0) -> LLM:
+def _spec(tiny, folder, mode: str, draft=None, min_prob: float = 0.0, tree: bool = False) -> LLM:
     kw = {}
     if mode == "small_draft":
         draft_folder, draft_loaded = draft or (folder, tiny)
         kw = dict(additional_models=str(draft_folder), draft_loaded=draft_loaded)
     elif mode in ("eagle", "medusa"):
+        # Chains: drafts drawn from the heads' q. Trees (width 3): each node's likeliest children,
+        # point masses verified by elimination.
         kw = dict(additional_models=f"random {mode} heads", heads=random_heads(tiny, mode),
-                  spec_min_draft_prob=min_prob)
+                  spec_min_draft_prob=min_prob, spec_tree_width=3 if tree else 1)
     return LLM(loaded=tiny, seed=2, speculative_mode=mode, spec_draft_length=4,
                spec_max_batch_size=1024, **OPTS, **kw)
 
 
 # eagle@0.05: drafts end at the head's first token under 5% (spec_min_draft_prob), which depends
-# on the drafts drawn; the target's distribution must survive that too.
-@pytest.mark.parametrize("mode", ["ngram", "small_draft", "eagle", "medusa", "eagle@0.05"])
-def test_per_position_distribution_unchanged(tiny, folder, other, baseline, mode):
+# on the drafts drawn; the target's distribution must survive that too. "tree": draft trees of
+# width 3 (every node kept, or @0.05: paths of probability >= 5%).
+@pytest.mark.parametrize("mode", ["ngram", "small_draft", "eagle", "medusa", "eagle@0.05", "eagle tree",
+                                  "medusa tree", "eagle tree@0.05"])
+def test_per_position_distribution_unchanged(tiny, folder, other, baseline, mode, monkeypatch):
     mode, _, min_prob = mode.partition("@")
-    llm = _spec(tiny, folder, mode, draft=other, min_prob=float(min_prob or 0))
+    mode, _, tree = mode.partition(" ")
+    branches = []
+    inner = tree_mod.accepted_moves
+    monkeypatch.setattr(tree_mod, "accepted_moves", lambda nodes: branches.append(nodes[:1] not in ([], [0])) or inner(nodes))
+    llm = _spec(tiny, folder, mode, draft=other, min_prob=float(min_prob or 0), tree=bool(tree))
     got = _sample(llm)
     stats = llm.engine.spec.stats
-    # Drafts were both accepted and rejected often enough for the test to mean something.
-    rate = stats.num_accepted_tokens / stats.num_draft_tokens
+    # Drafts were both accepted and rejected often enough for the test to mean something (for
+    # trees: per step, a tree holding up to 12 nodes; and through later children too).
+    rate = stats.num_accepted_tokens / (stats.num_drafts * 4 if tree else stats.num_draft_tokens)
     assert 0.1 < rate < 0.9, rate
+    assert (sum(branches) > 50) == bool(tree), sum(branches)
     if min_prob:   # some drafts were cut short, and some were not
         per_draft = stats.num_draft_tokens / stats.num_drafts
         assert 1 < per_draft < 4, per_draft
@@ -181,6 +192,33 @@ def _broken_rejection(probs, seqs, generators):
         last = int(torch.multinomial(p[accepted], 1, generator=gen)[0])
         out.append(s.draft_ids[:accepted] + [last])
     return out
+
+
+def _broken_tree_rejection(probs, s, generators):
+    """The tree rule's bug: a rejected child's token stays in p for its siblings and the draw
+    after them (it is emitted too often)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(s.parents):
+        children.setdefault(parent, []).append(i)
+    gen = generators.get(s.request)
+    accepted, node = [], -1
+    while True:
+        p = probs[s.first_row + (0 if node < 0 else 1 + node)]
+        for child in children.get(node, ()):
+            if float(torch.rand((), generator=gen)) < float(p[s.draft_ids[child]]):
+                accepted.append(child)
+                node = child
+                break
+        else:
+            last = int(torch.multinomial(p, 1, generator=gen)[0])
+            return accepted, [s.draft_ids[a] for a in accepted] + [last]
+
+
+def test_the_test_fails_with_a_broken_tree_rule(tiny, folder, baseline, monkeypatch):
+    monkeypatch.setattr(verify_mod, "_tree_rejection", _broken_tree_rejection)
+    got = _sample(_spec(tiny, folder, "eagle", tree=True))
+    pvalues = [two_sample_pvalue(baseline[j], got[j]) for j in range(POSITIONS)]
+    assert min(pvalues) < 1e-6, pvalues
 
 
 def test_the_test_fails_with_a_broken_acceptance_rule(tiny, folder, baseline, monkeypatch):

@@ -1,9 +1,10 @@
-"""Draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1; EAGLE's by default, Medusa's when
-asked for) on the tiny random-weight model: the tree helpers; greedy output with trees is token for token the output without
-speculation, one request at a time and for 16 mixed concurrent requests, with branches other than
+"""Draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1) on the tiny random-weight model:
+the tree helpers; greedy output with trees is token for token the output without speculation, one request at a time and for 16 mixed concurrent requests, with branches other than
 the first accepted (their K/V moved to the chain's slots); the pool and the proposer come back to
-baseline through preemptions and cancellations; sampled requests keep chains; and a tree where the
-step cannot attend through one, or in another mode, is refused before anything runs."""
+baseline through preemptions and cancellations; sampled requests get trees and grammar requests
+chains; block formats keep chains by default; and a tree where the step cannot attend through
+one, or in another mode, is refused before anything runs. (Sampled trees keep the target's
+distribution: tests/model/test_spec_decode_distribution.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +14,7 @@ from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.config import SpeculativeConfig
+from sluice.engine.structured import GrammarSpec
 from tests.tiny_model import prompt
 from tests.unit.test_spec_heads import (OPTS, _assert_pool_idle, _assert_same, _mixed, base, folder,  # noqa: F401
                                         heads_folders, tiny)
@@ -103,8 +105,8 @@ def test_greedy_identical_with_trees_for_16_mixed_concurrent_requests(base, tiny
 
 
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
-def test_sampled_requests_keep_chains_beside_trees(tiny, heads_folders, monkeypatch, mode):
-    llm, _seen = _trees(tiny, heads_folders, monkeypatch, mode)
+def test_sampled_requests_get_trees_and_grammar_requests_chains(tiny, heads_folders, monkeypatch, mode):
+    llm, seen = _trees(tiny, heads_folders, monkeypatch, mode)
     proposer = llm.engine.spec.proposer
     shapes = []
     inner = proposer.propose
@@ -113,17 +115,19 @@ def test_sampled_requests_keep_chains_beside_trees(tiny, heads_folders, monkeypa
         out = inner(requests, k)
         by_id = {r.request_id: r for r in requests}
         for rid, draft in out.items():
-            greedy = by_id[rid].sampling_params.temperature == 0
-            shapes.append((greedy, draft.parents is not None))
-            assert draft.parents is None or draft.probs is None
+            params = by_id[rid].sampling_params
+            shapes.append((params.temperature > 0, params.structured is not None, draft.parents is not None))
         return out
 
     proposer.propose = propose
     ps = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-          SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=1)]
-    llm.generate([prompt(6), prompt(9)], ps)
-    assert (True, True) in shapes and (False, False) in shapes
-    assert all(greedy == is_tree for greedy, is_tree in shapes)
+          SamplingParams(temperature=0.8, max_tokens=20, ignore_eos=True, seed=1, logit_bias={7: 4.0}),
+          SamplingParams(temperature=0, max_tokens=10, structured=GrammarSpec("choice", choices=("w7",)))]
+    got = llm.generate([prompt(6), prompt(9), prompt(4)], ps)
+    assert got[2].outputs[0].token_ids[:1] == [7] and got[2].outputs[0].finish_reason == "stop"
+    assert {(False, False, True), (True, False, True), (False, True, False)} <= set(shapes)
+    assert all(is_tree != grammar for _sampled, grammar, is_tree in shapes)
+    assert seen["moves"] + seen["branch"] > 0
 
 
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
