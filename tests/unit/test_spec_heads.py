@@ -146,9 +146,11 @@ def heads_with_draft_vocab(tmp_path_factory):
 
 def _spec(tiny, mode: str, heads_folders, **kw) -> LLM:
     # Every draft proposed (spec_min_draft_prob=0): random heads are seldom confident, and these
-    # tests are about verification; the stopping rule has its own test.
+    # tests are about verification; the stopping rule has its own test. Chains (the default for
+    # the block formats); draft trees, the default for float32 models like this one, have
+    # tests/unit/test_spec_tree.py.
     return LLM(loaded=tiny, speculative_mode=mode, additional_models=str(heads_folders[mode]),
-               **(OPTS | dict(spec_max_batch_size=8, spec_min_draft_prob=0.0) | kw))
+               **(OPTS | dict(spec_max_batch_size=8, spec_min_draft_prob=0.0, spec_tree_width=1) | kw))
 
 
 # ---- loading ------------------------------------------------------------------------------------
@@ -375,13 +377,9 @@ def _assert_same(got, want) -> None:
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-@pytest.mark.parametrize("head_format", ["float32", "w8a8"])
-@pytest.mark.parametrize("mode", ["eagle", "medusa"])
-def test_greedy_identical_to_no_speculation_one_request_at_a_time(base, tiny, heads_with_draft_vocab, mode,
-                                                                   head_format):
-    llm = _spec(tiny, mode, heads_with_draft_vocab, spec_head_format=head_format)
-    proposer = llm.engine.spec.proposer
-    assert proposer._lm.format == proposer.head_format == head_format   # the LM head's copy, and EAGLE's layer
+def single_requests_same_as(llm: LLM, base: LLM) -> tuple[int, int]:
+    """Four greedy requests one at a time, with logprobs and a penalty or a bias, each checked
+    against ``base``; returns the drafts verified and accepted."""
     sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.2)
     # The bias makes the output run through w7, where even random heads' drafts are accepted.
     biased = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, logit_bias={7: 4.0})
@@ -392,6 +390,17 @@ def test_greedy_identical_to_no_speculation_one_request_at_a_time(base, tiny, he
         _assert_same(got, base.generate([p], params))
         drafted += got[0].usage.draft_tokens
         accepted += got[0].usage.accepted_tokens
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("head_format", ["float32", "w8a8"])
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_greedy_identical_to_no_speculation_one_request_at_a_time(base, tiny, heads_with_draft_vocab, mode,
+                                                                   head_format):
+    llm = _spec(tiny, mode, heads_with_draft_vocab, spec_head_format=head_format)
+    proposer = llm.engine.spec.proposer
+    assert proposer._lm.format == proposer.head_format == head_format   # the LM head's copy, and EAGLE's layer
+    drafted, accepted = single_requests_same_as(llm, base)
     assert drafted > accepted > 0   # logprobs inside accepted runs, and after rejections
     if mode == "eagle":
         assert not llm.engine.spec.proposer._caches   # dropped as each request finished
@@ -447,12 +456,13 @@ def _assert_pool_idle(llm, finals: list[list[int]], block_size: int = 4) -> None
             assert block.token_ids in chunks, block.token_ids
 
 
+@pytest.mark.parametrize("width", [1, 3])    # chains, draft trees
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
 def test_pool_and_proposer_back_to_baseline_after_rejections_cancellations_and_preemptions(tiny, heads_folders,
-                                                                                          mode):
+                                                                                          mode, width):
     # 24 blocks of 4 tokens for four requests that each grow to ~50 tokens: preemptions, after
     # which EAGLE's head recomputes its cache with the target (the output shows it did right).
-    llm = _spec(tiny, mode, heads_folders, max_total_tokens=96)
+    llm = _spec(tiny, mode, heads_folders, max_total_tokens=96, spec_tree_width=width)
     ref = LLM(loaded=tiny, device="cpu", block_size=4, max_total_tokens=96, num_threads=1)
     prompts = [prompt(10) + " w3 w4 w3 w4", prompt(14), "w1 w2 " * 6, prompt(8)]
     sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
@@ -469,7 +479,7 @@ def test_pool_and_proposer_back_to_baseline_after_rejections_cancellations_and_p
         core.add_request(f"c{i}", p, SamplingParams(temperature=0.7, max_tokens=30, ignore_eos=True, seed=i))
     for _ in range(6):
         core.step()
-    assert any(r.spec_token_ids for r in core.scheduler.running)
+    assert any(r.spec_token_ids and (r.spec_parents is not None) == (width > 1) for r in core.scheduler.running)
     core.abort_request([f"c{i}" for i in range(len(prompts))])
     while core.has_unfinished_requests():
         core.step()
@@ -553,12 +563,11 @@ def test_a_draft_ends_before_the_first_token_its_head_gives_less_than_min_prob(b
     # end early in some steps and run to K in others.
     seen: list[float] = []
     monkeypatch.setattr(mod, "draft_prob", lambda *a: seen.append(draft_prob(*a)) or seen[-1])
-    chain = {"spec_tree_width": 1}     # trees: test_spec_tree
-    _spec(tiny, mode, heads_folders, **chain).generate([prompt(9)], sp)
+    _spec(tiny, mode, heads_folders).generate([prompt(9)], sp)
     threshold = sorted(seen)[len(seen) // 2]
 
     calls: list[tuple[list[float], int]] = []
-    llm = _spec(tiny, mode, heads_folders, spec_min_draft_prob=threshold, **chain)
+    llm = _spec(tiny, mode, heads_folders, spec_min_draft_prob=threshold)
     proposer = llm.engine.spec.proposer
     real = proposer.propose
 

@@ -1,10 +1,11 @@
 """Draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1) on the tiny random-weight model:
-the tree helpers; greedy output with trees is token for token the output without speculation, one request at a time and for 16 mixed concurrent requests, with branches other than
-the first accepted (their K/V moved to the chain's slots); the pool and the proposer come back to
-baseline through preemptions and cancellations; sampled requests get trees and grammar requests
+the tree helpers; greedy output with trees is token for token the output without speculation,
+one request at a time and for 16 mixed concurrent requests, with branches other than the first
+accepted (their K/V moved to the chain's slots); sampled requests get trees and grammar requests
 chains; block formats keep chains by default; and a tree where the step cannot attend through
 one, or in another mode, is refused before anything runs. (Sampled trees keep the target's
-distribution: tests/model/test_spec_decode_distribution.py.)"""
+distribution: tests/model/test_spec_decode_distribution.py; the pool and the proposer back to
+baseline through preemptions and cancellations: tests/unit/test_spec_heads.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,8 @@ from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.structured import GrammarSpec
 from tests.tiny_model import prompt
-from tests.unit.test_spec_heads import (OPTS, _assert_pool_idle, _assert_same, _mixed, base, folder,  # noqa: F401
-                                        heads_folders, tiny)
+from tests.unit.test_spec_heads import (OPTS, _assert_same, _mixed, base, folder,  # noqa: F401
+                                        heads_folders, single_requests_same_as, tiny)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -60,15 +61,7 @@ def _trees(tiny, heads_folders, monkeypatch, mode: str = "eagle", **kw) -> tuple
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
 def test_greedy_identical_with_trees_one_request_at_a_time(base, tiny, heads_folders, monkeypatch, mode):
     llm, seen = _trees(tiny, heads_folders, monkeypatch, mode)
-    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, presence_penalty=0.2)
-    biased = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2, logit_bias={7: 4.0})
-    drafted = accepted = 0
-    for p, params in ((prompt(5), sp), (prompt(23) + " w1 w2 w3 w1 w2", sp), ("w9 w9 w9 w9", biased),
-                      (prompt(11), biased)):
-        got = llm.generate([p], params)
-        _assert_same(got, base.generate([p], params))
-        drafted += got[0].usage.draft_tokens
-        accepted += got[0].usage.accepted_tokens
+    drafted, accepted = single_requests_same_as(llm, base)
     assert drafted > 4 * accepted > 0
     assert seen["branch"] > 0 and seen["moves"] > 0   # paths through later branches were accepted
     assert not getattr(llm.engine.spec.proposer, "_caches", {})
@@ -128,33 +121,6 @@ def test_sampled_requests_get_trees_and_grammar_requests_chains(tiny, heads_fold
     assert {(False, False, True), (True, False, True), (False, True, False)} <= set(shapes)
     assert all(is_tree != grammar for _sampled, grammar, is_tree in shapes)
     assert seen["moves"] + seen["branch"] > 0
-
-
-@pytest.mark.parametrize("mode", ["eagle", "medusa"])
-def test_pool_and_proposer_back_to_baseline_with_trees(tiny, heads_folders, monkeypatch, mode):
-    llm, seen = _trees(tiny, heads_folders, monkeypatch, mode, max_total_tokens=128)
-    ref = LLM(loaded=tiny, device="cpu", block_size=4, max_total_tokens=128, num_threads=1)
-    prompts = [prompt(10) + " w3 w4 w3 w4", prompt(14), "w1 w2 " * 6, prompt(8)]
-    sp = SamplingParams(temperature=0, max_tokens=36, ignore_eos=True)
-    got = llm.generate(prompts, sp)
-    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in ref.generate(prompts, sp)]
-    assert llm.engine.scheduler.num_preemptions > 0
-    _assert_pool_idle(llm, [r.prompt_token_ids + r.outputs[0].token_ids for r in got])
-    core = llm.engine
-    for i, p in enumerate(prompts):
-        core.add_request(f"c{i}", p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    for _ in range(4):
-        core.step()
-    assert any(r.spec_parents for r in core.scheduler.running)
-    core.abort_request([f"c{i}" for i in range(len(prompts))])
-    while core.has_unfinished_requests():
-        core.step()
-    core.kv.check_invariants()
-    assert core.kv.stats().in_use == 0
-    proposer = core.spec.proposer
-    if mode == "eagle":
-        assert not proposer._caches and not proposer._next and not proposer._preemptions
-    assert not proposer.generators._by_request
 
 
 @pytest.mark.parametrize("kw, message", [
