@@ -21,9 +21,9 @@ DEFAULT_MAX_BATCH_SIZE = 3
 # agrees), so steps stop paying for drafts that will be rejected. Measured with
 # bench/spec_decode.py (batch1, self-distilled SmolLM2 heads, K=4, 2 CPU cores): see README.
 DEFAULT_MIN_DRAFT_PROB = 0.35
-# eagle draft trees: a node is kept while the product of the head's probabilities along its path
-# is at least this, with each node's DEFAULT_TREE_WIDTH likeliest children. Measured the same way
-# (widths 2-4, thresholds 0.05-0.2 within noise of each other; see README).
+# eagle / medusa draft trees: a node is kept while the product of the head's probabilities along
+# its path is at least this, with each node's DEFAULT_TREE_WIDTH likeliest children. Measured the
+# same way (widths 2-4, thresholds 0.05-0.2 within noise of each other; see README).
 DEFAULT_TREE_MIN_SCORE = 0.1
 DEFAULT_TREE_WIDTH = 3
 # eagle/medusa: the weights drafting reads (heads.resolve_head_format)
@@ -45,12 +45,12 @@ class SpeculativeConfig:
     # eagle/medusa: the weights drafting reads: auto (w8a8 where the CPU block kernels are
     # vectorized, else float32) | float32 | w8a8 (heads.resolve_head_format)
     spec_head_format: str = "auto"
-    # eagle: children per draft node. 1: a chain, which ends before the first token the head gives
-    # less than spec_min_draft_prob. W > 1: a draft tree (spec_decode.tree) of greedy requests:
-    # each node's W likeliest children, kept while the product of the head's probabilities along
-    # the path is at least spec_min_draft_prob (EAGLE-2's score), at most K deep and K * W nodes.
-    # None (auto): DEFAULT_TREE_WIDTH where the step can attend through a tree (the C++ layer
-    # stack), else 1 (factory.resolve_tree_width, once the model is loaded).
+    # eagle/medusa: children per draft node. 1: a chain, which ends before the first token the
+    # head gives less than spec_min_draft_prob. W > 1: draft trees (spec_decode.tree) for requests
+    # without a grammar: each node's W likeliest children, kept while the product of the head's
+    # probabilities along the path is at least spec_min_draft_prob (EAGLE-2's score), at most K
+    # deep and K * W nodes. None (auto): DEFAULT_TREE_WIDTH where the C++ layer stack runs float32
+    # projections, else 1 (factory.resolve_tree_width, once the model is loaded).
     spec_tree_width: int | None = None
 
     def __post_init__(self) -> None:

@@ -20,6 +20,10 @@ These speculative entries are dropped at the next ``observe``. Drafts are drawn 
 logits are computed for its tokens only, through their rows of the target's LM head, and every
 other token gets probability 0 in the draft distribution: the rejection sampler stays exact (it
 only ever sees tokens drawn from q), greedy drafts are accepted when the target's argmax is in it.
+
+With ``tree_width`` > 1 (``spec_tree_width``) a request without a grammar gets a draft tree
+instead (``_propose_trees``, ``spec_decode.tree``): the head runs on every kept node that may have
+children, each branch in its own copy of the cache.
 """
 from __future__ import annotations
 
@@ -42,7 +46,7 @@ class EagleProposer:
                  min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1) -> None:
         self.head = head
         self.min_prob = min_prob            # a draft ends before a token the head gives less
-        self.tree_width = tree_width        # > 1: greedy requests get draft trees (propose_trees)
+        self.tree_width = tree_width        # > 1: draft trees, for requests without a grammar
         self.head_format = head.pack_for_serving(head_format)   # what drafting reads: "w8a8" or "float32"
         self.target = target
         self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
@@ -167,7 +171,7 @@ class EagleProposer:
         frontier = [(i, -1, h, cache, 1.0) for i, ((_req, _room, cache), h) in enumerate(zip(live, hidden))]
         with torch.inference_mode():
             for depth in range(1, max(room for _req, room, _c in live) + 1):
-                rows = [SampleRow(live[i][0], tuple(tokens[i][a] for a in tree.path(parents[i], node)) if node >= 0 else ())
+                rows = [SampleRow(live[i][0], tree.path_tokens(tokens[i], parents[i], node))
                         for i, node, _h, _c, _s in frontier]
                 sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
                 probs = torch.softmax(penalize(self._lm(torch.stack([h for _i, _n, h, _c, _s in frontier])), sb), dim=-1)

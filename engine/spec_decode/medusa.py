@@ -7,7 +7,8 @@ of the last accepted draft after a verification). Head ``k`` on that row propose
 time only for the request's own penalties and min_tokens mask, which count the drafts before a
 position (``rows``). Greedy drafts are argmaxes; sampled ones come with their distribution for
 the rejection sampler (``proposer.draw``). A draft vocabulary (``t2d``) works as for EAGLE
-(``heads.DraftLMHead``).
+(``heads.DraftLMHead``). With ``tree_width`` > 1 (``spec_tree_width``) a request without a
+grammar gets a draft tree of the heads' likeliest tokens instead (``_propose_trees``).
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ class MedusaProposer:
                  min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1) -> None:
         self.heads = heads
         self.min_prob = min_prob            # a draft ends before a token its head gives less
-        self.tree_width = tree_width        # > 1: greedy requests get draft trees (_propose_trees)
+        self.tree_width = tree_width        # > 1: draft trees, for requests without a grammar
         self.target = target
         self.captured = captured           # the runner's: request id -> (position, hidden [H])
         self.vocab_size = vocab_size
@@ -103,7 +104,7 @@ class MedusaProposer:
             frontier = [f for f in frontier if depth < work[f[0]][1]]
             if not frontier:
                 break
-            rows = [SampleRow(work[i][0], tuple(tokens[i][a] for a in tree.path(parents[i], node)) if node >= 0 else ())
+            rows = [SampleRow(work[i][0], tree.path_tokens(tokens[i], parents[i], node))
                     for i, node, _s in frontier]
             sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
             probs = torch.softmax(penalize(logits[[i for i, _n, _s in frontier], depth], sb), dim=-1)

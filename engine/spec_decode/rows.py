@@ -54,6 +54,5 @@ def rows_of(req: Request, drafts: list[int], parents: list[int] | None = None) -
     if not drafts:
         return [req]
     if parents is not None:
-        return [SampleRow(req, ())] + [SampleRow(req, tuple(drafts[a] for a in tree.path(parents, i)))
-                                       for i in range(len(drafts))]
+        return [SampleRow(req, ())] + [SampleRow(req, tree.path_tokens(drafts, parents, i)) for i in range(len(drafts))]
     return [SampleRow(req, tuple(drafts[:j])) for j in range(len(drafts) + 1)]

@@ -42,6 +42,11 @@ def path(parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
+def path_tokens(tokens: list[int], parents: list[int], node: int) -> tuple[int, ...]:
+    """The draft tokens from the root's child down to ``node`` (none for the root, -1)."""
+    return tuple(tokens[a] for a in path(parents, node)) if node >= 0 else ()
+
+
 def accept_greedy(argmax: list[int], drafts: list[int], parents: list[int]) -> tuple[list[int], int]:
     """Walk the tree along the target's argmax: ``argmax[0]`` is the last known token's row,
     ``argmax[1 + i]`` node i's. Returns the accepted nodes (a path from the root) and the token the
