@@ -305,9 +305,7 @@ void exp_shifted(float* x, int64_t n, float shift) {
   for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - shift);
 }
 
-// Calls fn(t, pointer to token t's row for this KV head) for t = t0 .. t1 - 1, walking the
-// sequence's blocks in order (one table lookup per block).
-// Where a row's tokens are: through its sequence's block table, except that from ``tail_start`` on
+// Where a row's tokens are: through its sequence's block table, except that from `tail_start` on
 // (a draft-tree row: its ancestors and itself, wherever the step wrote them) token t is at the
 // flat slot tail[t - tail_start]. Tokens are visited in the same order either way, so a tree row
 // computes exactly what the same tokens in a plain sequence would.
@@ -317,6 +315,8 @@ struct RowKeys {
   int64_t tail_start = std::numeric_limits<int64_t>::max();
 };
 
+// Calls fn(t, pointer to token t's row for this KV head) for t = t0 .. t1 - 1, walking the
+// sequence's blocks in order (one table lookup per block), then its tail slots.
 template <typename T, typename Fn>
 inline void each_token(const T* cache, const RowKeys& keys, int64_t block_size, int64_t row,
                        int64_t offset, int64_t t0, int64_t t1, Fn&& fn) {
@@ -351,7 +351,7 @@ struct Partial {
 
 template <int G, int CH, typename T>
 void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t kv_heads,
-                 int64_t kvh, const RowKeys& table, int64_t block_size, int64_t t0, int64_t t1, float scale,
+                 int64_t kvh, const RowKeys& keys, int64_t block_size, int64_t t0, int64_t t1, float scale,
                  std::vector<float>& scores) {
   constexpr int64_t dim = 16 * CH;
   const int64_t len = t1 - t0;
@@ -361,7 +361,7 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
   v16 qv[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) qv[g][c] = v_load(q + g * dim + 16 * c);
-  each_token(kc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* kt) {
+  each_token(kc, keys, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* kt) {
     v16 kv[CH];
     for (int c = 0; c < CH; ++c) kv[c] = v_load(kt + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -391,7 +391,7 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
   v16 acc[G][CH];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) acc[g][c] = v_zero();
-  each_token(vc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* vt) {
+  each_token(vc, keys, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* vt) {
     v16 vv[CH];
     for (int c = 0; c < CH; ++c) vv[c] = v_load(vt + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -439,13 +439,13 @@ inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
 
 template <typename T>
 void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T* kc,
-               const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& table,
+               const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& keys,
                int64_t block_size, int64_t t0, int64_t t1, float scale, std::vector<float>& scores) {
   const int64_t len = t1 - t0;
   scores.resize(static_cast<size_t>(group * len));
   std::vector<float> buf(static_cast<size_t>(dim));
   const int64_t row = kv_heads * dim;                    // elements from one token to the next
-  each_token(kc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* k16) {
+  each_token(kc, keys, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* k16) {
     const float* kt = as_float(k16, dim, buf.data());
     for (int64_t g = 0; g < group; ++g) scores[g * len + (t - t0)] = dot(q + g * dim, kt, dim) * scale;
   });
@@ -461,7 +461,7 @@ void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T
     std::fill_n(part.acc + g * dim, dim, 0.f);
   }
   // The weighted sum of values: one running sum per output element, over the tokens in order.
-  each_token(vc, table, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* v16) {
+  each_token(vc, keys, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* v16) {
     const float* vt = as_float(v16, dim, buf.data());
     for (int64_t g = 0; g < group; ++g) {
       const float p = scores[g * len + (t - t0)];
