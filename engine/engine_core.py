@@ -169,7 +169,7 @@ class EngineCore:
         num_blocks = shared_num_blocks(self._num_blocks(arch, kv_dtype, device), arch, shared,
                                        torch.tensor([], dtype=kv_dtype).element_size(), block_size)
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
-        speculative = resolve_tree_width(config.speculative, self.loaded.model, attn)   # eagle's draft trees
+        speculative = resolve_tree_width(config.speculative, self.loaded.model, attn)   # draft trees or chains
         sched_config = replace(config.scheduler, num_speculative_tokens=speculative.num_speculative_tokens)
         self.scheduler = Scheduler(sched_config, self.kv, block_size, self.max_model_len)
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, config.structured)

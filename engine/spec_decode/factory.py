@@ -88,7 +88,8 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
         # cache, the row behind each request's last token for Medusa. Off in the other modes.
         runner.capture = "all" if mode == "eagle" else "last"
         cls = EagleProposer if mode == "eagle" else MedusaProposer
-        config = resolve_tree_width(config, runner.model, runner.attn)
+        # The width as resolve_tree_width decided it (the engine resolves it once, before the
+        # scheduler budgets K * width; an unresolved auto counts as chains).
         tree = {"tree_width": config.tree_width} if config.tree_width > 1 else {}
         proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
                        min_prob=config.min_draft_prob,
