@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, TreeRows
+from sluice.engine.attention.base import NO_TREE, AttentionBackend, AttentionMetadata, KVCache, TreeRows
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
 from sluice.engine.penalty_rows import PenaltyRows
 from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
@@ -215,7 +215,7 @@ class ModelRunner:
             tables_rows = [np.asarray(s.block_ids, dtype=np.int32) for s in scheduled]
         tables = np.zeros((len(scheduled), max(len(r) for r in tables_rows)), dtype=np.int32)
         ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
-        trees: dict[int, tuple] = {}     # first draft row -> (its tree's depths, parents, the nodes' slots)
+        trees: dict[int, tuple] = {}     # first draft row -> (its tree's depths, parents, the nodes' slots, sequence)
         tree_slots: dict[str, np.ndarray] = {}
         single = True
         row = 0
@@ -238,7 +238,7 @@ class ModelRunner:
                     # Node i runs at index n + i (its slot) but sits at position n - 1 + depth.
                     depth = np.asarray(tree.depths(parents), dtype=np.int64)
                     p[len(p) - num_drafts:] = req.num_tokens - 1 + depth
-                    trees[row + len(p) - num_drafts] = (depth, parents, slots[-1][len(p) - num_drafts:])
+                    trees[row + len(p) - num_drafts] = (depth, parents, slots[-1][len(p) - num_drafts:], i)
                     tree_slots[req.request_id] = slots[-1][len(p) - num_drafts:]
                 pos.append(p)
             q_lens.append(s.num_new_tokens)
@@ -318,20 +318,28 @@ def _tree_parents(req, num_drafts: int) -> list[int] | None:
 
 
 def _tree_rows(positions: torch.Tensor, trees: dict[int, tuple], device) -> TreeRows:
-    """Every row's prefix length (position + 1) and, for a draft tree's node rows, its path's
-    slots from the first draft position on (``TreeRows``)."""
+    """Both descriptions of the step's draft-tree rows (``TreeRows``): every row's prefix length
+    (position + 1) and, for a node's row, its path's slots from the first draft position on; and
+    for a node's row the index of its tree's first node and which nodes it sees (its path)."""
     lens = positions + 1
     start = lens.clone()
-    width = max(int(depth.max()) for depth, _p, _s in trees.values())
-    tail = np.zeros((len(positions), width), dtype=np.int64)
-    for first, (_depth, parents, slots) in trees.items():
-        first_pos = int(positions[first])     # node 0, a child of the last known token, sits at n
+    num_rows = len(positions)
+    depth = max(int(d.max()) for d, _p, _s, _i in trees.values())
+    tail = np.zeros((num_rows, depth), dtype=np.int64)
+    node_start = np.full(num_rows, NO_TREE, dtype=np.int32)
+    visible = np.zeros((num_rows, max(len(p) for _d, p, _s, _i in trees.values())), dtype=np.int8)
+    for first, (_depth, parents, slots, _seq) in trees.items():
+        first_pos = int(positions[first])     # node 0, a child of the last known token: position and index n
         for i in range(len(parents)):
             path = tree.path(parents, i)
             tail[first + i, :len(path)] = slots[path]
             start[first + i] = first_pos
+            node_start[first + i] = first_pos
+            visible[first + i, path] = 1
     return TreeRows(lens=lens.to(torch.int32).to(device), tail_start=start.to(torch.int32).to(device),
-                    tail_slots=torch.from_numpy(tail).to(device))
+                    tail_slots=torch.from_numpy(tail).to(device), node_start=torch.from_numpy(node_start).to(device),
+                    visible=torch.from_numpy(visible).to(device),
+                    tree_seqs=tuple(seq for _d, _p, _s, seq in trees.values()))
 
 
 def _num_drafts(s) -> int:

@@ -55,6 +55,7 @@ def attention_ref(
     key: torch.Tensor,     # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,   # [seq_len, num_kv_heads, head_dim]
     scale: float,
+    seen: torch.Tensor | None = None,   # [q_len, seq_len] bool, ANDed with the causal mask (draft trees)
 ) -> torch.Tensor:         # [q_len, num_heads, head_dim], in fp32
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
@@ -65,5 +66,8 @@ def attention_ref(
     scores = q @ k.transpose(1, 2) * scale                              # [num_heads, q_len, seq_len]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    hidden = k_pos[None, :] > q_pos[:, None]
+    if seen is not None:
+        hidden = hidden | ~seen
+    scores = scores.masked_fill(hidden[None], float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)

@@ -8,6 +8,12 @@ prefix), and speculative verification (a few rows on a long prefix).
 
 One program per (query tile, sequence, query head). Tokens are gathered through the block
 table one by one, which makes any block size work.
+
+Draft trees (speculative decoding, ``spec_decode.tree``): with ``node_start`` [T] int32 and
+``visible`` [T, N] int8, a query row at index r of its sequence sees index c when c <= r and
+(c < node_start[row] or visible[row, c - node_start[row]]): the step wrote a tree's nodes after
+the known tokens, and a node sees only its ancestors and itself among them
+(``engine.attention.base.TreeRows``). Without them the kernel is compiled without the test.
 """
 from __future__ import annotations
 
@@ -15,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sluice.kernels._checks import FP_FUSION, check_shape, check_tensor, next_pow2
+from sluice.kernels._checks import FP_FUSION, check_last_dim_contiguous, check_shape, check_tensor, next_pow2
 from sluice.kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
 
 # Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
@@ -34,13 +40,14 @@ def block_n_for(dtype: torch.dtype, head_dim_pad: int) -> int:
 @triton.jit
 def _paged_prefill_kernel(
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
+    node_start_ptr, visible_ptr,
     stride_query_tok, stride_query_head,
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
-    stride_bt_seq, stride_out_tok, stride_out_head,
-    scale_log2, block_size, head_dim,
+    stride_bt_seq, stride_out_tok, stride_out_head, stride_vis_tok,
+    scale_log2, block_size, head_dim, num_nodes,
     GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     m_block = tl.program_id(0)
     seq = tl.program_id(1)
@@ -59,6 +66,8 @@ def _paged_prefill_kernel(
     q_mask = (rows < q_len)[:, None] & (d < head_dim)[None, :]
     q_off = (q_start + rows).to(tl.int64)[:, None] * stride_query_tok + head * stride_query_head + d[None, :]
     q = tl.load(query_ptr + q_off, mask=q_mask, other=0.0)        # [BLOCK_M, HEAD_DIM_PAD]
+    if TREE:   # each row's first tree node (rows past the chunk: none)
+        node_start = tl.load(node_start_ptr + q_start + rows, mask=rows < q_len, other=1 << 30)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -76,7 +85,14 @@ def _paged_prefill_kernel(
                     + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2       # [BLOCK_M, BLOCK_N]
         # Tile 0 holds position 0, visible to every row, so m is finite from the first tile on.
-        s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if TREE:   # past a row's node_start, only the nodes it marks visible
+            rel = pos[None, :] - node_start[:, None]                  # [BLOCK_M, BLOCK_N]
+            in_tree = seen & (rel >= 0) & (rel < num_nodes)
+            marked = tl.load(visible_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_vis_tok + rel,
+                             mask=in_tree, other=0)
+            seen = seen & ((rel < 0) | (marked != 0))
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -100,11 +116,14 @@ def paged_prefill(
     seq_lens: torch.Tensor,         # [num_seqs] int32, this step's tokens included (already stored)
     scale: float,
     max_query_len: int | None = None,
+    node_start: torch.Tensor | None = None,   # [num_tokens] int32: draft trees (module doc)
+    visible: torch.Tensor | None = None,      # [num_tokens, num_nodes] int8
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens)
     num_seqs = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), query.device)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
+    tree = _check_tree(query, node_start, visible)
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     out = torch.empty_like(query)
@@ -114,22 +133,42 @@ def paged_prefill(
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     dim_pad = max(16, next_pow2(head_dim))
     grid = (triton.cdiv(max_query_len, _BLOCK_M), num_seqs, num_heads)
+    if not tree:   # unused pointers: any tensor of the device
+        node_start, visible = seq_lens, seq_lens[:, None]
     _paged_prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out,
+        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, out, node_start, visible,
         query.stride(0), query.stride(1),
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, block_size, head_dim,
+        block_tables.stride(0), out.stride(0), out.stride(1), visible.stride(0),
+        scale * LOG2E, block_size, head_dim, visible.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=dim_pad,
         BLOCK_M=_BLOCK_M, BLOCK_N=block_n_for(query.dtype, dim_pad), DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **FP_FUSION,
+        TREE=tree, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **FP_FUSION,
     )
     return out
 
 
-def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale: float):
-    """Plain-torch ``paged_prefill``: per sequence, gather its KV densely and attend causally."""
+def _check_tree(query: torch.Tensor, node_start: torch.Tensor | None, visible: torch.Tensor | None) -> bool:
+    """Whether the call carries draft trees; their two tensors checked."""
+    if (node_start is None) != (visible is None):
+        raise ValueError("node_start and visible go together (draft trees): got one without the other")
+    if node_start is None:
+        return False
+    num_tokens = query.shape[0]
+    check_tensor("node_start", node_start, 1, (torch.int32,), query.device)
+    check_shape("node_start", node_start, (num_tokens,))
+    check_tensor("visible", visible, 2, (torch.int8,), query.device)
+    if visible.shape[0] != num_tokens or visible.shape[1] < 1:
+        raise ValueError(f"visible: expected [{num_tokens}, num_nodes >= 1], got {list(visible.shape)}")
+    check_last_dim_contiguous("visible", visible)
+    return True
+
+
+def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale: float,
+                      node_start=None, visible=None):
+    """Plain-torch ``paged_prefill``: per sequence, gather its KV densely and attend causally (or
+    through the draft trees' mask)."""
     out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -138,5 +177,11 @@ def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_l
             continue
         k = gather_dense(key_cache, block_tables[i], seq_len)
         v = gather_dense(value_cache, block_tables[i], seq_len)
-        out[lo:hi] = attention_ref(query[lo:hi], k, v, scale).to(query.dtype)
+        seen = None
+        if node_start is not None:
+            idx = torch.arange(seq_len, device=query.device)
+            first = node_start[lo:hi].long()[:, None]
+            rel = (idx[None, :] - first).clamp(0, visible.shape[1] - 1)
+            seen = (idx[None, :] < first) | (visible[lo:hi].gather(1, rel) != 0)
+        out[lo:hi] = attention_ref(query[lo:hi], k, v, scale, seen).to(query.dtype)
     return out

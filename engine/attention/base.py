@@ -23,16 +23,33 @@ KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache), each [n
 
 @dataclass(frozen=True)
 class TreeRows:
-    """A step with draft trees: a tree node's row is at position (last known token) + depth and
-    attends to the sequence's known tokens and then to its ancestors and itself only, which the
-    step wrote to its slots in tree order, not by position. Per query row: ``lens`` [T] int32 its
-    prefix length (position + 1), ``tail_start`` [T] int32 the first position read from
-    ``tail_slots`` [T, W] int64 instead of the block table (>= its length: none). Only the C++
-    layer stack reads it (``kernels/cpu_ops.cpp``'s paged_decode)."""
+    """A step with draft trees (``spec_decode.tree``). The step writes a tree's nodes after the
+    sequence's known tokens, node i at index n + i of its sequence (n known tokens), but node i
+    sits at position n - 1 + its depth and attends to the known tokens, then to its ancestors
+    and itself only. Two descriptions of the same rows, one per kind of kernel:
+
+    * by position, for the C++ layer stack (``kernels/cpu_ops.cpp``'s paged_decode), per query
+      row: ``lens`` [T] int32 its prefix length (position + 1), ``tail_start`` [T] int32 the
+      first position read from ``tail_slots`` [T, W] int64 instead of the block table (>= its
+      length: none);
+    * by index, for the kernels that attend over a sequence's slots in order (the torch
+      backend, ``kernels/paged_prefill.py``): per query row ``node_start`` [T] int32, the index
+      of its sequence's first node (NO_TREE for rows of sequences without a tree), and
+      ``visible`` [T, N] int8, which of those nodes it sees. A row at index r sees index c when
+      c <= r and (c < node_start or visible[row, c - node_start]); the known tokens' rows see
+      no node (every node's index is past theirs).
+
+    ``tree_seqs``: the host's list of the sequences (batch indices) that carry a tree."""
 
     lens: torch.Tensor
     tail_start: torch.Tensor
     tail_slots: torch.Tensor
+    node_start: torch.Tensor
+    visible: torch.Tensor
+    tree_seqs: tuple[int, ...]
+
+
+NO_TREE = 1 << 30     # TreeRows.node_start of a row whose sequence carries no tree
 
 
 @dataclass(frozen=True)
@@ -76,10 +93,27 @@ def row_prefixes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     return meta.block_tables[seq.to(meta.block_tables.device)], lens.to(torch.int32).to(meta.seq_lens.device)
 
 
+def tree_visible(tree: TreeRows, rows: slice, seq_len: int) -> torch.Tensor:
+    """[len(rows), seq_len] bool: which of its sequence's indices each of the query rows ``rows``
+    (the last rows of one sequence, at indices seq_len - len .. seq_len - 1) attends to, by
+    ``TreeRows``' index rule: causal, except that a tree node sees only its own ancestors among
+    the nodes."""
+    node_start = tree.node_start[rows].long()[:, None]                       # [Q, 1]
+    dev = node_start.device
+    cols = torch.arange(seq_len, device=dev)[None, :]                         # [1, L]
+    q_idx = torch.arange(seq_len - node_start.shape[0], seq_len, device=dev)[:, None]   # [Q, 1]
+    rel = (cols - node_start).clamp(0, tree.visible.shape[1] - 1)
+    seen = tree.visible[rows].gather(1, rel) != 0
+    return (cols <= q_idx) & ((cols < node_start) | seen)
+
+
 class AttentionBackend(ABC):
     """Stores this step's K/V into the paged cache, then attends through the block tables."""
 
     name: str = "abstract"
+    # Whether ``forward`` reads ``AttentionMetadata.tree`` (draft trees); a backend that does not
+    # never gets one (``LlamaForCausalLM.supports_draft_trees``).
+    supports_trees: bool = False
 
     @abstractmethod
     def forward(

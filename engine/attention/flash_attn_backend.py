@@ -3,8 +3,8 @@
 flash-attn (the optional ``gpu`` extra) is imported when the backend is built, never at module
 import. Its paged path wants pages of 256 tokens, far from our 16-token blocks, so it runs
 only where no cached prefix is read: when every sequence of a step starts at position 0, the
-step's own contiguous K/V are all the attention needs. Decode steps and steps with a cached
-prefix (chunked prefill, prefix hits) go to the Triton kernels.
+step's own contiguous K/V are all the attention needs. Decode steps, steps with a cached
+prefix (chunked prefill, prefix hits) and steps with draft trees go to the Triton kernels.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def load_flash_attn_varlen(device: torch.device):
 
 class FlashAttnBackend(AttentionBackend):
     name = "flash_attn"
+    supports_trees = True     # through the Triton kernel
 
     def __init__(self, device: torch.device) -> None:
         self._varlen = load_flash_attn_varlen(device)
@@ -42,8 +43,8 @@ class FlashAttnBackend(AttentionBackend):
         if meta.is_pure_decode and query.shape[0] == meta.num_seqs:
             return paged_decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
                                 max_seq_len=meta.max_seq_len)
-        if meta.query_lens_cpu != meta.seq_lens_cpu or query.dtype == torch.float32:
-            # A cached prefix to read (or fp32, which flash-attn lacks): the Triton kernel.
+        if meta.query_lens_cpu != meta.seq_lens_cpu or query.dtype == torch.float32 or meta.tree is not None:
+            # A cached prefix to read, fp32 (which flash-attn lacks) or draft trees: the Triton kernel.
             return TritonAttentionBackend.extend(query, kv_cache, meta, scale)
         return self._varlen(
             query, key, value,

@@ -6,14 +6,15 @@ over a longer context (speculative verification: K + 1 tokens) gathers its seque
 attends with two batched matmuls and a softmax (``_short``); several short queries over short
 contexts (verification of many short requests, short prompts) attend all at once
 (``_short_batch``). Rows with longer queries (prefill, chunked prefill, prefix-hit chunks) run
-one SDPA each, with a causal mask offset by the tokens already in the cache.
+one SDPA each, with a causal mask offset by the tokens already in the cache. A draft tree's
+sequence attends through ``_short`` with the tree's mask (``TreeRows``) in place of the causal one.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, tree_visible
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
@@ -47,15 +48,21 @@ _BATCHED_SHORT_MAX_LEN = 256
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    supports_trees = True
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
         store_kv(key, value, kv_cache, meta.slot_mapping)
         if meta.is_pure_decode:
             return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
         out = torch.empty_like(query)
+        trees = set() if meta.tree is None else set(meta.tree.tree_seqs)
         decode, short, start = ([], []), ([], []), 0   # (first query row, sequence) of each
         for i, q_len in enumerate(meta.query_lens_cpu):
-            if q_len <= _SHORT_QUERY:
+            if i in trees:     # a draft tree's sequence: _short with the tree's mask
+                rows = slice(start, start + q_len)
+                out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale,
+                                        tree_visible(meta.tree, rows, meta.seq_lens_cpu[i]))
+            elif q_len <= _SHORT_QUERY:
                 group = decode if q_len == 1 else short
                 group[0].append(start)
                 group[1].append(i)
@@ -71,7 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
             self._short_batch(query, out, kv_cache, meta, short[0], short[1], scale)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            if q_len > 1 and not (batched and q_len <= _SHORT_QUERY):   # the others were done above
+            if q_len > 1 and i not in trees and not (batched and q_len <= _SHORT_QUERY):   # the others: above
                 attend = self._short if q_len <= _SHORT_QUERY < seq_len else self._extend
                 out[start:start + q_len] = attend(query[start:start + q_len], kv_cache, meta.block_tables[i],
                                                   seq_len, scale)
@@ -79,13 +86,14 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _short(query, kv_cache: KVCache, block_table, seq_len: int, scale: float):
+    def _short(query, kv_cache: KVCache, block_table, seq_len: int, scale: float, seen: torch.Tensor | None = None):
         """query [Lq, Hq, D] at positions seq_len-Lq .. seq_len-1 of one sequence, Lq small.
 
         On CPU a masked SDPA for a few query tokens, or one decode row per token (each with its
         own gather of the sequence), cost 3-4x this for 5 tokens over 300 (bench figures in
         the README): the sequence is gathered once, the query heads of each KV head are stacked
-        as rows of one matmul, and the causal mask is an additive bias."""
+        as rows of one matmul, and the causal mask is an additive bias. ``seen`` [Lq, seq_len]
+        bool replaces the causal mask (a draft tree's sequence: ``tree_visible``)."""
         key_cache, value_cache = kv_cache
         q_len, num_heads, head_dim = query.shape
         num_kv = key_cache.shape[2]
@@ -94,10 +102,11 @@ class TorchAttentionBackend(AttentionBackend):
         v = gather_kv(value_cache, block_table, seq_len, query.dtype)
         # [Hkv, group * Lq, D]: row g * Lq + j is query head (kv * group + g) at token j.
         q = query.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
-        k_pos = torch.arange(seq_len, device=query.device)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        bias = torch.zeros(q_len, seq_len, dtype=torch.float32, device=query.device)
-        bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))
+        if seen is None:
+            k_pos = torch.arange(seq_len, device=query.device)
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            seen = k_pos[None, :] <= q_pos[:, None]
+        bias = torch.zeros(q_len, seq_len, dtype=torch.float32, device=query.device).masked_fill_(~seen, float("-inf"))
         scores = torch.baddbmm(bias.repeat(group, 1).expand(num_kv, -1, -1), q.float(),
                                k.float().permute(1, 2, 0), alpha=scale)     # [Hkv, group * Lq, L]
         probs = torch.softmax(scores, dim=-1).to(v.dtype)

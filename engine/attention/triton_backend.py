@@ -3,7 +3,7 @@
 Per layer: ``kv_store`` writes this step's K/V into the paged cache by slot, then a pure-decode
 step (every sequence brings one token) runs the split-KV decode kernel and any other step runs
 the varlen prefill/extend kernel, which covers prefill, chunked prefill, prefix hits, mixed
-decode rows and speculative verification alike.
+decode rows and speculative verification alike, draft trees included.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from sluice.kernels.paged_prefill import paged_prefill
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    supports_trees = True
 
     def forward(
         self,
@@ -36,7 +37,9 @@ class TritonAttentionBackend(AttentionBackend):
 
     @staticmethod
     def extend(query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Varlen attention of the batch's queries over the cache (K/V already stored)."""
+        """Varlen attention of the batch's queries over the cache (K/V already stored), through
+        the draft trees' mask when the step carries trees."""
         key_cache, value_cache = kv_cache
+        tree = {} if meta.tree is None else {"node_start": meta.tree.node_start, "visible": meta.tree.visible}
         return paged_prefill(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
-                             meta.seq_lens, scale, max_query_len=meta.max_query_len)
+                             meta.seq_lens, scale, max_query_len=meta.max_query_len, **tree)

@@ -230,8 +230,8 @@ class LlamaForCausalLM(torch.nn.Module):
                 return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping, tables, lens)
             return self._decoder.forward(h, cos, sin, list(keys), list(values), meta.slot_mapping, tables,
                                          meta.tree.lens, meta.tree.tail_start, meta.tree.tail_slots)
-        if meta.tree is not None:
-            raise RuntimeError("draft trees need the C++ layer stack (supports_draft_trees)")
+        if meta.tree is not None and not attn.supports_trees:
+            raise RuntimeError(f"draft trees: attention backend {attn.name!r} cannot attend through them")
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, attn)
         return self.norm(h)
@@ -277,9 +277,9 @@ class LlamaForCausalLM(torch.nn.Module):
         return self._decoder or None
 
     def supports_draft_trees(self, attn: AttentionBackend) -> bool:
-        """Whether a step may carry draft trees (``AttentionMetadata.tree``): only the C++ layer
-        stack attends through explicit slots."""
-        return attn.name == "torch" and self._cpu_decoder() is not None
+        """Whether a step may carry draft trees (``AttentionMetadata.tree``): the C++ layer stack
+        reads them by position, the backends that say so (``supports_trees``) by index."""
+        return attn.supports_trees or (attn.name == "torch" and self._cpu_decoder() is not None)
 
     def extra_rows_are_cheap(self) -> bool:
         """Whether a step's extra rows cost little next to its first: float32 projections stream

@@ -49,8 +49,8 @@ class SpeculativeConfig:
     # head gives less than spec_min_draft_prob. W > 1: draft trees (spec_decode.tree) for requests
     # without a grammar: each node's W likeliest children, kept while the product of the head's
     # probabilities along the path is at least spec_min_draft_prob (EAGLE-2's score), at most K
-    # deep and K * W nodes. None (auto): DEFAULT_TREE_WIDTH where the C++ layer stack runs float32
-    # projections, else 1 (factory.resolve_tree_width, once the model is loaded).
+    # deep and K * W nodes. None (auto): DEFAULT_TREE_WIDTH where the projections are not in a
+    # block format (w4a8, w8a8), else 1 (factory.resolve_tree_width, once the model is loaded).
     spec_tree_width: int | None = None
 
     def __post_init__(self) -> None:

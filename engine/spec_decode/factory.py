@@ -54,8 +54,8 @@ def shared_num_blocks(target_blocks: int, target_arch, draft, dtype_bytes: int, 
 def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeConfig:
     """The config with ``spec_tree_width`` decided. Auto (None): DEFAULT_TREE_WIDTH for eagle and
     medusa where the step can attend through a draft tree (``supports_draft_trees``: the C++
-    layer stack) and a tree's extra rows cost little (``extra_rows_are_cheap``: float32
-    projections), else 1. Measured on SmolLM2, open-ended prompts: eagle 1.55x with trees and
+    layer stack and the torch, Triton and flash-attn backends) and a tree's extra rows cost
+    little (``extra_rows_are_cheap``: projections not in a block format), else 1. Measured on SmolLM2, open-ended prompts: eagle 1.55x with trees and
     1.32x with chains in float32, 0.80x and 0.93x in w4a8 (README). A width above 1 asked for
     where a step cannot attend through it is refused."""
     width = config.spec_tree_width
@@ -65,8 +65,8 @@ def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeCon
         auto = able and model.extra_rows_are_cheap()
         return replace(config, spec_tree_width=DEFAULT_TREE_WIDTH if auto else 1)
     if width > 1 and not able:
-        raise ValueError("spec_tree_width: draft trees need the C++ layer stack (CPU, attention backend "
-                         f"torch, the cpu extension built); this engine runs attention {attn.name!r}")
+        raise ValueError(f"spec_tree_width: draft trees need a model and an attention backend that attend through "
+                         f"them; this engine runs {type(model).__name__} with attention {attn.name!r}")
     return config
 
 

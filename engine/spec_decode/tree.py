@@ -17,8 +17,9 @@ rejected ones are overwritten later, as a chain's rejected drafts are.
 A sampled request's tree is verified by elimination (``verify._tree_rejection``): a node's
 children are point masses tried in turn, each rejected one's token removed from the target's
 distribution, so every emitted token is still distributed as the target samples it. Requests
-with a grammar keep chains (the grammar's bitmask is filled along one chain of drafts). Trees
-need the C++ layer stack (``LlamaForCausalLM.supports_draft_trees``).
+with a grammar keep chains (the grammar's bitmask is filled along one chain of drafts). The
+step's attention reads the tree as ``TreeRows``: the C++ layer stack by position, the torch
+backend and the Triton kernel (CUDA) by index (``LlamaForCausalLM.supports_draft_trees``).
 """
 from __future__ import annotations
 

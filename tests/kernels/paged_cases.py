@@ -62,3 +62,45 @@ def dense_attention(case: PagedCase) -> torch.Tensor:
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len
     return out
+
+
+def tree_rows(case: PagedCase, trees: dict[int, list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``TreeRows``' index description (node_start [T] int32, visible [T, N] int8) for ``case``
+    where sequence ``s`` of ``trees`` ends its query rows with a draft tree of parents
+    ``trees[s]`` (``spec_decode.tree``): node i at index n + i, n its known tokens."""
+    from sluice.engine.attention.base import NO_TREE
+    from sluice.engine.spec_decode.tree import path
+
+    num_rows = case.query.shape[0]
+    node_start = torch.full((num_rows,), NO_TREE, dtype=torch.int32)
+    visible = torch.zeros(num_rows, max(len(p) for p in trees.values()), dtype=torch.int8)
+    ends = case.query_start_loc.tolist()[1:]
+    for seq, parents in trees.items():
+        first, n = ends[seq] - len(parents), int(case.seq_lens[seq]) - len(parents)
+        for i in range(len(parents)):
+            node_start[first + i] = n
+            visible[first + i, path(parents, i)] = 1
+    dev = case.query.device
+    return node_start.to(dev), visible.to(dev)
+
+
+def tree_attention(case: PagedCase, trees: dict[int, list[int]]) -> torch.Tensor:
+    """What a draft tree's rows must give, computed without a mask: node i's row attends to the
+    sequence its path spells, the n known tokens and then its ancestors and itself (their K/V
+    taken from the nodes' indices), with nothing hidden. Every other row: ``dense_attention``."""
+    from sluice.engine.spec_decode.tree import path
+
+    out = dense_attention(case)
+    ends = case.query_start_loc.tolist()[1:]
+    for seq, parents in trees.items():
+        seq_len = int(case.seq_lens[seq])
+        first, n = ends[seq] - len(parents), seq_len - len(parents)
+        k_all = dense_kv(case.key_cache, case.block_tables[seq], seq_len).float()
+        v_all = dense_kv(case.value_cache, case.block_tables[seq], seq_len).float()
+        for i in range(len(parents)):
+            keys = list(range(n)) + [n + j for j in path(parents, i)]
+            q = case.query[first + i].float()[:, None]                            # [Hq, 1, D]
+            k, v = k_all[keys].transpose(0, 1), v_all[keys].transpose(0, 1)       # [Hkv, L, D]
+            o = F.scaled_dot_product_attention(q, k, v, scale=case.scale, enable_gqa=True)
+            out[first + i] = o[:, 0]
+    return out

@@ -5,7 +5,8 @@ kernels together, bf16 with the Triton sampler (the interpreter cannot run bf16 
 tests/kernels/conftest.py).
 
 Prompts are sized so that a step mixes a prefill, a chunked prefill (token budget 16) and
-decodes, and decode steps run the split-KV decode kernel over blocks of 4 tokens.
+decodes, and decode steps run the split-KV decode kernel over blocks of 4 tokens. Speculation
+with draft trees (eagle and medusa) keeps greedy output on the Triton kernels too.
 """
 from __future__ import annotations
 
@@ -87,3 +88,39 @@ def test_triton_backend_gives_torch_backend_greedy_tokens(tokenizer, device, dty
     want = _greedy(tokenizer, device, dtype, "torch", "torch")
     assert all(len(t) == 6 for t in want)
     assert _greedy(tokenizer, device, dtype, attention, sampler) == want
+
+
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_draft_trees_through_the_triton_kernels_keep_greedy_output(tmp_path, mode):
+    """Speculation with draft trees (width 3, every node kept) on attention_backend="triton": the
+    tree's rows attend through paged_prefill's tree mask, and greedy output is the output of the
+    same engine without speculation, with branches other than the first accepted."""
+    from sluice.engine.loaders import load_model
+    from sluice.engine.spec_decode import tree
+    from tests.tiny_model import prompt, write_tiny_folder
+    from tests.unit.test_spec_heads import eagle_state, medusa_state, write_eagle, write_medusa
+
+    loaded = load_model(str(write_tiny_folder(tmp_path / "tiny")))
+    heads = (write_eagle(tmp_path / "eagle", eagle_state()) if mode == "eagle"
+             else write_medusa(tmp_path / "medusa", medusa_state(lm_heads=False)))
+    opts = dict(device="cpu", block_size=4, max_total_tokens=512, num_threads=1, attention_backend="triton")
+    llm = LLM(loaded=loaded, speculative_mode=mode, additional_models=str(heads), spec_max_batch_size=8,
+              spec_min_draft_prob=0.0, spec_tree_width=3, **opts)
+    assert llm.engine.model_info.attention_backend == "triton" and llm.engine.spec.proposer.tree_width == 3
+    branches = []
+    inner = tree.accepted_moves
+
+    def moves(accepted):
+        branches.append(bool(accepted) and accepted[0] != 0)
+        return inner(accepted)
+
+    tree.accepted_moves, saved = moves, inner
+    try:
+        # The bias sends the output through w7, where even random heads' drafts are accepted.
+        params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logit_bias={7: 4.0})
+        prompts = [prompt(11), "w9 w9 w9 w9", prompt(5) + " w1 w2 w1 w2"]
+        got = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+    finally:
+        tree.accepted_moves = saved
+    want = [r.outputs[0].token_ids for r in LLM(loaded=loaded, **opts).generate(prompts, params)]
+    assert got == want and any(branches)

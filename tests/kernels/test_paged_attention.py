@@ -3,7 +3,8 @@
 Shapes cover head_dim 64 and 80 (non-power-of-2), block sizes 1, 16 and 32, GQA ratios 1, 3
 and 8, ragged lengths, a sequence ending exactly on a block boundary, a prefix-hit chunk and
 split-KV decode. Each case is checked twice: against the kernel's ``*_ref`` and against torch
-SDPA over K/V rebuilt token by token from the block table.
+SDPA over K/V rebuilt token by token from the block table. Draft-tree rows are checked against
+attention over the sequence each node's path spells.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from sluice.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
 from sluice.kernels.paged_prefill import block_n_for, paged_prefill, paged_prefill_ref
 from tests.kernels.conftest import BF16_DOT
-from tests.kernels.paged_cases import dense_attention, make_case
+from tests.kernels.paged_cases import dense_attention, make_case, tree_attention, tree_rows
 
 SHAPES = [(64, 1, 16), (80, 3, 16), (64, 8, 1), (80, 1, 32), (80, 8, 32), (64, 3, 1)]  # head_dim, group, block
 
@@ -117,3 +118,47 @@ def test_paged_prefill_rejects_bad_query_start_loc():
     with pytest.raises(ValueError, match="query_start_loc: expected shape \\(3,\\)"):
         paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables,
                       case.query_start_loc[:2], case.seq_lens, case.scale)
+
+
+# Draft trees: parents per node (spec_decode.tree); the second keeps a deep branch behind a
+# shallow sibling, so node order and depth differ.
+TREES = ([-1, -1, 0, 0, 2, 1], [-1, 0, 1, -1, 3, 2, 0])
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", SHAPES)
+def test_paged_prefill_draft_tree_rows_see_their_path_only(device, head_dim, group, block_size):
+    """A tree node's row is attention over the known tokens and its own path (tree_attention,
+    which needs no mask); the other rows of the step, a plain chunk, a decode row and the
+    tree's own last known token, stay causal. The reference takes the same mask."""
+    # seq 0: last known token + tree 0 after 30 known; seq 1: a chunk; seq 2: two known rows +
+    # tree 1; seq 3: a decode row.
+    trees = {0: TREES[0], 2: TREES[1]}
+    seq_lens = [30 + 6, 2 * block_size + 5, 9 + 7, 20]
+    query_lens = [1 + 6, 5, 2 + 7, 1]
+    case = make_case(seq_lens, query_lens, block_size, 2, group, head_dim, device=device)
+    node_start, visible = tree_rows(case, trees)
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc, case.seq_lens,
+            case.scale)
+    out = paged_prefill(*args, node_start=node_start, visible=visible)
+    _close(out, tree_attention(case, trees))
+    _close(out, paged_prefill_ref(*args, node_start=node_start, visible=visible))
+    # Read as one causal sequence, only the last known token and node 0 (whose path is the
+    # first index) come out the same; every later node sees what it must not.
+    plain = paged_prefill(*args)
+    _close(plain[:2], out[:2])
+    assert all(not torch.allclose(plain[r], out[r], atol=1e-3) for r in range(2, 7))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda ns, vis: (ns, None), "node_start and visible go together"),
+    (lambda ns, vis: (ns.long(), vis), "node_start: dtype must be one of \\(int32\\)"),
+    (lambda ns, vis: (ns, vis.bool()), "visible: dtype must be one of \\(int8\\)"),
+    (lambda ns, vis: (ns, vis[:4]), "visible: expected \\[7, num_nodes >= 1\\]"),
+    (lambda ns, vis: (ns[:3], vis), "node_start: expected shape \\(7,\\)"),
+])
+def test_paged_prefill_rejects_bad_tree_arguments(change, message):
+    case = make_case([36], [7], 16, 2, 2, 64)
+    node_start, visible = change(*tree_rows(case, {0: TREES[0]}))
+    with pytest.raises(ValueError, match=message):
+        paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
+                      case.seq_lens, case.scale, node_start=node_start, visible=visible)

@@ -1,15 +1,18 @@
 """Draft trees (``spec_decode.tree``, ``spec_tree_width`` > 1) on the tiny random-weight model:
 the tree helpers; greedy output with trees is token for token the output without speculation,
 one request at a time and for 16 mixed concurrent requests, with branches other than the first
-accepted (their K/V moved to the chain's slots); sampled requests get trees and grammar requests
-chains; block formats keep chains by default; and a tree where the step cannot attend through
-one, or in another mode, is refused before anything runs. (Sampled trees keep the target's
+accepted (their K/V moved to the chain's slots), through the C++ layer stack and through the
+Python layers with the torch backend; sampled requests get trees and grammar requests chains;
+block formats keep chains by default; and a tree where the step cannot attend through one, or in
+another mode, is refused before anything runs. (The Triton backend:
+tests/kernels/test_engine_triton_e2e.py.) (Sampled trees keep the target's
 distribution: tests/model/test_spec_decode_distribution.py; the pool and the proposer back to
 baseline through preemptions and cancellations: tests/unit/test_spec_heads.py.)"""
 from __future__ import annotations
 
 import pytest
 
+from sluice.engine.attention.torch_backend import TorchAttentionBackend
 from sluice.engine.llm import LLM
 from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
@@ -134,17 +137,34 @@ def test_bad_tree_widths_are_refused_before_anything_loads(kw, message):
         SpeculativeConfig(**({"speculative_mode": "eagle", "additional_models": "heads"} | kw))
 
 
-def test_a_tree_where_the_step_cannot_attend_through_one_is_refused_and_auto_is_a_chain(folder, heads_folders,
-                                                                                      monkeypatch):
+@pytest.mark.parametrize("mode", ["eagle", "medusa"])
+def test_trees_through_the_python_layers_and_the_torch_backend_are_exact(folder, heads_folders, monkeypatch, mode):
+    """Without the C++ layer stack the torch backend attends through a tree by index (its mask,
+    ``TreeRows``): greedy output is still the output without speculation, branches accepted, and
+    float32 gets trees by default there too."""
     monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")     # float32 through the Python layers
     loaded = load_model(str(folder))
-    with pytest.raises(ValueError, match="draft trees need the C\\+\\+ layer stack"):
+    llm, seen = _trees(loaded, heads_folders, monkeypatch, mode)
+    assert llm.engine.runner.model._cpu_decoder() is None
+    drafted, accepted = single_requests_same_as(llm, LLM(loaded=loaded, **OPTS))
+    assert drafted > 4 * accepted > 0 and seen["branch"] > 0 and seen["moves"] > 0
+    auto = LLM(loaded=loaded, speculative_mode=mode, additional_models=str(heads_folders[mode]), **OPTS)
+    assert auto.engine.spec.proposer.tree_width == 3
+
+
+def test_a_tree_where_the_step_cannot_attend_through_one_is_refused_and_auto_is_a_chain(folder, heads_folders,
+                                                                                      monkeypatch):
+    monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")     # the Python layers, whose backend says...
+    monkeypatch.setattr(TorchAttentionBackend, "supports_trees", False)   # ...it cannot
+    loaded = load_model(str(folder))
+    with pytest.raises(ValueError, match="draft trees need a model and an attention backend that attend through "
+                                         "them; this engine runs LlamaForCausalLM with attention 'torch'"):
         LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
             spec_tree_width=2, **OPTS)
     auto = LLM(loaded=loaded, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]), **OPTS)
     assert auto.engine.spec.proposer.tree_width == 1 and auto.engine.spec.proposer.min_prob == 0.35
     assert auto.engine.scheduler.config.num_speculative_tokens == 4
-    with pytest.raises(ValueError, match="draft trees need the C\\+\\+ layer stack"):
+    with pytest.raises(ValueError, match="draft trees need a model and an attention backend"):
         LLM(loaded=loaded, speculative_mode="medusa", additional_models=str(heads_folders["medusa"]),
             spec_tree_width=3, **OPTS)
 
