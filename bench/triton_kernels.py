@@ -43,15 +43,19 @@ class Sweep:
     penalties: tuple[int, ...]
     rejection: tuple[int, ...]
     kv_store: tuple[int, ...]             # tokens
+    verify: tuple[tuple[int, int], ...] = ()   # (batch, context): a draft tree's rows per sequence
     vocab: int = 128 * 1024
     dtype: torch.dtype = torch.bfloat16   # K/V and queries (logits and probabilities are fp32)
 
 
 FULL = Sweep(decode=tuple((b, c) for b in (1, 16, 64, 256) for c in (512, 2048, 8192, 32768)),
              prefill=(512, 1024, 2048, 4096, 8192), sample=(1, 32, 256), penalties=(32, 256),
-             rejection=(16, 64), kv_store=(256, 4096))
+             rejection=(16, 64), kv_store=(256, 4096), verify=((1, 2048), (16, 2048), (64, 2048)))
 QUICK = Sweep(decode=((1, 2048), (64, 2048)), prefill=(512, 4096), sample=(256,), penalties=(256,),
-              rejection=(64,), kv_store=(256,))
+              rejection=(64,), kv_store=(256,), verify=((16, 2048),))
+# The verification rows' draft tree (spec_decode.tree): the default width 3 and K 4 at most, 12
+# nodes, here 3 children of the last known token and 3 of each of them, then one more level.
+TREE_PARENTS = [-1, -1, -1, 0, 0, 0, 1, 1, 1, 3, 4, 6]
 
 
 @dataclass
@@ -138,6 +142,33 @@ def bench_prefill(sweep: Sweep, peak, rows: list[Row]) -> None:
         if chunk <= 2048:
             base["torch ref"] = _us(lambda: K.paged_prefill_ref(q, kc, vc, tables, qsl, seq_lens, scale))
         rows.append(Row("paged_prefill", f"chunk={chunk}", us, tf, "TFLOP/s", peak and peak[0], base))
+
+
+def bench_verify(sweep: Sweep, peak, rows: list[Row]) -> None:
+    """Speculative verification with a draft tree: each sequence's last known token and 12
+    nodes (TREE_PARENTS) through paged_prefill's tree mask, against the same rows read causally
+    (what a chain of 12 drafts costs): the mask's price."""
+    from sluice.engine.attention.base import NO_TREE
+    from sluice.engine.spec_decode.tree import path
+
+    nodes = len(TREE_PARENTS)
+    for batch, ctx in sweep.verify:
+        q_len = 1 + nodes
+        q, kc, vc, tables, seq_lens, qsl = _paged(batch, ctx, q_len, sweep.dtype, DEVICE)
+        node_start = torch.full((batch, q_len), NO_TREE, dtype=torch.int32)
+        node_start[:, 1:] = ctx - nodes
+        visible = torch.zeros(batch, q_len, nodes, dtype=torch.int8)
+        for i in range(nodes):
+            visible[:, 1 + i, path(TREE_PARENTS, i)] = 1
+        node_start, visible = node_start.view(-1).to(DEVICE), visible.view(-1, nodes).to(DEVICE)
+        scale = HEAD_DIM ** -0.5
+        us = _us(lambda: K.paged_prefill(q, kc, vc, tables, qsl, seq_lens, scale, max_query_len=q_len,
+                                         node_start=node_start, visible=visible))
+        gbs = 2 * kc.numel() * kc.element_size() / us / 1e3
+        base = {"same rows, causal": _us(lambda: K.paged_prefill(q, kc, vc, tables, qsl, seq_lens, scale,
+                                                                 max_query_len=q_len))}
+        rows.append(Row("paged_prefill (tree)", f"B={batch} ctx={ctx} nodes={nodes}", us, gbs, "GB/s", _bw(peak), base))
+        del q, kc, vc
 
 
 def _sampling_args(batch: int, vocab: int, device, top_k: int = 50):
@@ -256,7 +287,8 @@ def table(rows: list[Row]) -> list[tuple[str, ...]]:
     return [("kernel", "shape", "µs", "achieved", "% peak", "baselines (µs, kernel's speed-up)"), *(r.cells() for r in rows)]
 
 
-BENCHES = (bench_kv_store, bench_decode, bench_prefill, bench_sampling, bench_penalties, bench_rejection)
+BENCHES = (bench_kv_store, bench_decode, bench_prefill, bench_verify, bench_sampling, bench_penalties,
+           bench_rejection)
 
 
 def measure(sweep: Sweep, peak) -> list[Row]:
@@ -317,6 +349,12 @@ def check_cpu() -> None:
     qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
     torch.testing.assert_close(K.paged_prefill(q, kc, vc, tables, qsl, seq_lens, 0.25),
                                K.paged_prefill_ref(q, kc, vc, tables, qsl, seq_lens, 0.25))
+    # The second sequence's last 3 rows a draft tree (node 2 a child of node 0, not of node 1).
+    node_start = torch.tensor([1 << 30] * 4 + [9, 9, 9], dtype=torch.int32)
+    visible = torch.tensor([[0, 0, 0]] * 4 + [[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.int8)
+    torch.testing.assert_close(K.paged_prefill(q, kc, vc, tables, qsl, seq_lens, 0.25, node_start=node_start,
+                                               visible=visible),
+                               K.paged_prefill_ref(q, kc, vc, tables, qsl, seq_lens, 0.25, node_start, visible))
     args = _sampling_args(4, 100, "cpu")
     greedy = (args[0], torch.zeros(4), *args[2:])
     assert torch.equal(K.sample(*greedy), K.sample_ref(*greedy))
@@ -339,8 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         check_cpu()
-        print("kv_store, paged_decode, paged_prefill, sample, apply_penalties, rejection_sample: "
-              "match their torch references (Triton interpreter, tiny shapes)")
+        print("kv_store, paged_decode, paged_prefill (draft-tree mask included), sample, apply_penalties, "
+              "rejection_sample: match their torch references (Triton interpreter, tiny shapes)")
         print("timing needs a GPU: no CUDA device here, so no timings were taken")
         return 0
     run_gpu(QUICK if args.quick else FULL, args.out)

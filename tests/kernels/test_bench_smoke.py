@@ -71,11 +71,12 @@ def test_the_gpu_measurement_path_runs_end_to_end_on_a_tiny_sweep(monkeypatch, t
     monkeypatch.setattr(bench, "_us", one_call_us)
     monkeypatch.setattr(bench, "HEAD_DIM", 32)
     tiny = bench.Sweep(decode=((2, 40),), prefill=(20,), sample=(3,), penalties=(2,), rejection=(2,),
-                       kv_store=(5,), vocab=300, dtype=torch.float16)
+                       kv_store=(5,), verify=((2, 40),), vocab=300, dtype=torch.float16)
     rows = bench.measure(tiny, None)
-    assert [r.kernel for r in rows] == ["kv_store", "paged_decode", "paged_prefill", "sample", "sample",
-                                        "apply_penalties", "rejection_sample"]
+    assert [r.kernel for r in rows] == ["kv_store", "paged_decode", "paged_prefill", "paged_prefill (tree)", "sample",
+                                        "sample", "apply_penalties", "rejection_sample"]
     assert "torch ref" in rows[1].baselines and "sdpa (dense)" in rows[2].baselines
+    assert "same rows, causal" in rows[3].baselines
     out = tmp_path / "kernels.md"
     bench.report(rows, None, "Device: cpu (test)", str(out))
     text = out.read_text()
