@@ -55,9 +55,10 @@ def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeCon
     """The config with ``spec_tree_width`` decided. Auto (None): DEFAULT_TREE_WIDTH for eagle and
     medusa where the step can attend through a draft tree (``supports_draft_trees``: the C++
     layer stack and the torch, Triton and flash-attn backends) and a tree's extra rows cost
-    little (``extra_rows_are_cheap``: projections not in a block format), else 1. Measured on SmolLM2, open-ended prompts: eagle 1.55x with trees and
-    1.32x with chains in float32, 0.80x and 0.93x in w4a8 (README). A width above 1 asked for
-    where a step cannot attend through it is refused."""
+    little (``extra_rows_are_cheap``: projections not in a block format), else 1. Measured on
+    SmolLM2, open-ended prompts: eagle 1.55x with trees and 1.32x with chains in float32, 0.80x
+    and 0.93x in w4a8 (README). A width above 1 asked for where a step cannot attend through it
+    is refused."""
     width = config.spec_tree_width
     able = (config.speculative_mode in ("eagle", "medusa") and hasattr(model, "supports_draft_trees")
             and model.supports_draft_trees(attn))
