@@ -26,6 +26,9 @@ from sluice.kernels._paged_common import LOG2E, attention_ref, check_paged_input
 
 # Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
 _BLOCK_M = 64
+# With draft trees: verification's rows are few (1 + the nodes, 13 by default) and the mask's
+# [BLOCK_M, BLOCK_N] index and gather tensors need registers; 64-row tiles spilled on sm_90.
+_TREE_BLOCK_M = 16
 _BLOCK_N = 64
 _NUM_WARPS = 4
 _NUM_STAGES = 2
@@ -66,8 +69,9 @@ def _paged_prefill_kernel(
     q_mask = (rows < q_len)[:, None] & (d < head_dim)[None, :]
     q_off = (q_start + rows).to(tl.int64)[:, None] * stride_query_tok + head * stride_query_head + d[None, :]
     q = tl.load(query_ptr + q_off, mask=q_mask, other=0.0)        # [BLOCK_M, HEAD_DIM_PAD]
-    if TREE:   # each row's first tree node (rows past the chunk: none)
+    if TREE:   # each row's first tree node (rows past the chunk: none), and the tile's first
         node_start = tl.load(node_start_ptr + q_start + rows, mask=rows < q_len, other=1 << 30)
+        tree_lo = tl.min(node_start, axis=0)
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -86,12 +90,15 @@ def _paged_prefill_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2       # [BLOCK_M, BLOCK_N]
         # Tile 0 holds position 0, visible to every row, so m is finite from the first tile on.
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
-        if TREE:   # past a row's node_start, only the nodes it marks visible
-            rel = pos[None, :] - node_start[:, None]                  # [BLOCK_M, BLOCK_N]
-            in_tree = seen & (rel >= 0) & (rel < num_nodes)
-            marked = tl.load(visible_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_vis_tok + rel,
-                             mask=in_tree, other=0)
-            seen = seen & ((rel < 0) | (marked != 0))
+        if TREE:
+            # Past a row's node_start, only the nodes it marks visible: a gather, in the key
+            # tiles that reach a tree only (the last one or two of a long sequence).
+            if start + BLOCK_N > tree_lo:
+                rel = pos[None, :] - node_start[:, None]                  # [BLOCK_M, BLOCK_N]
+                in_tree = seen & (rel >= 0) & (rel < num_nodes)
+                marked = tl.load(visible_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_vis_tok + rel,
+                                 mask=in_tree, other=0)
+                seen = seen & ((rel < 0) | (marked != 0))
         s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
@@ -132,7 +139,8 @@ def paged_prefill(
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     dim_pad = max(16, next_pow2(head_dim))
-    grid = (triton.cdiv(max_query_len, _BLOCK_M), num_seqs, num_heads)
+    block_m = _TREE_BLOCK_M if tree else _BLOCK_M
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
     if not tree:   # unused pointers: any tensor of the device
         node_start, visible = seq_lens, seq_lens[:, None]
     _paged_prefill_kernel[grid](
@@ -143,7 +151,7 @@ def paged_prefill(
         block_tables.stride(0), out.stride(0), out.stride(1), visible.stride(0),
         scale * LOG2E, block_size, head_dim, visible.shape[1],
         GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=dim_pad,
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n_for(query.dtype, dim_pad), DOT_PRECISION=dot_precision(query.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n_for(query.dtype, dim_pad), DOT_PRECISION=dot_precision(query.dtype),
         TREE=tree, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **FP_FUSION,
     )
     return out

@@ -88,7 +88,8 @@ def _stop_at_llvm(backend=None, stages=None, options=None, language=None, capabi
 
 
 def compile_for_cuda(fn, types: dict[str, str], constexprs: dict[str, object], arch: int = 90,
-                     num_warps: int = 4, num_stages: int = 2, serving: bool = False, ptxas: bool = True):
+                     num_warps: int = 4, num_stages: int = 2, serving: bool = False, ptxas: bool = True,
+                     element_loads_ok: bool = False):
     """Arguments absent from ``types`` and ``constexprs`` are taken as ``i32``.
 
     Compiles the variant a launch gets. Triton's launcher marks the pointers and integers it
@@ -97,6 +98,7 @@ def compile_for_cuda(fn, types: dict[str, str], constexprs: dict[str, object], a
     vocabularies such as 49152 or 128256). Without the marks the compiler can neither vectorise
     nor pipeline the loads. ``serving``: also fail on spills and element-wise loads.
     ``ptxas=False``: stop at LLVM IR (see the module docstring); ignored by ``--report``.
+    ``element_loads_ok``: a kernel whose 8/16-bit loads are a gather by design is not failed for them.
     """
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
@@ -126,13 +128,14 @@ def compile_for_cuda(fn, types: dict[str, str], constexprs: dict[str, object], a
                   f"SHARED {shared:6} {dict(loads)}")
         if serving and usage["STACK"] > MAX_STACK_BYTES:
             raise SystemExit(f"{where} spills: {usage['STACK']} bytes of stack ({usage['REG']} registers)")
-        if serving and narrow > MAX_NARROW_SCALAR_LOADS:
+        if serving and narrow > MAX_NARROW_SCALAR_LOADS and not element_loads_ok:
             raise SystemExit(f"{where} loads {narrow} single 8/16-bit elements: vectorisation lost ({dict(loads)})")
     return kernel.asm
 
 
 ATTN = {"block_tables_ptr": "*i32", "seq_lens_ptr": "*i32", "query_start_loc_ptr": "*i32",
-        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2": "fp32"}
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "scale_log2": "fp32",
+        "node_start_ptr": "*i32", "visible_ptr": "*i8"}
 
 
 def _attn_types(dt: str) -> dict[str, str]:
@@ -152,11 +155,15 @@ def attention_kernels(arch, dt, decode_splits=(1, 4), head_dim=128, reduce=True,
         compile_for_cuda(paged_decode._paged_decode_reduce_kernel, types,
                          dict(NUM_SPLITS=4, SPLITS_PAD=4, HEAD_DIM_PAD=head_dim), arch, serving=serving,
                          ptxas=ptxas)
-    compile_for_cuda(paged_prefill._paged_prefill_kernel, types, dict(
-        GROUP=3, HEAD_DIM_PAD=head_dim, BLOCK_M=paged_prefill._BLOCK_M,
-        BLOCK_N=paged_prefill.block_n_for(torch_dtype, head_dim), DOT_PRECISION=prec), arch,
-        num_warps=paged_prefill._NUM_WARPS, num_stages=paged_prefill._NUM_STAGES, serving=serving,
-        ptxas=ptxas)
+    for tree in (False, True):
+        # With draft trees the mask is a gather of one byte per (row, key) in the tiles that reach
+        # a tree: those loads are element-wise by nature, so the tree variant is held to every
+        # check but that one.
+        compile_for_cuda(paged_prefill._paged_prefill_kernel, types, dict(
+            GROUP=3, HEAD_DIM_PAD=head_dim, BLOCK_M=paged_prefill._TREE_BLOCK_M if tree else paged_prefill._BLOCK_M,
+            BLOCK_N=paged_prefill.block_n_for(torch_dtype, head_dim), DOT_PRECISION=prec, TREE=tree), arch,
+            num_warps=paged_prefill._NUM_WARPS, num_stages=paged_prefill._NUM_STAGES, serving=serving,
+            ptxas=ptxas, element_loads_ok=tree)
     kv = {n: dt for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}
     compile_for_cuda(kv_store._kv_store_kernel, {**kv, "slot_mapping_ptr": "*i64"},
                      dict(HEADS_PAD=8, HEAD_DIM_PAD=head_dim), arch, serving=serving, ptxas=ptxas)
