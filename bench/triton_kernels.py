@@ -149,7 +149,7 @@ def bench_verify(sweep: Sweep, peak, rows: list[Row]) -> None:
     nodes (TREE_PARENTS) through paged_prefill's tree mask, against the same rows read causally
     (what a chain of 12 drafts costs): the mask's price."""
     from sluice.engine.attention.base import NO_TREE
-    from sluice.engine.spec_decode.tree import path
+    from sluice.engine.spec_decode.tree import visibility
 
     nodes = len(TREE_PARENTS)
     for batch, ctx in sweep.verify:
@@ -158,8 +158,7 @@ def bench_verify(sweep: Sweep, peak, rows: list[Row]) -> None:
         node_start = torch.full((batch, q_len), NO_TREE, dtype=torch.int32)
         node_start[:, 1:] = ctx - nodes
         visible = torch.zeros(batch, q_len, nodes, dtype=torch.int8)
-        for i in range(nodes):
-            visible[:, 1 + i, path(TREE_PARENTS, i)] = 1
+        visible[:, 1:] = torch.tensor(visibility(TREE_PARENTS))
         node_start, visible = node_start.view(-1).to(DEVICE), visible.view(-1, nodes).to(DEVICE)
         scale = HEAD_DIM ** -0.5
         us = _us(lambda: K.paged_prefill(q, kc, vc, tables, qsl, seq_lens, scale, max_query_len=q_len,

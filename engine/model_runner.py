@@ -330,12 +330,13 @@ def _tree_rows(positions: torch.Tensor, trees: dict[int, tuple], device) -> Tree
     visible = np.zeros((num_rows, max(len(p) for _d, p, _s, _i in trees.values())), dtype=np.int8)
     for first, (_depth, parents, slots, _seq) in trees.items():
         first_pos = int(positions[first])     # node 0, a child of the last known token: position and index n
+        nodes = slice(first, first + len(parents))
         for i in range(len(parents)):
             path = tree.path(parents, i)
             tail[first + i, :len(path)] = slots[path]
-            start[first + i] = first_pos
-            node_start[first + i] = first_pos
-            visible[first + i, path] = 1
+        start[nodes] = first_pos
+        node_start[nodes] = first_pos
+        visible[nodes, :len(parents)] = tree.visibility(parents)
     return TreeRows(lens=lens.to(torch.int32).to(device), tail_start=start.to(torch.int32).to(device),
                     tail_slots=torch.from_numpy(tail).to(device), node_start=torch.from_numpy(node_start).to(device),
                     visible=torch.from_numpy(visible).to(device),

@@ -50,12 +50,24 @@ def gather_dense(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 
+def tree_seen(node_start: torch.Tensor, visible: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[Q, seq_len] bool: which indices of its sequence each of Q query rows, the sequence's last
+    (indices seq_len - Q .. seq_len - 1), attends to with draft trees: causally, except that from
+    its ``node_start`` [Q] on only the nodes ``visible`` [Q, N] marks (the rule of
+    ``paged_prefill``'s module doc)."""
+    first = node_start.long()[:, None]                                          # [Q, 1]
+    cols = torch.arange(seq_len, device=first.device)[None, :]                   # [1, L]
+    rows = torch.arange(seq_len - first.shape[0], seq_len, device=first.device)[:, None]
+    marked = visible.gather(1, (cols - first).clamp(0, visible.shape[1] - 1)) != 0
+    return (cols <= rows) & ((cols < first) | marked)
+
+
 def attention_ref(
     query: torch.Tensor,   # [q_len, num_heads, head_dim]: positions seq_len-q_len .. seq_len-1
     key: torch.Tensor,     # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,   # [seq_len, num_kv_heads, head_dim]
     scale: float,
-    seen: torch.Tensor | None = None,   # [q_len, seq_len] bool, ANDed with the causal mask (draft trees)
+    seen: torch.Tensor | None = None,   # [q_len, seq_len] bool in place of the causal mask (tree_seen)
 ) -> torch.Tensor:         # [q_len, num_heads, head_dim], in fp32
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
@@ -66,8 +78,6 @@ def attention_ref(
     scores = q @ k.transpose(1, 2) * scale                              # [num_heads, q_len, seq_len]
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
-    hidden = k_pos[None, :] > q_pos[:, None]
-    if seen is not None:
-        hidden = hidden | ~seen
+    hidden = k_pos[None, :] > q_pos[:, None] if seen is None else ~seen
     scores = scores.masked_fill(hidden[None], float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)

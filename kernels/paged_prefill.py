@@ -22,7 +22,8 @@ import triton
 import triton.language as tl
 
 from sluice.kernels._checks import FP_FUSION, check_last_dim_contiguous, check_shape, check_tensor, next_pow2
-from sluice.kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
+from sluice.kernels._paged_common import (LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense,
+                                         tree_seen)
 
 # Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
 _BLOCK_M = 64
@@ -185,11 +186,6 @@ def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_l
             continue
         k = gather_dense(key_cache, block_tables[i], seq_len)
         v = gather_dense(value_cache, block_tables[i], seq_len)
-        seen = None
-        if node_start is not None:
-            idx = torch.arange(seq_len, device=query.device)
-            first = node_start[lo:hi].long()[:, None]
-            rel = (idx[None, :] - first).clamp(0, visible.shape[1] - 1)
-            seen = (idx[None, :] < first) | (visible[lo:hi].gather(1, rel) != 0)
+        seen = None if node_start is None else tree_seen(node_start[lo:hi], visible[lo:hi], seq_len)
         out[lo:hi] = attention_ref(query[lo:hi], k, v, scale, seen).to(query.dtype)
     return out

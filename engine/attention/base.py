@@ -33,7 +33,7 @@ class TreeRows:
       first position read from ``tail_slots`` [T, W] int64 instead of the block table (>= its
       length: none);
     * by index, for the kernels that attend over a sequence's slots in order (the torch
-      backend, ``kernels/paged_prefill.py``): per query row ``node_start`` [T] int32, the index
+      backend, ``kernels/paged_prefill.py``; ``kernels._paged_common.tree_seen``): per query row ``node_start`` [T] int32, the index
       of its sequence's first node (NO_TREE for rows of sequences without a tree), and
       ``visible`` [T, N] int8, which of those nodes it sees. A row at index r sees index c when
       c <= r and (c < node_start or visible[row, c - node_start]); the known tokens' rows see
@@ -91,20 +91,6 @@ def row_prefixes(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     within = torch.arange(int(q_lens.sum())) - starts
     lens = meta.context_lens.long().cpu()[seq] + within + 1
     return meta.block_tables[seq.to(meta.block_tables.device)], lens.to(torch.int32).to(meta.seq_lens.device)
-
-
-def tree_visible(tree: TreeRows, rows: slice, seq_len: int) -> torch.Tensor:
-    """[len(rows), seq_len] bool: which of its sequence's indices each of the query rows ``rows``
-    (the last rows of one sequence, at indices seq_len - len .. seq_len - 1) attends to, by
-    ``TreeRows``' index rule: causal, except that a tree node sees only its own ancestors among
-    the nodes."""
-    node_start = tree.node_start[rows].long()[:, None]                       # [Q, 1]
-    dev = node_start.device
-    cols = torch.arange(seq_len, device=dev)[None, :]                         # [1, L]
-    q_idx = torch.arange(seq_len - node_start.shape[0], seq_len, device=dev)[:, None]   # [Q, 1]
-    rel = (cols - node_start).clamp(0, tree.visible.shape[1] - 1)
-    seen = tree.visible[rows].gather(1, rel) != 0
-    return (cols <= q_idx) & ((cols < node_start) | seen)
 
 
 class AttentionBackend(ABC):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, tree_visible
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.kernels._paged_common import tree_seen
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
@@ -60,8 +61,8 @@ class TorchAttentionBackend(AttentionBackend):
         for i, q_len in enumerate(meta.query_lens_cpu):
             if i in trees:     # a draft tree's sequence: _short with the tree's mask
                 rows = slice(start, start + q_len)
-                out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale,
-                                        tree_visible(meta.tree, rows, meta.seq_lens_cpu[i]))
+                seen = tree_seen(meta.tree.node_start[rows], meta.tree.visible[rows], meta.seq_lens_cpu[i])
+                out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale, seen)
             elif q_len <= _SHORT_QUERY:
                 group = decode if q_len == 1 else short
                 group[0].append(start)
@@ -93,7 +94,7 @@ class TorchAttentionBackend(AttentionBackend):
         own gather of the sequence), cost 3-4x this for 5 tokens over 300 (bench figures in
         the README): the sequence is gathered once, the query heads of each KV head are stacked
         as rows of one matmul, and the causal mask is an additive bias. ``seen`` [Lq, seq_len]
-        bool replaces the causal mask (a draft tree's sequence: ``tree_visible``)."""
+        bool replaces the causal mask (a draft tree's sequence: ``tree_seen``)."""
         key_cache, value_cache = kv_cache
         q_len, num_heads, head_dim = query.shape
         num_kv = key_cache.shape[2]

@@ -43,6 +43,16 @@ def path(parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
+def visibility(parents: list[int]) -> list[list[int]]:
+    """[N][N] 0/1: row i marks the nodes node i attends to among the tree's, its ancestors and
+    itself (``attention.base.TreeRows.visible``)."""
+    out = [[0] * len(parents) for _ in parents]
+    for i in range(len(parents)):
+        for a in path(parents, i):
+            out[i][a] = 1
+    return out
+
+
 def path_tokens(tokens: list[int], parents: list[int], node: int) -> tuple[int, ...]:
     """The draft tokens from the root's child down to ``node`` (none for the root, -1)."""
     return tuple(tokens[a] for a in path(parents, node)) if node >= 0 else ()

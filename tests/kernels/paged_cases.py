@@ -69,7 +69,7 @@ def tree_rows(case: PagedCase, trees: dict[int, list[int]]) -> tuple[torch.Tenso
     where sequence ``s`` of ``trees`` ends its query rows with a draft tree of parents
     ``trees[s]`` (``spec_decode.tree``): node i at index n + i, n its known tokens."""
     from sluice.engine.attention.base import NO_TREE
-    from sluice.engine.spec_decode.tree import path
+    from sluice.engine.spec_decode.tree import visibility
 
     num_rows = case.query.shape[0]
     node_start = torch.full((num_rows,), NO_TREE, dtype=torch.int32)
@@ -77,9 +77,8 @@ def tree_rows(case: PagedCase, trees: dict[int, list[int]]) -> tuple[torch.Tenso
     ends = case.query_start_loc.tolist()[1:]
     for seq, parents in trees.items():
         first, n = ends[seq] - len(parents), int(case.seq_lens[seq]) - len(parents)
-        for i in range(len(parents)):
-            node_start[first + i] = n
-            visible[first + i, path(parents, i)] = 1
+        node_start[first:first + len(parents)] = n
+        visible[first:first + len(parents), :len(parents)] = torch.tensor(visibility(parents))
     dev = case.query.device
     return node_start.to(dev), visible.to(dev)
 

@@ -30,6 +30,7 @@ def test_tree_helpers():
     parents = [-1, -1, 0, 0, 2, 1]
     assert tree.depths(parents) == [1, 1, 2, 2, 3, 2]
     assert tree.path(parents, 4) == [0, 2, 4] and tree.path(parents, 1) == [1]
+    assert tree.visibility(parents)[4] == [1, 0, 1, 0, 1, 0] and tree.visibility(parents)[5] == [0, 1, 0, 0, 0, 1]
     drafts = [10, 11, 12, 13, 14, 15]
     # argmax per row: the last known token's, then node i's at 1 + i.
     assert tree.accept_greedy([11, 0, 15, 0, 0, 0, 7], drafts, parents) == ([1, 5], 7)
