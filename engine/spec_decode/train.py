@@ -4,8 +4,8 @@ No public heads exist for small models like SmolLM2-135M, so they are trained fr
 model itself, on CPU:
 
 1. **Corpus.** The engine answers a bounded set of chat prompts (``training_prompts``: task
-   templates crossed with subjects, written for this purpose and disjoint from the prompts of
-   ``bench/spec_decode.py``), greedily, as it would serve them: in the model's served format
+   templates crossed with subjects, and advice / how-to templates crossed with activities,
+   written for this purpose and disjoint from the prompts of ``bench/spec_decode.py``), greedily, as it would serve them: in the model's served format
    (``--corpus-quantization``, default ``auto``), 64 at a time. Decoding is the one sequential
    stage, and w4a8 answers 2.3x faster than float32 on SmolLM2, so the corpus is 3x what float32
    answered in the same time (the heads are limited by their data, not by their size). Each
@@ -87,9 +87,42 @@ SUBJECTS = (
 )
 
 
+# A second family: requests about doing something (advice, instructions, how things work), the
+# other common shape of chat requests. A head trained on the first family alone drafted answers
+# to requests of other shapes much worse than its held-out figure (first draft 0.48 on
+# bench/spec_decode.py's open-ended prompts, 0.60 held out).
+HOW_TASKS = (
+    "What are your best tips for {}?", "List seven practical tips for {}.", "How do I get started with {}?",
+    "What mistakes do beginners make when {}?", "Write step-by-step instructions for {}.",
+    "What equipment or tools do I need for {}?", "How can I get better at {} in a month?",
+    "Explain why people enjoy {}.", "What should I know before {}?", "Make a checklist for {}.",
+    "Write a short guide to {} for a busy parent.", "How do professionals approach {}?",
+    "What are the health or safety concerns of {}?", "Describe a typical day of someone who loves {}.",
+    "Give me a beginner's weekly plan for {}.", "How has {} changed over the last fifty years?",
+)
+ACTIVITIES = (
+    "baking bread", "running a first 5k", "growing tomatoes", "learning the guitar", "keeping a journal",
+    "training a puppy", "painting with watercolours", "saving for a holiday", "writing a novel",
+    "studying for exams", "planning a wedding", "building a birdhouse", "riding a horse", "making pizza at home",
+    "taking better photos", "learning to code", "organising a closet", "brewing coffee", "hiking in the mountains",
+    "speaking in public", "fixing a flat tyre", "decorating a small flat", "caring for houseplants",
+    "meditating", "playing chess", "sewing a button", "doing yoga", "cleaning a kitchen", "writing a cover letter",
+    "cycling to work", "starting a podcast", "learning to draw", "camping with children", "making soup",
+    "reading more books", "running a meeting", "negotiating a salary", "ice skating", "bird watching",
+    "making new friends", "moving house", "composting", "learning French", "repairing a bicycle chain",
+    "writing poetry", "teaching a child to read", "swimming laps", "making candles", "managing stress",
+    "cooking for a large family", "growing herbs on a balcony", "learning to juggle", "shopping on a budget",
+    "travelling alone", "baking cookies", "planting a tree", "playing the piano", "knitting a scarf",
+    "running a small shop", "caring for an elderly parent", "learning to dance", "writing a speech",
+    "keeping chickens", "sleeping better", "drinking more water", "preparing for a job interview",
+    "painting a room", "brewing tea properly", "sailing a small boat", "making a budget spreadsheet",
+)
+MAX_PROMPTS = len(TASKS) * len(SUBJECTS) + len(HOW_TASKS) * len(ACTIVITIES)
+
+
 def training_prompts(n: int, seed: int = 0) -> list[str]:
-    """``n`` distinct user prompts (at most len(TASKS) * len(SUBJECTS) = 3840), shuffled by ``seed``."""
-    every = [t.format(s) for s in SUBJECTS for t in TASKS]
+    """``n`` distinct user prompts (at most ``MAX_PROMPTS``) from both families, shuffled by ``seed``."""
+    every = [t.format(s) for s in SUBJECTS for t in TASKS] + [t.format(a) for a in ACTIVITIES for t in HOW_TASKS]
     random.Random(seed).shuffle(every)
     return every[:n]
 
@@ -408,8 +441,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if not 1 <= args.num_prompts <= len(TASKS) * len(SUBJECTS):
-        raise SystemExit(f"--num-prompts: must be in [1, {len(TASKS) * len(SUBJECTS)}], got {args.num_prompts}")
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        raise SystemExit(f"--num-prompts: must be in [1, {MAX_PROMPTS}], got {args.num_prompts}")
     t0 = time.perf_counter()
     corpus = Path(args.corpus) if args.corpus else None
     if corpus is not None and corpus.is_file():

@@ -24,8 +24,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def test_prompts_are_distinct_bounded_and_not_the_benchmarks():
-    every = train.training_prompts(len(train.TASKS) * len(train.SUBJECTS))
-    assert len(set(every)) == len(every) == 3840
+    every = train.training_prompts(train.MAX_PROMPTS)
+    assert len(set(every)) == len(every) == len(train.TASKS) * len(train.SUBJECTS) + len(train.HOW_TASKS) * len(
+        train.ACTIVITIES)
+    how = {t.format(a) for a in train.ACTIVITIES for t in train.HOW_TASKS}
+    assert 0 < len(how & set(train.training_prompts(200))) < 200     # both families are drawn from
     assert train.training_prompts(5, seed=1) == train.training_prompts(5, seed=1) != train.training_prompts(5)
     from bench.prompts import GROUNDED, OPEN
     assert not set(every) & set(GROUNDED + OPEN)
