@@ -331,12 +331,13 @@ def _tree_rows(positions: torch.Tensor, trees: dict[int, tuple], device) -> Tree
     for first, (_depth, parents, slots, _seq) in trees.items():
         first_pos = int(positions[first])     # node 0, a child of the last known token: position and index n
         nodes = slice(first, first + len(parents))
+        seen = np.array(tree.visibility(parents), dtype=np.int8)
         for i in range(len(parents)):
-            path = tree.path(parents, i)
+            path = np.flatnonzero(seen[i])    # ancestors come before their children: the path in order
             tail[first + i, :len(path)] = slots[path]
         start[nodes] = first_pos
         node_start[nodes] = first_pos
-        visible[nodes, :len(parents)] = tree.visibility(parents)
+        visible[nodes, :len(parents)] = seen
     return TreeRows(lens=lens.to(torch.int32).to(device), tail_start=start.to(torch.int32).to(device),
                     tail_slots=torch.from_numpy(tail).to(device), node_start=torch.from_numpy(node_start).to(device),
                     visible=torch.from_numpy(visible).to(device),

@@ -33,9 +33,9 @@ class TreeRows:
       first position read from ``tail_slots`` [T, W] int64 instead of the block table (>= its
       length: none);
     * by index, for the kernels that attend over a sequence's slots in order (the torch
-      backend, ``kernels/paged_prefill.py``; ``kernels._paged_common.tree_seen``): per query row ``node_start`` [T] int32, the index
-      of its sequence's first node (NO_TREE for rows of sequences without a tree), and
-      ``visible`` [T, N] int8, which of those nodes it sees. A row at index r sees index c when
+      backend, ``kernels/paged_prefill.py``, ``kernels._paged_common.tree_seen``): per query
+      row ``node_start`` [T] int32, the index of its sequence's first node (NO_TREE for rows of
+      sequences without a tree), and ``visible`` [T, N] int8, which of those nodes it sees. A row at index r sees index c when
       c <= r and (c < node_start or visible[row, c - node_start]); the known tokens' rows see
       no node (every node's index is past theirs).
 

@@ -5,8 +5,9 @@ model itself, on CPU:
 
 1. **Corpus.** The engine answers a bounded set of chat prompts (``training_prompts``: task
    templates crossed with subjects, and advice / how-to templates crossed with activities,
-   written for this purpose and disjoint from the prompts of ``bench/spec_decode.py``), greedily, as it would serve them: in the model's served format
-   (``--corpus-quantization``, default ``auto``), 64 at a time. Decoding is the one sequential
+   written for this purpose and disjoint from the prompts of ``bench/spec_decode.py``),
+   greedily, as it would serve them: in the model's served format (``--corpus-quantization``,
+   default ``auto``), 64 at a time. Decoding is the one sequential
    stage, and w4a8 answers 2.3x faster than float32 on SmolLM2, so the corpus is 3x what float32
    answered in the same time (the heads are limited by their data, not by their size). Each
    conversation keeps where its answer starts: the heads only ever draft inside answers, so only

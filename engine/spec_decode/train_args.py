@@ -15,7 +15,7 @@ def build_parser(p: argparse.ArgumentParser | None = None) -> argparse.ArgumentP
     p.add_argument("model", help="the served model (short name or path)")
     p.add_argument("--kind", choices=("medusa", "eagle", "both"), default="both")
     p.add_argument("--out", required=True, help="folder for the heads (medusa/ and eagle/ inside with --kind both)")
-    p.add_argument("--num-prompts", type=int, default=1920, help="conversations in the corpus (at most train.MAX_PROMPTS, 4960)")
+    p.add_argument("--num-prompts", type=int, default=1920, help="conversations in the corpus (at most the distinct prompts the templates make)")
     p.add_argument("--max-tokens", type=int, default=160, help="answer length per conversation")
     p.add_argument("--medusa-heads", type=int, default=4, help="drafts Medusa can propose per step")
     p.add_argument("--medusa-layers", type=int, default=1, help="residual blocks per Medusa head")
