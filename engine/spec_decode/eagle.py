@@ -174,12 +174,11 @@ class EagleProposer:
                 rows = [SampleRow(live[i][0], tree.path_tokens(tokens[i], parents[i], node))
                         for i, node, _h, _c, _s in frontier]
                 sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
-                probs = torch.softmax(penalize(self._lm(torch.stack([h for _i, _n, h, _c, _s in frontier])), sb), dim=-1)
-                top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+                top_ids, top_probs = self._top_children(torch.stack([h for _i, _n, h, _c, _s in frontier]), sb, width)
                 budget = {i: live[i][1] * width - len(tokens[i]) for i in {f[0] for f in frontier}}
                 grow = []      # (frontier index, request index, new node, score)
-                for f, tok, score in tree.children([(i, sc) for i, _n, _h, _c, sc in frontier], top.indices.tolist(),
-                                                   top.values.tolist(), self.min_prob, budget):
+                for f, tok, score in tree.children([(i, sc) for i, _n, _h, _c, sc in frontier], top_ids,
+                                                   top_probs, self.min_prob, budget):
                     i = frontier[f][0]
                     parents[i].append(frontier[f][1])
                     tokens[i].append(tok)
@@ -203,3 +202,18 @@ class EagleProposer:
                 frontier = [(i, node, h[m][0], cache, score)
                             for m, ((_f, i, node, cache), (_f2, _i2, _n2, score)) in enumerate(zip(items, grow))]
         return {req.request_id: Draft(t, None, p) for (req, _r, _c), t, p in zip(live, tokens, parents) if t}
+
+    def _top_children(self, h: torch.Tensor, sb: SamplingBatch, width: int) -> tuple[list, list]:
+        """Each frontier row's ``width`` likeliest next tokens and their probabilities under the
+        head (after ``sb``'s penalties). Without penalties, bias or masks and with a draft
+        vocabulary the softmax and top-k run over that vocabulary's logits alone: the same
+        probabilities (every other token's is 0), without a [rows, vocab] pass."""
+        plain = (sb.penalty_ids is None and sb.bias_ids is None and sb.forbidden is None
+                 and sb.grammar_bitmask is None)
+        if plain and self._lm.vocab is not None:
+            probs = torch.softmax(self._lm.draft_logits(h), dim=-1)
+            top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+            return self._lm.vocab[top.indices].tolist(), top.values.tolist()
+        probs = torch.softmax(penalize(self._lm(h), sb), dim=-1)
+        top = probs.topk(min(width, probs.shape[-1]), dim=-1)
+        return top.indices.tolist(), top.values.tolist()

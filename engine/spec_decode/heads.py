@@ -140,15 +140,20 @@ class DraftLMHead:
         """[n, H] → [n, V] float32."""
         if self.vocab is None:
             return self.target.compute_logits(h)
+        full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
+        full[:, self.vocab] = self.draft_logits(h)
+        return full
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, H] → the draft vocabulary's logits [n, len(vocab)] float32, column j for token
+        ``vocab[j]`` (only with a draft vocabulary)."""
         if self._block is not None:
             sub = self._block(h.float().contiguous())
         elif self._packed is not None:
             sub = packed_linear(h, self._packed, None)
         else:
             sub = F.linear(h, self._weight)
-        full = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=torch.float32, device=h.device)
-        full[:, self.vocab] = sub.float()
-        return full
+        return sub.float()
 
 
 # ---- Medusa --------------------------------------------------------------------------------
@@ -242,7 +247,9 @@ class EagleCache:
         return self.k[:n + t], self.v[:n + t]
 
 
-_EAGLE_LINEARS = ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# What drafting reads: products that share an input run as one over the stacked weights.
+_EAGLE_SERVING = {"fc": ("fc",), "qkv": ("q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
+                  "gate_up": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 
 
 class EagleHead(_DraftVocab):
@@ -283,22 +290,37 @@ class EagleHead(_DraftVocab):
         w = self.fc.weight
         if fmt == "w8a8":
             with torch.no_grad():
-                packed = {name: (_block_copy(lin.weight), None if lin.bias is None else lin.bias.detach().float())
-                          for name in _EAGLE_LINEARS for lin in [getattr(self, name)]}
+                packed = {name: (_block_copy(weight), None if bias is None else bias.float())
+                          for name, (weight, bias) in self._stacked().items()}
             if all(block is not None for block, _bias in packed.values()):
                 self._packed = packed
                 return "w8a8"
         if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_packing_available():
             return "float32"
         with torch.no_grad():
-            self._packed = {name: (pack_cpu_weight(lin.weight.detach().contiguous()),
-                                   None if lin.bias is None else lin.bias.detach())
-                            for name in _EAGLE_LINEARS for lin in [getattr(self, name)]}
+            self._packed = {name: (pack_cpu_weight(weight), bias) for name, (weight, bias) in self._stacked().items()}
         return "float32"
 
+    def _stacked(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
+        """``_EAGLE_SERVING``'s products: (weights stacked by output rows, biases or None)."""
+        out = {}
+        for name, parts in _EAGLE_SERVING.items():
+            lins = [getattr(self, part) for part in parts]
+            weight = torch.cat([lin.weight.detach() for lin in lins]).contiguous()
+            biases = [lin.bias for lin in lins]
+            bias = None
+            if any(b is not None for b in biases):
+                bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
+                                  for b, lin in zip(biases, lins)])
+            out[name] = (weight, bias)
+        return out
+
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:
+        """One of ``_EAGLE_SERVING``'s products (training: the ``nn.Linear`` modules themselves)."""
         if self._packed is None:
-            return getattr(self, name)(x)
+            parts = _EAGLE_SERVING[name]
+            return torch.cat([getattr(self, part)(x) for part in parts], dim=-1) if len(parts) > 1 \
+                else getattr(self, parts[0])(x)
         weight, bias = self._packed[name]
         if isinstance(weight, torch.Tensor):
             return packed_linear(x, weight, bias)
@@ -362,17 +384,18 @@ class EagleHead(_DraftVocab):
         a = x if self.input_layernorm is None else self.input_layernorm(x)
         pos = torch.tensor(positions, dtype=torch.long, device=x.device)
         cos, sin = self.rotary.cos_sin(pos, x.dtype)
-        q = apply_rotary(self._lin("q_proj", a).reshape(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self._lin("k_proj", a).reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self._lin("v_proj", a).reshape(t, self.num_kv_heads, self.head_dim)
-        return x, q, k, v
+        q, k, v = self._lin("qkv", a).split([self.arch.q_size, self.arch.kv_size, self.arch.kv_size], dim=-1)
+        q = apply_rotary(q.reshape(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.reshape(t, self.num_kv_heads, self.head_dim), cos, sin)
+        return x, q, k, v.reshape(t, self.num_kv_heads, self.head_dim)
 
     def _layer(self, embeds, hidden, positions: list[int], attend) -> torch.Tensor:
         """The decoder layer over pairs [T, H] each; ``attend(q, k, v)`` -> [T, heads * D]."""
         x, q, k, v = self._qkv(embeds, hidden, positions)
         x = x + self._lin("o_proj", attend(q, k, v))
         m = self.post_attention_layernorm(x)
-        return x + self._lin("down_proj", F.silu(self._lin("gate_proj", m)) * self._lin("up_proj", m))
+        gate, up = self._lin("gate_up", m).chunk(2, dim=-1)
+        return x + self._lin("down_proj", F.silu(gate) * up)
 
     def _attend(self, q, k, v, positions: list[int], cache: EagleCache | None) -> torch.Tensor:
         """One sequence's new rows q/k/v [T, heads, D] → [T, heads * D]."""

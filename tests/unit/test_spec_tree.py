@@ -182,3 +182,42 @@ def test_block_formats_keep_chains_by_default_and_trees_stay_exact_on_them(folde
     for p in ("w9 w9 w9 w9", prompt(11), prompt(4)):
         _assert_same(llm.generate([p], biased), ref.generate([p], biased))
     assert seen["branch"] > 0 and seen["moves"] > 0
+
+
+def test_tree_children_over_the_draft_vocabulary_alone_are_those_of_the_full_softmax(tiny, tmp_path, monkeypatch):
+    """With a draft vocabulary and nothing that changes logits, a tree's children come from a
+    softmax and top-k over that vocabulary's logits alone: the same tokens and probabilities as
+    over the whole vocabulary with -inf elsewhere. A row with a penalty takes the full path."""
+    import torch
+
+    from sluice.engine.request import Request
+    from sluice.engine.sampler import GeneratorCache, SamplingBatch
+    from sluice.engine.spec_decode import eagle
+    from sluice.engine.spec_decode.rows import SampleRow
+    from tests.tiny_model import HIDDEN, VOCAB
+    from tests.unit.test_spec_heads import eagle_state, write_eagle
+
+    t2d = torch.zeros(VOCAB, dtype=torch.bool)
+    t2d[torch.randperm(VOCAB, generator=torch.Generator().manual_seed(3))[:VOCAB // 3]] = True
+    heads = write_eagle(tmp_path / "eagle", eagle_state() | {"t2d": t2d})
+    llm = LLM(loaded=tiny, speculative_mode="eagle", additional_models=str(heads),
+              **(OPTS | dict(spec_tree_width=3, spec_head_format="float32")))
+    proposer = llm.engine.spec.proposer
+    h = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(4)) * 4
+    with torch.inference_mode():
+        want = torch.softmax(proposer._lm(h), dim=-1).topk(3, dim=-1)
+    full_paths = []
+    inner = eagle.penalize
+    monkeypatch.setattr(eagle, "penalize", lambda logits, sb: full_paths.append(len(logits)) or inner(logits, sb))
+    plain = [SampleRow(Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0)), ()) for i in range(5)]
+    with torch.inference_mode():
+        ids, probs = proposer._top_children(h, SamplingBatch.from_requests(plain, VOCAB, "cpu", GeneratorCache()), 3)
+    assert full_paths == [], "the plain rows did not take the draft-vocabulary path"
+    assert ids == want.indices.tolist() and all(t2d[i] for row in ids for i in row)
+    torch.testing.assert_close(torch.tensor(probs), want.values, rtol=1e-5, atol=1e-6)
+    # A repetition penalty on one row: the whole vocabulary, penalised.
+    rows = plain[:4] + [SampleRow(Request("p", [1, 2, 3], SamplingParams(temperature=0.0, repetition_penalty=1.5)),
+                                  ())]
+    with torch.inference_mode():
+        ids2, _probs = proposer._top_children(h, SamplingBatch.from_requests(rows, VOCAB, "cpu", GeneratorCache()), 3)
+    assert full_paths == [5] and ids2[:4] == ids[:4]
