@@ -403,12 +403,19 @@ class EagleHead(_DraftVocab):
         before = 0 if cache is None else len(cache)
         if cache is not None:
             k, v = cache.append(k, v, positions)
-        # New pair i sees every earlier entry and the new ones up to itself. One new pair (each
-        # drafting step) sees everything: no mask, which also keeps SDPA on its fast CPU path.
-        mask = None if t == 1 else torch.ones(t, before + t, dtype=torch.bool, device=q.device).tril(before)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1).reshape(t, -1)
+        # Grouped-query attention as two batched products per KV head, each over the query heads
+        # that share it (SDPA's enable_gqa takes its math path on CPU and copies K/V out to every
+        # query head first: twice the time for one drafting row over 300 entries). New pair i
+        # sees every earlier entry and the new ones up to itself.
+        kv_heads, d = k.shape[1], k.shape[2]
+        group = q.shape[1] // kv_heads
+        qg = q.reshape(t, kv_heads, group, d).permute(1, 0, 2, 3).reshape(kv_heads, t * group, d)
+        scores = torch.bmm(qg, k.permute(1, 2, 0)) * self.scale                       # [Hkv, t * G, N]
+        if t > 1:
+            seen = torch.ones(t, before + t, dtype=torch.bool, device=q.device).tril(before)
+            scores = scores.masked_fill(~seen.repeat_interleave(group, dim=0), float("-inf"))
+        out = torch.bmm(torch.softmax(scores, dim=-1), v.transpose(0, 1))               # [Hkv, t * G, D]
+        return out.reshape(kv_heads, t, group, d).permute(1, 0, 2, 3).reshape(t, -1)
 
     def public_state_dict(self) -> dict[str, torch.Tensor]:
         """SafeAILab's EAGLE-1 key layout."""
