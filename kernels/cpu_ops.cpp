@@ -625,9 +625,11 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
 namespace {
 
 // The row count a oneDNN-packed product runs at: models/llama.py's row_bucket, the same buckets
-// (exact up to 16 rows, then four per doubling), so that a step meets only the primitives the
-// engine's warm-up compiled (tests/unit/test_cpu_ops.py holds the two to each other).
+// (4 below 4 rows, where oneDNN streams a weight more slowly; exact up to 16 rows; then four per
+// doubling), so that a step meets only the primitives the engine's warm-up compiled
+// (tests/unit/test_cpu_ops.py holds the two to each other).
 int64_t row_bucket(int64_t rows) {
+  if (rows < 4) return 4;
   if (rows <= 16) return rows;
   const int64_t bits = 64 - __builtin_clzll(static_cast<unsigned long long>(rows - 1));   // (rows - 1).bit_length()
   const int64_t step = int64_t{1} << (bits - 3);

@@ -42,14 +42,20 @@ def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor:
 # about 0.5-1 MB and 1.5 ms each, in two LRU caches of 1024 entries. A step's row count (tokens
 # in the batch) takes hundreds of values under mixed prefill, so an engine that saw each one
 # grew by ~1 GB before the caches filled (the soak: +130 MB in 60 s on the tiny model). Rows are
-# therefore zero-padded up to a bucket: exact up to _EXACT_ROWS (decode batches), then four
-# buckets per doubling (at most 25% padding, ~12% on average): 44 shapes per projection up to
-# 2048 rows, 52 up to 8192, all compiled within the first few hundred steps.
+# therefore zero-padded up to a bucket: exact from _MIN_ROWS to _EXACT_ROWS, then four
+# buckets per doubling (at most 25% padding, ~12% on average): 41 shapes per projection up to
+# 2048 rows, 49 up to 8192, all compiled within the first few hundred steps.
+# Below _MIN_ROWS rows, _MIN_ROWS: oneDNN streams a weight from memory faster for 4-6 rows than
+# for 1-3 (80 distinct SmolLM2 MLP weights, cold: 25-26 GB/s at 4-6 rows, 22 at 1, 20 at 2, 21
+# at 7-8), so a batch-1 float32 decode step padded to 4 rows takes 24 ms instead of 29 here.
+_MIN_ROWS = 4
 _EXACT_ROWS = 16
 
 
 def row_bucket(rows: int) -> int:
     """The row count a packed projection of ``rows`` rows runs at (>= rows; few distinct values)."""
+    if rows < _MIN_ROWS:
+        return _MIN_ROWS
     if rows <= _EXACT_ROWS:
         return rows
     step = 1 << ((rows - 1).bit_length() - 3)   # a quarter of the doubling rows falls in
