@@ -130,6 +130,13 @@ class SamplingBatch:
         return len(self.num_logprobs)
 
     @property
+    def changes_logits(self) -> bool:
+        """Whether ``penalize`` changes any logit of this batch (a penalty, bias, min_tokens mask or
+        grammar); when not, callers may skip it, or work on a subset of the vocabulary."""
+        return not (self.penalty_ids is None and self.bias_ids is None and self.forbidden is None
+                    and self.grammar_bitmask is None)
+
+    @property
     def output_counts(self) -> torch.Tensor | None:
         """[B, V] int32: occurrences in each row's output (the triton kernel's dense input)."""
         if self.penalty_ids is None:

@@ -205,15 +205,12 @@ class EagleProposer:
 
     def _top_children(self, h: torch.Tensor, sb: SamplingBatch, width: int) -> tuple[list, list]:
         """Each frontier row's ``width`` likeliest next tokens and their probabilities under the
-        head (after ``sb``'s penalties). Without penalties, bias or masks and with a draft
-        vocabulary the softmax and top-k run over that vocabulary's logits alone: the same
+        head (after ``sb``'s penalties). When nothing changes logits and there is a draft
+        vocabulary, the softmax and top-k run over that vocabulary's logits alone: the same
         probabilities (every other token's is 0), without a [rows, vocab] pass."""
-        plain = (sb.penalty_ids is None and sb.bias_ids is None and sb.forbidden is None
-                 and sb.grammar_bitmask is None)
-        if plain and self._lm.vocab is not None:
-            probs = torch.softmax(self._lm.draft_logits(h), dim=-1)
-            top = probs.topk(min(width, probs.shape[-1]), dim=-1)
-            return self._lm.vocab[top.indices].tolist(), top.values.tolist()
-        probs = torch.softmax(penalize(self._lm(h), sb), dim=-1)
-        top = probs.topk(min(width, probs.shape[-1]), dim=-1)
-        return top.indices.tolist(), top.values.tolist()
+        if self._lm.vocab is not None and not sb.changes_logits:
+            logits, ids = self._lm.draft_logits(h), self._lm.vocab
+        else:
+            logits, ids = penalize(self._lm(h), sb), None
+        top = torch.softmax(logits, dim=-1).topk(min(width, logits.shape[-1]), dim=-1)
+        return (top.indices if ids is None else ids[top.indices]).tolist(), top.values.tolist()

@@ -305,14 +305,9 @@ class EagleHead(_DraftVocab):
         """``_EAGLE_SERVING``'s products: (weights stacked by output rows, biases or None)."""
         out = {}
         for name, parts in _EAGLE_SERVING.items():
-            lins = [getattr(self, part) for part in parts]
+            lins = [getattr(self, part) for part in parts]     # q/k/v all have a bias or none (arch)
             weight = torch.cat([lin.weight.detach() for lin in lins]).contiguous()
-            biases = [lin.bias for lin in lins]
-            bias = None
-            if any(b is not None for b in biases):
-                bias = torch.cat([b.detach() if b is not None else lin.weight.new_zeros(lin.out_features)
-                                  for b, lin in zip(biases, lins)])
-            out[name] = (weight, bias)
+            out[name] = (weight, None if lins[0].bias is None else torch.cat([lin.bias.detach() for lin in lins]))
         return out
 
     def _lin(self, name: str, x: torch.Tensor) -> torch.Tensor:

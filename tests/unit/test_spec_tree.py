@@ -215,9 +215,10 @@ def test_tree_children_over_the_draft_vocabulary_alone_are_those_of_the_full_sof
     assert full_paths == [], "the plain rows did not take the draft-vocabulary path"
     assert ids == want.indices.tolist() and all(t2d[i] for row in ids for i in row)
     torch.testing.assert_close(torch.tensor(probs), want.values, rtol=1e-5, atol=1e-6)
-    # A repetition penalty on one row: the whole vocabulary, penalised.
-    rows = plain[:4] + [SampleRow(Request("p", [1, 2, 3], SamplingParams(temperature=0.0, repetition_penalty=1.5)),
-                                  ())]
-    with torch.inference_mode():
-        ids2, _probs = proposer._top_children(h, SamplingBatch.from_requests(rows, VOCAB, "cpu", GeneratorCache()), 3)
-    assert full_paths == [5] and ids2[:4] == ids[:4]
+    # A penalty, a bias or a min_tokens mask on one row: the whole vocabulary, penalised.
+    for i, changes in enumerate((dict(repetition_penalty=1.5), dict(logit_bias={5: 3.0}), dict(min_tokens=4, stop_token_ids=[7]))):
+        rows = plain[:4] + [SampleRow(Request("p", [1, 2, 3], SamplingParams(temperature=0.0, **changes)), ())]
+        with torch.inference_mode():
+            ids2, _probs = proposer._top_children(h, SamplingBatch.from_requests(rows, VOCAB, "cpu",
+                                                                                   GeneratorCache()), 3)
+        assert full_paths == [5] * (i + 1) and ids2[:4] == ids[:4], changes
