@@ -54,6 +54,8 @@ inline v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 inline v16 v_sub(v16 a, v16 b) { return _mm512_sub_ps(a, b); }
 inline v16 v_mul(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
 inline v16 v_max(v16 a, v16 b) { return _mm512_max_ps(a, b); }
+inline v16 v_min(v16 a, v16 b) { return _mm512_min_ps(a, b); }
+inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 inline v16 v_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline v16 v_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline float v_sum(v16 a) { return _mm512_reduce_add_ps(a); }
@@ -78,6 +80,8 @@ inline v16 v_add(v16 a, v16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_p
 inline v16 v_sub(v16 a, v16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)}; }
 inline v16 v_mul(v16 a, v16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline v16 v_max(v16 a, v16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline v16 v_min(v16 a, v16 b) { return {_mm256_min_ps(a.lo, b.lo), _mm256_min_ps(a.hi, b.hi)}; }
+inline v16 v_div(v16 a, v16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline v16 v_fmadd(v16 a, v16 b, v16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
 }
@@ -190,23 +194,6 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   return out;
 }
 
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_f32(gate_up, "gate_up", 2);
-  const int64_t t = gate_up.size(0), inter = gate_up.size(1) / 2;
-  auto out = torch::empty({t, inter}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, t, 16, [&](int64_t t0, int64_t t1) {
-    for (int64_t i = t0; i < t1; ++i) {
-      const float* g = gp + i * 2 * inter;
-      const float* u = g + inter;
-      float* o = op + i * inter;
-      for (int64_t j = 0; j < inter; ++j) o[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-    }
-  });
-  return out;
-}
-
 namespace {
 
 // The caches hold float32 or float16 (kv_cache_dtype): the same type for K and V, 4 dims.
@@ -284,26 +271,67 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
+#if SLUICE_V16
+// exp_nonpositive on 16 lanes, with the same operations (so the same bits).
+inline v16 v_exp_nonpositive(v16 x) {
+  const v16 v = v_max(x, v_set1(-87.f));
+  const v16 k = v_round(v_mul(v, v_set1(1.44269504088896341f)));
+  const v16 r = v_fmadd(k, v_set1(-0.693145751953125f), v_fmadd(k, v_set1(-1.428606765330187e-06f), v));
+  const float coef[7] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+  v16 p = v_set1(coef[0]);
+  for (int c = 1; c < 7; ++c) p = v_fmadd(p, r, v_set1(coef[c]));
+  return v_mul(p, v_pow2(k));
+}
+#endif
+
 // x[i] = e^(x[i] - shift) for x[i] <= shift: exp_nonpositive, 16 lanes at a time with the same
 // operations (so the same bits), then the scalar function for the tail.
 void exp_shifted(float* x, int64_t n, float shift) {
   int64_t i = 0;
 #if SLUICE_V16
-  const v16 sh = v_set1(shift), lo = v_set1(-87.f);
-  const v16 log2e = v_set1(1.44269504088896341f);
-  const v16 c1 = v_set1(-0.693145751953125f), c2 = v_set1(-1.428606765330187e-06f);
-  const float coef[7] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
-  for (; i + 16 <= n; i += 16) {
-    const v16 v = v_max(v_sub(v_load(x + i), sh), lo);
-    const v16 k = v_round(v_mul(v, log2e));
-    const v16 r = v_fmadd(k, c1, v_fmadd(k, c2, v));
-    v16 p = v_set1(coef[0]);
-    for (int c = 1; c < 7; ++c) p = v_fmadd(p, r, v_set1(coef[c]));
-    v_store(x + i, v_mul(p, v_pow2(k)));
-  }
+  const v16 sh = v_set1(shift);
+  for (; i + 16 <= n; i += 16) v_store(x + i, v_exp_nonpositive(v_sub(v_load(x + i), sh)));
 #endif
   for (; i < n; ++i) x[i] = exp_nonpositive(x[i] - shift);
 }
+
+// silu(g) * u with e^x only ever taken of x <= 0: silu(g) = g * e^min(g, 0) / (1 + e^-|g|), which
+// is g / (1 + e^-g) for g >= 0 and g e^g / (e^g + 1) below. The vector lanes and the scalar tail
+// do the same operations.
+inline float silu_times(float g, float u) {
+  const float a = exp_nonpositive(std::min(g, 0.f)), b = exp_nonpositive(std::min(g, -g));
+  return g * a / (1.f + b) * u;
+}
+
+}  // namespace
+
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_f32(gate_up, "gate_up", 2);
+  const int64_t t = gate_up.size(0), inter = gate_up.size(1) / 2;
+  auto out = torch::empty({t, inter}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, t, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i) {
+      const float* g = gp + i * 2 * inter;
+      const float* u = g + inter;
+      float* o = op + i * inter;
+      int64_t j = 0;
+#if SLUICE_V16
+      const v16 zero = v_zero(), one = v_set1(1.f);
+      for (; j + 16 <= inter; j += 16) {
+        const v16 gv = v_load(g + j);
+        const v16 a = v_exp_nonpositive(v_min(gv, zero)), b = v_exp_nonpositive(v_min(gv, v_sub(zero, gv)));
+        v_store(o + j, v_mul(v_div(v_mul(gv, a), v_add(one, b)), v_load(u + j)));
+      }
+#endif
+      for (; j < inter; ++j) o[j] = silu_times(g[j], u[j]);
+    }
+  });
+  return out;
+}
+
+namespace {
 
 // Where a row's tokens are: through its sequence's block table, except that from `tail_start` on
 // (a draft-tree row: its ancestors and itself, wherever the step wrote them) token t is at the
@@ -740,6 +768,81 @@ class LlamaDecoder {
   double eps_, scale_;
 };
 
+// EAGLE's draft layer (spec_decode/heads.py's EagleHead) for serving: the projection fc of the
+// pairs (embedding, hidden state), then a Llama decoder layer without its final norm (and with an
+// input norm only where the checkpoint has one). Each sequence's keys and values live in its own
+// dense cache [capacity, Hkv, D] (EagleCache): its rows are written after its `before` entries and
+// attend over them and causally over each other, through paged_decode with the cache as one
+// block. Tensors: input norm (empty: none), post-attention norm, (packed, d, m) for fc, qkv, o,
+// gate_up and down, then their five biases (empty: none); shapes: (bits, out) for each.
+class EagleLayer {
+ public:
+  EagleLayer(std::vector<torch::Tensor> t, std::vector<int64_t> s, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, double eps, double scale)
+      : input_norm_(t.at(0)), post_norm_(t.at(1)), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
+        scale_(scale) {
+    TORCH_CHECK(t.size() == 22 && s.size() == 10, "EagleLayer: needs 22 tensors and 10 sizes");
+    Projection* w[5] = {&fc_, &qkv_, &o_, &gate_up_, &down_};
+    for (int j = 0; j < 5; ++j) {
+      const int64_t bits = s[2 * j];
+      TORCH_CHECK(bits == 4 || bits == 8 || bits == 32, "EagleLayer: bits must be 4, 8 or 32, got ", bits);
+      const torch::Tensor& bias = t[17 + j];
+      TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+                                        bias.numel() == s[2 * j + 1]),
+                  "EagleLayer: a bias must be a contiguous float32 [out] or empty");
+      *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bias, bits, s[2 * j + 1]};
+    }
+  }
+
+  // pairs [T, 2H] (each sequence's rows together, in order), cos/sin [T, 1, D/2], one cache pair,
+  // entry count and row count per sequence -> predicted hidden states [T, H].
+  torch::Tensor forward(torch::Tensor pairs, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> key_caches,
+                        std::vector<torch::Tensor> value_caches, std::vector<int64_t> before, std::vector<int64_t> rows) {
+    const size_t n = key_caches.size();
+    TORCH_CHECK(value_caches.size() == n && before.size() == n && rows.size() == n,
+                "EagleLayer: one value cache, entry count and row count per key cache");
+    const int64_t t = pairs.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    int64_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& kc = key_caches[i];
+      TORCH_CHECK(kc.dim() == 3 && kc.size(1) == kv_heads_ && kc.size(2) == dim_ && kc.scalar_type() == torch::kFloat32 &&
+                      kc.is_contiguous() && value_caches[i].sizes() == kc.sizes() && value_caches[i].is_contiguous() &&
+                      value_caches[i].scalar_type() == torch::kFloat32,
+                  "EagleLayer: caches must be contiguous float32 [capacity, Hkv, D]");
+      TORCH_CHECK(rows[i] >= 1 && before[i] >= 0 && before[i] + rows[i] <= kc.size(0),
+                  "EagleLayer: sequence ", i, "'s rows do not fit its cache");
+      total += rows[i];
+    }
+    TORCH_CHECK(total == t, "EagleLayer: the row counts add up to ", total, ", pairs has ", t);
+    torch::Tensor x = fc_(pairs.contiguous());
+    torch::Tensor a = input_norm_.numel() ? rms_norm(x, input_norm_, eps_) : x;
+    torch::Tensor qkv = qkv_(a);
+    torch::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
+    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, dim_});
+    torch::Tensor attn = torch::empty({t, heads_, dim_}, x.options());
+    int64_t start = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t r = rows[i], b = before[i];
+      key_caches[i].narrow(0, b, r).copy_(qk.narrow(0, start, r).narrow(1, heads_, kv_heads_));
+      value_caches[i].narrow(0, b, r).copy_(v.narrow(0, start, r));
+      auto tables = torch::zeros({r, 1}, torch::kInt32);
+      auto lens = torch::arange(b + 1, b + r + 1, torch::kInt32);
+      attn.narrow(0, start, r).copy_(paged_decode(qk.narrow(0, start, r).narrow(1, 0, heads_), key_caches[i].unsqueeze(0),
+                                                  value_caches[i].unsqueeze(0), tables, lens, scale_, std::nullopt,
+                                                  std::nullopt));
+      start += r;
+    }
+    auto hn = add_rms_norm(x, o_(attn.view({t, q_size})), post_norm_, eps_);
+    return hn[0].add_(down_(silu_mul(gate_up_(hn[1]))));
+  }
+
+ private:
+  torch::Tensor input_norm_, post_norm_;
+  Projection fc_, qkv_, o_, gate_up_, down_;
+  int64_t heads_, kv_heads_, dim_;
+  double eps_, scale_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is let go while the product runs (the LM head: ~2 ms a step), so the server's other
   // threads (gRPC, asyncio) are not held up by it.
@@ -763,4 +866,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
            pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("slots"),
            pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("tail_start") = pybind11::none(),
            pybind11::arg("tail_slots") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+  pybind11::class_<EagleLayer>(mod, "EagleLayer", pybind11::module_local())
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &EagleLayer::forward, pybind11::arg("pairs"), pybind11::arg("cos"), pybind11::arg("sin"),
+           pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("before"), pybind11::arg("rows"),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -169,11 +169,18 @@ class EagleProposer:
         parents: list[list[int]] = [[] for _ in live]
         # (request index, node (-1: the root), predicted hidden [H], cache, score)
         frontier = [(i, -1, h, cache, 1.0) for i, ((_req, _room, cache), h) in enumerate(zip(live, hidden))]
+        plain = False       # no request's logits are changed: no sampling batch is needed from here on
         with torch.inference_mode():
             for depth in range(1, max(room for _req, room, _c in live) + 1):
-                rows = [SampleRow(live[i][0], tree.path_tokens(tokens[i], parents[i], node))
-                        for i, node, _h, _c, _s in frontier]
-                sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+                sb = None
+                if not plain:
+                    rows = [SampleRow(live[i][0], tree.path_tokens(tokens[i], parents[i], node))
+                            for i, node, _h, _c, _s in frontier]
+                    sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+                    # Penalties and biases are the requests' own; a min_tokens mask only lifts as
+                    # paths grow: a batch that changes nothing at depth 1 changes nothing deeper.
+                    plain = not sb.changes_logits
+                    sb = None if plain else sb
                 top_ids, top_probs = self._top_children(torch.stack([h for _i, _n, h, _c, _s in frontier]), sb, width)
                 budget = {i: live[i][1] * width - len(tokens[i]) for i in {f[0] for f in frontier}}
                 grow = []      # (frontier index, request index, new node, score)
@@ -203,12 +210,14 @@ class EagleProposer:
                             for m, ((_f, i, node, cache), (_f2, _i2, _n2, score)) in enumerate(zip(items, grow))]
         return {req.request_id: Draft(t, None, p) for (req, _r, _c), t, p in zip(live, tokens, parents) if t}
 
-    def _top_children(self, h: torch.Tensor, sb: SamplingBatch, width: int) -> tuple[list, list]:
+    def _top_children(self, h: torch.Tensor, sb: SamplingBatch | None, width: int) -> tuple[list, list]:
         """Each frontier row's ``width`` likeliest next tokens and their probabilities under the
-        head (after ``sb``'s penalties). When nothing changes logits and there is a draft
-        vocabulary, the softmax and top-k run over that vocabulary's logits alone: the same
-        probabilities (every other token's is 0), without a [rows, vocab] pass."""
-        if self._lm.vocab is not None and not sb.changes_logits:
+        head (after ``sb``'s penalties; None: nothing changes the logits). When nothing does and
+        there is a draft vocabulary, the softmax and top-k run over that vocabulary's logits
+        alone: the same probabilities (every other token's is 0), without a [rows, vocab] pass."""
+        if sb is None and self._lm.vocab is None:
+            logits, ids = self._lm(h), None
+        elif self._lm.vocab is not None and (sb is None or not sb.changes_logits):
             logits, ids = self._lm.draft_logits(h), self._lm.vocab
         else:
             logits, ids = penalize(self._lm(h), sb), None

@@ -231,9 +231,9 @@ class EagleCache:
         """Drop every entry at ``position`` or later."""
         del self.positions[bisect.bisect_left(self.positions, position):]
 
-    def append(self, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add [T, Hkv, D] entries; returns all keys and values, these included."""
-        n, t = len(self.positions), k.shape[0]
+    def reserve(self, t: int) -> None:
+        """Room for ``t`` more entries."""
+        n = len(self.positions)
         if n + t > self.k.shape[0]:
             cap = max(2 * self.k.shape[0], n + t)
             for name in ("k", "v"):
@@ -241,6 +241,11 @@ class EagleCache:
                 new = old.new_empty((cap, *old.shape[1:]))
                 new[:n] = old[:n]
                 setattr(self, name, new)
+
+    def append(self, k: torch.Tensor, v: torch.Tensor, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Add [T, Hkv, D] entries; returns all keys and values, these included."""
+        n, t = len(self.positions), k.shape[0]
+        self.reserve(t)
         self.k[n:n + t] = k
         self.v[n:n + t] = v
         self.positions.extend(positions)
@@ -279,6 +284,7 @@ class EagleHead(_DraftVocab):
         return EagleCache(self.num_kv_heads, self.head_dim, w.dtype, w.device, capacity)
 
     _packed: dict | None = None     # name -> (weight as drafting reads it, bias): see pack_for_serving
+    _cpp = None                     # kernels/cpu_ops.cpp's EagleLayer over _packed: see pack_for_serving
 
     def pack_for_serving(self, fmt: str = "float32") -> str:
         """Drafting copies of the eight projections (training keeps using the ``nn.Linear``
@@ -286,7 +292,10 @@ class EagleHead(_DraftVocab):
         (``resolve_head_format`` says where they run; a hidden size that is not a multiple of 32
         stays float32). ``float32``: on CPU, oneDNN-packed copies (the target's projections use
         the same layout): MKL's small-row products behind ``nn.Linear`` stream a weight at about
-        a third of the bandwidth. Returns the format the projections now draft in."""
+        a third of the bandwidth. Either way, where sluice's C++ CPU kernels are built, drafting
+        runs the whole layer in one call to their ``EagleLayer`` (``_cpp``): a drafting step makes
+        four of these calls, and the ~25 small torch ops of the Python layer cost more than its
+        five products. Returns the format the projections now draft in."""
         w = self.fc.weight
         if fmt == "w8a8":
             with torch.no_grad():
@@ -294,12 +303,36 @@ class EagleHead(_DraftVocab):
                           for name, (weight, bias) in self._stacked().items()}
             if all(block is not None for block, _bias in packed.values()):
                 self._packed = packed
+                self._cpp = self._cpp_layer()
                 return "w8a8"
         if w.device.type != "cpu" or w.dtype != torch.float32 or not cpu_packing_available():
             return "float32"
         with torch.no_grad():
             self._packed = {name: (pack_cpu_weight(weight), bias) for name, (weight, bias) in self._stacked().items()}
+        self._cpp = self._cpp_layer()
         return "float32"
+
+    def _cpp_layer(self):
+        """``_packed`` as the C++ ``EagleLayer`` (None where the kernels are not built or
+        SLUICE_CPU_CPP_LAYERS=0 asks for the Python layers)."""
+        from sluice.engine import envs
+        from sluice.kernels import cpu_ext
+
+        if not (envs.cpu_cpp_layers() and cpu_ext.available()):
+            return None
+        none = torch.empty(0)
+        norm = lambda m: none if m is None else m.weight.detach().float().contiguous()  # noqa: E731
+        tensors, biases, shapes = [norm(self.input_layernorm), norm(self.post_attention_layernorm)], [], []
+        for name, (weight, bias) in self._packed.items():
+            if isinstance(weight, BlockQLinear):
+                tensors += [weight.packed, weight.d, weight.m]
+                shapes += [weight.bits, weight.out_features]
+            else:
+                tensors += [weight, none, none]
+                shapes += [32, sum(getattr(self, part).out_features for part in _EAGLE_SERVING[name])]
+            biases.append(none if bias is None else bias.detach().float().contiguous())
+        return cpu_ext.module().EagleLayer(tensors + biases, shapes, self.num_heads, self.num_kv_heads,
+                                           self.head_dim, float(self.arch.rms_norm_eps), float(self.scale))
 
     def _stacked(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """``_EAGLE_SERVING``'s products: (weights stacked by output rows, biases or None)."""
@@ -334,6 +367,8 @@ class EagleHead(_DraftVocab):
         """``forward`` for several sequences at once: the projections run once over all their
         rows (one product per weight, not one per sequence), attention per sequence."""
         sizes = [len(positions) for _e, _h, positions, _c in items]
+        if self._cpp is not None and all(cache is not None for _e, _h, _p, cache in items):
+            return self._forward_cpp(items, sizes)
 
         def attend(q, k, v):
             attended, start = [], 0
@@ -346,6 +381,21 @@ class EagleHead(_DraftVocab):
         out = self._layer(torch.cat([e for e, _h, _p, _c in items]), torch.cat([h for _e, h, _p, _c in items]),
                           [p for _e, _h, positions, _c in items for p in positions], attend)
         return list(out.split(sizes))
+
+    def _forward_cpp(self, items, sizes: list[int]) -> list[torch.Tensor]:
+        caches = [cache for _e, _h, _p, cache in items]
+        positions = [p for _e, _h, pos, _c in items for p in pos]
+        pairs = torch.cat((torch.cat([e for e, _h, _p, _c in items]), torch.cat([h for _e, h, _p, _c in items])),
+                          dim=-1).float()
+        cos, sin = self.rotary.cos_sin(torch.tensor(positions, dtype=torch.long), torch.float32)
+        before = []
+        for cache, n in zip(caches, sizes):
+            cache.reserve(n)
+            before.append(len(cache))
+        out = self._cpp.forward(pairs, cos, sin, [c.k for c in caches], [c.v for c in caches], before, sizes)
+        for (_e, _h, pos, cache) in items:
+            cache.positions.extend(pos)
+        return list(out.to(self.fc.weight.dtype).split(sizes))
 
     def forward_next_drafts(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
                             context: tuple[torch.Tensor, torch.Tensor, list[int]]) -> torch.Tensor:

@@ -191,7 +191,11 @@ def test_norms_rope_and_swiglu_match_torch(ops):
     qk = qkv[:, :8 * 16].view(5, 8, 16)
     cos, sin = torch.randn(5, 1, 8), torch.randn(5, 1, 8)
     torch.testing.assert_close(ops.rotary(qk, cos, sin), apply_rotary(qk, cos, sin))
-    gu = torch.randn(4, 2 * 40)
+    # SiLU: 16 lanes at a time and a scalar tail (40 = 2 * 16 + 8), both signs, and gates far
+    # enough out that a naive e^-g would overflow.
+    gu = torch.randn(4, 2 * 40) * 8
+    gu[0, :6] = torch.tensor([-200.0, -90.0, -1e-8, 0.0, 90.0, 200.0])
+    gu[1, 34:40] = gu[0, :6]
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:])
 
 

@@ -640,6 +640,51 @@ def test_eagle_head_over_several_sequences_at_once_equals_one_at_a_time(tiny):
         torch.testing.assert_close(cb.v[:len(cb)], ca.v[:len(ca)])
 
 
+@pytest.mark.parametrize("fmt", ["float32", "w8a8"])
+@pytest.mark.parametrize("input_norm", [False, True])
+def test_eagle_layer_in_cpp_equals_the_python_layer(tiny, fmt, input_norm):
+    """Drafting runs the head through the C++ EagleLayer (kernels/cpu_ops.cpp): over the same
+    drafting copies it must give the Python layer's hidden states and leave the same keys and
+    values in every cache, for several sequences of different lengths, caches that grow, and a
+    forked cache, as a draft tree uses them."""
+    from sluice.engine.spec_decode.heads import eagle_config, resolve_head_format
+
+    if fmt == "w8a8" and resolve_head_format("auto", "cpu") != "w8a8":
+        pytest.fail("this test needs the vectorized C++ block kernels (AVX2 or AVX512-VNNI)")
+    heads = []
+    for _ in range(2):
+        torch.manual_seed(2)
+        head = EagleHead(ModelArchConfig.from_hf_config(eagle_config(tiny.arch)), input_norm=input_norm)
+        with torch.no_grad():
+            for prm in head.parameters():
+                prm.copy_(torch.randn(prm.shape, generator=torch.Generator().manual_seed(prm.numel())) * 0.2)
+        assert head.pack_for_serving(fmt) == fmt
+        heads.append(head)
+    cpp, py = heads
+    assert cpp._cpp is not None, "the C++ kernels are built in this environment: drafting must use them"
+    py._cpp = None
+    g = torch.Generator().manual_seed(9)
+    steps = [[(5, 0, 0), (2, 0, 1)], [(1, 5, 0), (3, 2, 1)], [(1, 6, 0), (1, 6, 2)], [(2, 7, 2), (1, 5, 1)]]
+    inputs = [[(torch.randn(n, HIDDEN, generator=g), torch.randn(n, HIDDEN, generator=g), list(range(p, p + n)), c)
+               for n, p, c in step] for step in steps]
+    for head in heads:
+        caches = [head.new_cache(2), head.new_cache(2)]       # small: the steps grow them
+        outs = []
+        with torch.inference_mode():
+            for i, step in enumerate(inputs):
+                if i == 2:
+                    caches.append(caches[0].fork())           # a sibling branch from here on
+                outs.append(head.forward_many([(e, h, pos, caches[c]) for e, h, pos, c in step]))
+        head.result = (outs, caches)
+    for step_cpp, step_py in zip(cpp.result[0], py.result[0]):
+        for a, b in zip(step_cpp, step_py):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    for ca, cb in zip(cpp.result[1], py.result[1]):
+        assert ca.positions == cb.positions
+        torch.testing.assert_close(ca.k[:len(ca)], cb.k[:len(cb)], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(ca.v[:len(ca)], cb.v[:len(cb)], rtol=1e-4, atol=1e-4)
+
+
 def test_training_second_drafts_are_what_serving_drafts_second(tiny):
     """train-heads' second-draft pass (all positions at once) gives, at each position p, what
     serving computes for a second draft there: the cache filled with pairs 0..p-1, the head's
