@@ -95,6 +95,12 @@ class ModelRunner:
         self.capture: str | None = None
         self.captured: dict[str, tuple[int, torch.Tensor]] = {}
         self._accepted_nodes: dict[str, list[int]] = {}   # this step's draft trees: the accepted path
+        self._move_slots = None          # CPU with the C++ kernels built: their move_slots (_move_kv)
+        if device.type == "cpu":
+            from sluice.kernels import cpu_ext
+
+            if cpu_ext.available():
+                self._move_slots = cpu_ext.module().move_slots
 
     def execute(self, out) -> RunnerOutput:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
@@ -195,6 +201,9 @@ class ModelRunner:
             return
         src = torch.from_numpy(slots[[a for a, _b in moves]]).to(self.device)
         dst = torch.from_numpy(slots[[b for _a, b in moves]]).to(self.device)
+        if self._move_slots is not None:      # CPU: one C++ call for every layer's K and V
+            self._move_slots([c for cache in self.kv_caches for c in cache], src, dst)
+            return
         for cache in self.kv_caches:
             for c in cache:
                 flat = c.view(-1, *c.shape[2:])

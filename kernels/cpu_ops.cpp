@@ -794,10 +794,19 @@ class EagleLayer {
     }
   }
 
-  // pairs [T, 2H] (each sequence's rows together, in order), cos/sin [T, 1, D/2], one cache pair,
-  // entry count and row count per sequence -> predicted hidden states [T, H].
-  torch::Tensor forward(torch::Tensor pairs, torch::Tensor cos, torch::Tensor sin, std::vector<torch::Tensor> key_caches,
+  // The pairs' embeddings and hidden states [T, H] each (each sequence's rows together, in
+  // order), their positions [T] and RoPE's cos/sin tables [positions, D/2] (RotaryEmbedding's),
+  // one cache pair, entry count and row count per sequence -> predicted hidden states [T, H].
+  torch::Tensor forward(torch::Tensor embeds, torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos_table,
+                        torch::Tensor sin_table, std::vector<torch::Tensor> key_caches,
                         std::vector<torch::Tensor> value_caches, std::vector<int64_t> before, std::vector<int64_t> rows) {
+    check_f32(embeds, "embeds", 2);
+    check_f32(hidden, "hidden", 2);
+    TORCH_CHECK(embeds.sizes() == hidden.sizes() && positions.numel() == embeds.size(0) &&
+                    positions.scalar_type() == torch::kInt64,
+                "EagleLayer: embeds, hidden [T, H] and int64 positions [T] must agree");
+    auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
+    torch::Tensor pairs = torch::cat({embeds, hidden}, 1);
     const size_t n = key_caches.size();
     TORCH_CHECK(value_caches.size() == n && before.size() == n && rows.size() == n,
                 "EagleLayer: one value cache, entry count and row count per key cache");
@@ -814,7 +823,7 @@ class EagleLayer {
       total += rows[i];
     }
     TORCH_CHECK(total == t, "EagleLayer: the row counts add up to ", total, ", pairs has ", t);
-    torch::Tensor x = fc_(pairs.contiguous());
+    torch::Tensor x = fc_(pairs);
     torch::Tensor a = input_norm_.numel() ? rms_norm(x, input_norm_, eps_) : x;
     torch::Tensor qkv = qkv_(a);
     torch::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
@@ -843,6 +852,72 @@ class EagleLayer {
   double eps_, scale_;
 };
 
+// Copies slot src[i] to slot dst[i], in order, in every cache [blocks, block_size, ...] (a draft
+// tree's accepted nodes to where a chain's would be, in every layer's K and V: one call instead
+// of an indexed copy per tensor).
+void move_slots(std::vector<torch::Tensor> caches, torch::Tensor src, torch::Tensor dst) {
+  TORCH_CHECK(src.scalar_type() == torch::kInt64 && dst.scalar_type() == torch::kInt64 && src.numel() == dst.numel(),
+              "move_slots: src and dst must be int64 of the same length");
+  auto sc = src.contiguous(), dc = dst.contiguous();
+  const int64_t *sp = sc.data_ptr<int64_t>(), *dp = dc.data_ptr<int64_t>(), n = sc.numel();
+  for (auto& c : caches) {
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() >= 2, "move_slots: caches must be contiguous CPU tensors");
+    const int64_t slots = c.size(0) * c.size(1), bytes = c.numel() / slots * c.element_size();
+    auto* base = static_cast<char*>(c.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(sp[i] >= 0 && sp[i] < slots && dp[i] >= 0 && dp[i] < slots, "move_slots: slot outside the cache");
+      std::memmove(base + dp[i] * bytes, base + sp[i] * bytes, static_cast<size_t>(bytes));
+    }
+  }
+}
+
+// Per row of logits [R, N] float32: its k largest (the earlier index first among equals) and their
+// softmax probabilities over the row -> (probabilities [R, k], indices [R, k] int64), largest
+// first. A draft tree's children from the draft vocabulary's logits, without a [R, N] softmax.
+std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
+  check_f32(logits, "logits", 2);
+  const int64_t rows = logits.size(0), n = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= n, "top_probs: k must be in [1, ", n, "], got ", k);
+  auto probs = torch::empty({rows, k}, logits.options());
+  auto idx = torch::empty({rows, k}, logits.options().dtype(torch::kInt64));
+  const float* lp = logits.data_ptr<float>();
+  float* pp = probs.data_ptr<float>();
+  int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = lp + r * n;
+    std::vector<float> best(static_cast<size_t>(k), -std::numeric_limits<float>::infinity());
+    std::vector<int64_t> at(static_cast<size_t>(k), -1);
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < n; ++j) {
+      const float v = x[j];
+      mx = std::max(mx, v);
+      if (!(v > best[k - 1]) && at[k - 1] >= 0) continue;
+      int64_t pos = k - 1;
+      while (pos > 0 && (v > best[pos - 1] || at[pos - 1] < 0)) {
+        best[pos] = best[pos - 1];
+        at[pos] = at[pos - 1];
+        --pos;
+      }
+      best[pos] = v;
+      at[pos] = j;
+    }
+    float total = 0.f;
+    int64_t j = 0;
+#if SLUICE_V16
+    v16 acc = v_zero();
+    const v16 m = v_set1(mx);
+    for (; j + 16 <= n; j += 16) acc = v_add(acc, v_exp_nonpositive(v_sub(v_load(x + j), m)));
+    total = v_sum(acc);
+#endif
+    for (; j < n; ++j) total += exp_nonpositive(x[j] - mx);
+    for (int64_t c = 0; c < k; ++c) {
+      pp[r * k + c] = exp_nonpositive(best[c] - mx) / total;
+      ip[r * k + c] = at[c];
+    }
+  }
+  return {probs, idx};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is let go while the product runs (the LM head: ~2 ms a step), so the server's other
   // threads (gRPC, asyncio) are not held up by it.
@@ -858,6 +933,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("paged_decode", &paged_decode, pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
           pybind11::arg("tail_start") = pybind11::none(), pybind11::arg("tail_slots") = pybind11::none());
+  mod.def("move_slots", &move_slots, "copy slot src[i] to dst[i], in order, in every cache");
+  mod.def("top_probs", &top_probs, "each row's k largest logits' softmax probabilities and indices");
   mod.def("row_bucket", &row_bucket, "the row count a oneDNN-packed projection of this many rows runs at");
   pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder", pybind11::module_local())
       .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
@@ -868,7 +945,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
            pybind11::arg("tail_slots") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
   pybind11::class_<EagleLayer>(mod, "EagleLayer", pybind11::module_local())
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &EagleLayer::forward, pybind11::arg("pairs"), pybind11::arg("cos"), pybind11::arg("sin"),
-           pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("before"), pybind11::arg("rows"),
+      .def("forward", &EagleLayer::forward, pybind11::arg("embeds"), pybind11::arg("hidden"), pybind11::arg("positions"),
+           pybind11::arg("cos_table"), pybind11::arg("sin_table"), pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("before"), pybind11::arg("rows"),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -221,5 +221,11 @@ class EagleProposer:
             logits, ids = self._lm.draft_logits(h), self._lm.vocab
         else:
             logits, ids = penalize(self._lm(h), sb), None
-        top = torch.softmax(logits, dim=-1).topk(min(width, logits.shape[-1]), dim=-1)
-        return (top.indices if ids is None else ids[top.indices]).tolist(), top.values.tolist()
+        width = min(width, logits.shape[-1])
+        if self.head._cpp is not None and logits.device.type == "cpu":     # the C++ kernels are built
+            from sluice.kernels import cpu_ext
+
+            probs, top = cpu_ext.module().top_probs(logits.float().contiguous(), width)
+        else:
+            probs, top = torch.softmax(logits, dim=-1).topk(width, dim=-1)
+        return (top if ids is None else ids[top]).tolist(), probs.tolist()

@@ -385,17 +385,19 @@ class EagleHead(_DraftVocab):
     def _forward_cpp(self, items, sizes: list[int]) -> list[torch.Tensor]:
         caches = [cache for _e, _h, _p, cache in items]
         positions = [p for _e, _h, pos, _c in items for p in pos]
-        pairs = torch.cat((torch.cat([e for e, _h, _p, _c in items]), torch.cat([h for _e, h, _p, _c in items])),
-                          dim=-1).float()
-        cos, sin = self.rotary.cos_sin(torch.tensor(positions, dtype=torch.long), torch.float32)
+        cat = lambda ts: (ts[0] if len(ts) == 1 else torch.cat(ts)).float().contiguous()  # noqa: E731
+        cos, sin = self.rotary._cpu_table(max(positions) + 1, torch.float32)
         before = []
         for cache, n in zip(caches, sizes):
             cache.reserve(n)
             before.append(len(cache))
-        out = self._cpp.forward(pairs, cos, sin, [c.k for c in caches], [c.v for c in caches], before, sizes)
+        out = self._cpp.forward(cat([e for e, _h, _p, _c in items]), cat([h for _e, h, _p, _c in items]),
+                                torch.tensor(positions, dtype=torch.long), cos, sin,
+                                [c.k for c in caches], [c.v for c in caches], before, sizes)
         for (_e, _h, pos, cache) in items:
             cache.positions.extend(pos)
-        return list(out.to(self.fc.weight.dtype).split(sizes))
+        out = out.to(self.fc.weight.dtype)
+        return [out] if len(sizes) == 1 else list(out.split(sizes))
 
     def forward_next_drafts(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: list[int],
                             context: tuple[torch.Tensor, torch.Tensor, list[int]]) -> torch.Tensor:

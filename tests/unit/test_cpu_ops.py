@@ -5,8 +5,9 @@ references, on tiny random tensors.
   same int8 rounding of the input, exact integer sums) to float32 rounding, and a row's bits are
   the same alone and among other rows; GGUF Q4_0 / Q4_1 / Q8_0 blocks become weights that
   dequantize to exactly what gguf's own ``dequantize`` gives.
-* Each small op (RMSNorm, residual + RMSNorm, RoPE, SwiGLU, the KV store, paged decode attention)
-  matches the torch code it replaces.
+* Each small op (RMSNorm, residual + RMSNorm, RoPE, SwiGLU, the KV store, paged decode attention,
+  a draft tree's slot moves and its children's top-k probabilities) matches the torch code it
+  replaces.
 * The C++ layer stack (LlamaDecoder) matches the Python layers on the tiny model, and a
   sequence's greedy tokens do not depend on the batch, the chunking or the prefix cache.
 
@@ -197,6 +198,43 @@ def test_norms_rope_and_swiglu_match_torch(ops):
     gu[0, :6] = torch.tensor([-200.0, -90.0, -1e-8, 0.0, 90.0, 200.0])
     gu[1, 34:40] = gu[0, :6]
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gu[:, :40]) * gu[:, 40:])
+
+
+@pytest.mark.parametrize("n, k", [(1, 1), (7, 3), (40, 5), (8192, 3), (33, 33)])
+def test_top_probs_are_softmax_then_topk(ops, n, k):
+    g = torch.Generator().manual_seed(n + k)
+    logits = torch.randn(4, n, generator=g) * 5
+    probs, idx = ops.top_probs(logits, k)
+    want = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    assert torch.equal(idx, want.indices)
+    torch.testing.assert_close(probs, want.values, rtol=1e-5, atol=1e-7)
+
+
+def test_top_probs_ties_go_to_the_earlier_token_and_bad_k_is_refused(ops):
+    logits = torch.tensor([[1.0, 3.0, 3.0, -float("inf"), 3.0, 0.0]])
+    probs, idx = ops.top_probs(logits, 4)
+    assert idx.tolist() == [[1, 2, 4, 0]]
+    torch.testing.assert_close(probs, torch.softmax(logits, -1)[:, [1, 2, 4, 0]])
+    assert ops.top_probs(torch.full((1, 3), -float("inf")).clamp_min(-1e30), 3)[1].tolist() == [[0, 1, 2]]
+    with pytest.raises(RuntimeError, match=r"top_probs: k must be in \[1, 6\], got 7"):
+        ops.top_probs(logits, 7)
+
+
+def test_move_slots_copies_in_order_in_every_cache(ops):
+    """A draft tree's accepted nodes move to a chain's slots, in order (a later move may read what
+    an earlier one wrote), in every layer's K and V, float32 or float16."""
+    caches = [torch.randn(3, 4, 2, 8), torch.randn(3, 4, 2, 8).half()]
+    want = [c.clone() for c in caches]
+    moves = [(5, 1), (1, 2), (11, 3)]
+    for c in want:
+        flat = c.view(-1, 2, 8)
+        for a, b in moves:
+            flat[b] = flat[a]
+    ops.move_slots(caches, torch.tensor([a for a, _b in moves]), torch.tensor([b for _a, b in moves]))
+    for got, ref in zip(caches, want):
+        assert torch.equal(got, ref)
+    with pytest.raises(RuntimeError, match="move_slots: slot outside the cache"):
+        ops.move_slots(caches, torch.tensor([12]), torch.tensor([0]))
 
 
 def _cache(blocks=12, block_size=4, kv_heads=2, dim=16, seed=0):
