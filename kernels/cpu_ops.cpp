@@ -827,20 +827,50 @@ class EagleLayer {
     torch::Tensor a = input_norm_.numel() ? rms_norm(x, input_norm_, eps_) : x;
     torch::Tensor qkv = qkv_(a);
     torch::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
-    torch::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({t, kv_heads_, dim_});
-    torch::Tensor attn = torch::empty({t, heads_, dim_}, x.options());
-    int64_t start = 0;
+    // Each sequence's new keys and values after its entries, then attention: a work item per
+    // (sequence, KV head), its rows in order, each row over the entries up to its own.
+    std::vector<int64_t> first(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) first[i + 1] = first[i] + rows[i];
+    const float *qkp = qk.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+    const int64_t qk_row = (heads_ + kv_heads_) * dim_, qkv_row = q_size + 2 * kv_size;
     for (size_t i = 0; i < n; ++i) {
-      const int64_t r = rows[i], b = before[i];
-      key_caches[i].narrow(0, b, r).copy_(qk.narrow(0, start, r).narrow(1, heads_, kv_heads_));
-      value_caches[i].narrow(0, b, r).copy_(v.narrow(0, start, r));
-      auto tables = torch::zeros({r, 1}, torch::kInt32);
-      auto lens = torch::arange(b + 1, b + r + 1, torch::kInt32);
-      attn.narrow(0, start, r).copy_(paged_decode(qk.narrow(0, start, r).narrow(1, 0, heads_), key_caches[i].unsqueeze(0),
-                                                  value_caches[i].unsqueeze(0), tables, lens, scale_, std::nullopt,
-                                                  std::nullopt));
-      start += r;
+      float *kc = key_caches[i].data_ptr<float>(), *vc = value_caches[i].data_ptr<float>();
+      for (int64_t r = 0; r < rows[i]; ++r) {
+        std::memcpy(kc + (before[i] + r) * kv_size, qkp + (first[i] + r) * qk_row + q_size, kv_size * sizeof(float));
+        std::memcpy(vc + (before[i] + r) * kv_size, qkvp + (first[i] + r) * qkv_row + q_size + kv_size,
+                    kv_size * sizeof(float));
+      }
     }
+    // Each row as paged_decode computes a one-chunk row, the dense cache read as a single block.
+    torch::Tensor attn = torch::empty({t, heads_, dim_}, x.options());
+    float* ap = attn.data_ptr<float>();
+    const int64_t group = heads_ / kv_heads_;
+#if SLUICE_V16
+    const ChunkFn<float> fixed = pick_chunk<float>(group, dim_);
+#endif
+    at::parallel_for(0, static_cast<int64_t>(n) * kv_heads_, 1, [&](int64_t w0, int64_t w1) {
+      std::vector<float> scores, local(static_cast<size_t>(group * (dim_ + 2)));
+      const Partial part{local.data(), local.data() + group * dim_, local.data() + group * dim_ + group};
+      const int32_t block = 0;
+      const RowKeys keys{&block};
+      for (int64_t w = w0; w < w1; ++w) {
+        const int64_t i = w / kv_heads_, kvh = w % kv_heads_, cap = key_caches[i].size(0);
+        const float *kc = key_caches[i].data_ptr<float>(), *vc = value_caches[i].data_ptr<float>();
+        for (int64_t r = 0; r < rows[i]; ++r) {
+          const int64_t len = before[i] + r + 1, row = first[i] + r;
+          const float* q = qkp + row * qk_row + kvh * group * dim_;
+#if SLUICE_V16
+          if (fixed != nullptr) {
+            fixed(q, part, kc, vc, kv_heads_, kvh, keys, cap, 0, len, static_cast<float>(scale_), scores);
+          } else
+#endif
+          {
+            chunk_any(q, part, group, dim_, kc, vc, kv_heads_, kvh, keys, cap, 0, len, static_cast<float>(scale_), scores);
+          }
+          merge_chunks(&part, 1, group, dim_, ap + (row * heads_ + kvh * group) * dim_);
+        }
+      }
+    });
     auto hn = add_rms_norm(x, o_(attn.view({t, q_size})), post_norm_, eps_);
     return hn[0].add_(down_(silu_mul(gate_up_(hn[1]))));
   }
