@@ -181,11 +181,14 @@ class ModelRunner:
             parents = plan.parents[i]
             seqs.append(DraftedSeq(req, len(rows), drafts, self.draft_probs.pop(req.request_id, None), parents))
             rows.extend(rows_of(req, drafts, parents))
-        idx = torch.tensor([plan.first_row[i] + j for i in plan.drafted
-                            for j in range(len(plan.seqs[i][1]) + 1)], device=self.device)
+        wanted = [plan.first_row[i] + j for i in plan.drafted for j in range(len(plan.seqs[i][1]) + 1)]
+        if wanted == list(range(wanted[0], wanted[0] + len(wanted))):   # one run of rows (batch 1): a view
+            drafted_logits = logits[wanted[0]:wanted[0] + len(wanted)]
+        else:
+            drafted_logits = logits.index_select(0, torch.tensor(wanted, device=self.device))
         sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
                                          self._bitmask([(s.request, s.draft_ids) for s in seqs]), self.penalty_rows)
-        for s, v in zip(seqs, verify(logits[idx], sb, seqs, self.generators, self.sampler.backend == "triton")):
+        for s, v in zip(seqs, verify(drafted_logits, sb, seqs, self.generators, self.sampler.backend == "triton")):
             rid = s.request.request_id
             res.sampled_token_ids[rid] = v.token_ids
             res.num_rejected_tokens[rid] = v.num_rejected

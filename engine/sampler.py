@@ -393,6 +393,26 @@ def apply_presence_frequency(logits: torch.Tensor, counts: torch.Tensor, presenc
 
 
 # ---- the sampler --------------------------------------------------------------------------------
+_argmax_rows = None      # kernels/cpu_ops.cpp's argmax_rows once looked up (False: not built)
+
+
+def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax [B] (its first maximum; a NaN's index where the row has one). On the CPU
+    the C++ kernels' pass, several times faster than torch's argmax over rows of a vocabulary
+    (5 rows of 49k: ~15 against 130 us); without them max(), which finds the same index in 2/3 of
+    argmax's time."""
+    global _argmax_rows
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1)
+    if _argmax_rows is None:
+        from sluice.kernels import cpu_ext
+
+        _argmax_rows = cpu_ext.module().argmax_rows if cpu_ext.available() else False
+    if _argmax_rows and logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1]:
+        return _argmax_rows(logits.contiguous())
+    return logits.max(dim=-1).indices
+
+
 @dataclass(frozen=True)
 class SamplerOutput:
     token_ids: torch.Tensor                # [B] int64
@@ -638,9 +658,7 @@ class Sampler:
         else:
             _check_triton_device(logits)
             logits = _penalize_triton(self._kernels[0], logits, batch)
-        # [B]. On the CPU max() finds the same first maximum as argmax() in 2/3 of its time
-        # (0.8 against 1.3 ms for 32 rows of 49k).
-        argmax = logits.max(dim=-1).indices if logits.device.type == "cpu" else logits.argmax(dim=-1)
+        argmax = greedy_ids(logits)                                  # [B]
         if batch.all_greedy:
             token_ids = argmax
         elif self._kernels is None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sluice.engine.outputs import TokenLogprob
-from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize, processed_probs, request_seed
+from sluice.engine.sampler import GeneratorCache, SamplingBatch, greedy_ids, penalize, processed_probs, request_seed
 from sluice.engine.spec_decode import tree
 
 
@@ -55,7 +55,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
            generators: GeneratorCache, use_kernel: bool = False) -> list[Verified]:
     """logits: [R, V], the rows of ``seqs`` (``batch`` built from the same rows)."""
     penalised = penalize(logits.float(), batch)                       # [R, V]
-    argmax = penalised.argmax(dim=-1).tolist()
+    argmax = greedy_ids(penalised).tolist()
     greedy = batch.greedy.tolist()
     emitted: list[list[int]] = [None] * len(seqs)
     nodes: list[list[int] | None] = [None] * len(seqs)

@@ -177,6 +177,14 @@ def test_the_portable_build_computes_what_the_native_one_does(ops):
     q = torch.randn(2, 9, 64)
     torch.testing.assert_close(portable.paged_decode(q, kc, vc, tables, lens, 0.125),
                                ops.paged_decode(q, kc, vc, tables, lens, 0.125), rtol=1e-5, atol=1e-6)
+    gu = torch.randn(3, 2 * 40, generator=g) * 8
+    torch.testing.assert_close(portable.silu_mul(gu), ops.silu_mul(gu))
+    logits = torch.randint(-3, 4, (4, 37), generator=g).float()
+    logits[1, 20] = float("nan")
+    assert torch.equal(portable.argmax_rows(logits), ops.argmax_rows(logits))
+    logits = torch.randn(4, 50, generator=g)
+    for got, want in zip(portable.top_probs(logits, 3), ops.top_probs(logits, 3)):
+        torch.testing.assert_close(got, want)
 
 
 # ---- the small ops ---------------------------------------------------------------------------------
@@ -208,6 +216,22 @@ def test_top_probs_are_softmax_then_topk(ops, n, k):
     want = torch.softmax(logits, dim=-1).topk(k, dim=-1)
     assert torch.equal(idx, want.indices)
     torch.testing.assert_close(probs, want.values, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 37, 49152])
+def test_argmax_rows_is_torchs_argmax(ops, n):
+    """First maximum per row, ties and -inf rows included, a NaN's index where a row has one,
+    in the 16-lane part and the tail alike."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-3, 4, (8, n), generator=g).float()         # many ties
+    x[1] = -float("inf")
+    x[2, -1] = 100.0                                                 # the maximum in the tail
+    x[3, n // 2] = float("nan")
+    x[4, :] = torch.randn(n, generator=g)
+    x[5, 0] = float("inf")
+    x[6, -1] = float("nan")
+    x[6, 0] = 1e9
+    assert ops.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
 
 
 def test_top_probs_ties_go_to_the_earlier_token_and_bad_k_is_refused(ops):
