@@ -89,6 +89,8 @@ KEYS: dict[str, _Key] = {
                                 "eagle/medusa: a chain ends below this head probability (0.35); a tree keeps paths above it (0.1)"),
     "spec_head_format": _Key("spec_head_format", str, "eagle/medusa: drafting weights: auto | float32 | w8a8 (CPU)"),
     "spec_tree_width": _Key("spec_tree_width", _int, "eagle: children per draft node (1: a chain; default 3 on the CPU stack)"),
+    "spec_tree_nodes": _Key("spec_tree_nodes", _int, "eagle/medusa: tree nodes verified per step by score "
+                            "(default: what the target runs at one row's cost, 5 on the float32 CPU stack)"),
     "seed": _Key("seed", _int, "the engine's base random seed"),
     # Request caps (engine.config.LimitsConfig); over a cap a request is INVALID_ARGUMENT.
     "max_n": _Key("max_n", _int, "choices per request"),

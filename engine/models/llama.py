@@ -294,6 +294,16 @@ class LlamaForCausalLM(torch.nn.Module):
         against 4). Speculation's draft trees pay only in the first case (bench/spec_decode.py)."""
         return not any(isinstance(m, _Linear) and isinstance(m.quantized, quant.BlockQLinear) for m in self.modules())
 
+    def rows_at_one_row_cost(self) -> int | None:
+        """The most rows a step runs for about the cost of one, where measured: 6 with every
+        projection float32 and packed for oneDNN on CPU (its products pad 1-3 rows to 4
+        (``row_bucket``) and stream a weight as fast at 4-6 rows; 7 rows cost ~15% more a step on
+        SmolLM2 with 2 AVX-512 cores). None elsewhere. Draft trees verify that many rows'
+        nodes freely (``spec_decode.tree.select``)."""
+        linears = [m for m in self.modules() if isinstance(m, _Linear)]
+        packed = bool(linears) and all(m.quantized is None and m.packed is not None for m in linears)
+        return 6 if packed else None
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input ids [T] → embeddings [T, hidden] (EAGLE's heads share them)."""
         embed = self.embed_tokens if self.quant_embedding is None else self.quant_embedding

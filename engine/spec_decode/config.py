@@ -52,6 +52,12 @@ class SpeculativeConfig:
     # deep and K * W nodes. None (auto): DEFAULT_TREE_WIDTH where the projections are not in a
     # block format (w4a8, w8a8), else 1 (factory.resolve_tree_width, once the model is loaded).
     spec_tree_width: int | None = None
+    # eagle/medusa draft trees: nodes a step verifies per request, those of highest path score;
+    # the others (up to K * W) too only when together they score at least
+    # tree.EXTRA_NODES_MIN_SCORE (tree.select). None (auto): what the target runs at one row's
+    # cost (LlamaForCausalLM.rows_at_one_row_cost: 5 nodes on the float32 CPU stack), else
+    # K * W (factory.resolve_tree_width).
+    spec_tree_nodes: int | None = None
 
     def __post_init__(self) -> None:
         mode = self.speculative_mode
@@ -69,6 +75,8 @@ class SpeculativeConfig:
             raise ValueError(f"spec_min_draft_prob: must be a number in [0, 1), got {p!r}")
         if self.spec_tree_width is not None:
             _int_in("spec_tree_width", self.spec_tree_width, 1, MAX_TREE_WIDTH)
+        if self.spec_tree_nodes is not None:
+            _int_in("spec_tree_nodes", self.spec_tree_nodes, 1, MAX_DRAFT_LENGTH * MAX_TREE_WIDTH)
         if (self.spec_tree_width or 1) > 1 and mode not in ("eagle", "medusa"):
             raise ValueError(f"spec_tree_width: draft trees are drafted by speculative_mode eagle or medusa, not {mode}")
         if self.spec_head_format not in HEAD_FORMATS:

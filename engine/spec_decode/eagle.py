@@ -43,10 +43,12 @@ class EagleProposer:
     name = "eagle"
 
     def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0,
-                 min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1) -> None:
+                 min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1,
+                 tree_nodes: int | None = None) -> None:
         self.head = head
         self.min_prob = min_prob            # a draft ends before a token the head gives less
         self.tree_width = tree_width        # > 1: draft trees, for requests without a grammar
+        self.tree_nodes = tree_nodes        # a tree's nodes verified freely (tree.select); None: all
         self.head_format = head.pack_for_serving(head_format)   # what drafting reads: "w8a8" or "float32"
         self.target = target
         self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
@@ -159,14 +161,15 @@ class EagleProposer:
         """Draft trees (``spec_decode.tree``), depth by depth over all the requests at once: each
         frontier node's ``tree_width`` likeliest children (after penalties, as a greedy chain's
         argmax), kept while the product of the head's probabilities along the path is at least
-        ``min_prob`` (EAGLE-2's score), the best-scoring first, at most K * width nodes a request.
-        Every node is a point mass, a sampled request's too (verified by elimination,
+        ``min_prob`` (EAGLE-2's score), the best-scoring first, at most K * width nodes a request,
+        of which the step verifies those ``tree.select`` keeps. Every node is a point mass, a sampled request's too (verified by elimination,
         ``verify._tree_rejection``). A kept child that may have children runs the head on (its
         embedding, its parent's predicted hidden state), in a copy of its parent's cache when it
         has siblings."""
         width = self.tree_width
         tokens: list[list[int]] = [[] for _ in live]
         parents: list[list[int]] = [[] for _ in live]
+        scores: list[list[float]] = [[] for _ in live]
         # (request index, node (-1: the root), predicted hidden [H], cache, score)
         frontier = [(i, -1, h, cache, 1.0) for i, ((_req, _room, cache), h) in enumerate(zip(live, hidden))]
         plain = False       # no request's logits are changed: no sampling batch is needed from here on
@@ -189,6 +192,7 @@ class EagleProposer:
                     i = frontier[f][0]
                     parents[i].append(frontier[f][1])
                     tokens[i].append(tok)
+                    scores[i].append(score)
                     if depth < live[i][1]:
                         grow.append((f, i, len(tokens[i]) - 1, score))
                 if not grow:
@@ -208,7 +212,12 @@ class EagleProposer:
                                             for m, (f, _i, _n, cache) in enumerate(items)])
                 frontier = [(i, node, h[m][0], cache, score)
                             for m, ((_f, i, node, cache), (_f2, _i2, _n2, score)) in enumerate(zip(items, grow))]
-        return {req.request_id: Draft(t, None, p) for (req, _r, _c), t, p in zip(live, tokens, parents) if t}
+        out = {}
+        for (req, _r, _c), t, p, sc in zip(live, tokens, parents, scores):
+            if t:
+                t, p = tree.select(t, p, sc, self.tree_nodes)
+                out[req.request_id] = Draft(t, None, p)
+        return out
 
     def _top_children(self, h: torch.Tensor, sb: SamplingBatch | None, width: int) -> tuple[list, list]:
         """Each frontier row's ``width`` likeliest next tokens and their probabilities under the

@@ -58,17 +58,24 @@ def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeCon
     little (``extra_rows_are_cheap``: projections not in a block format), else 1. Measured on
     SmolLM2, open-ended prompts: eagle 1.55x with trees and 1.32x with chains in float32, 0.80x
     and 0.93x in w4a8 (README). A width above 1 asked for where a step cannot attend through it
-    is refused."""
+    is refused. ``spec_tree_nodes`` auto (None) with trees: the nodes that fit the rows the
+    model runs at one row's cost (``rows_at_one_row_cost``), else K * W."""
     width = config.spec_tree_width
     able = (config.speculative_mode in ("eagle", "medusa") and hasattr(model, "supports_draft_trees")
             and model.supports_draft_trees(attn))
     if width is None:
         auto = able and model.extra_rows_are_cheap()
-        return replace(config, spec_tree_width=DEFAULT_TREE_WIDTH if auto else 1)
-    if width > 1 and not able:
+        width = DEFAULT_TREE_WIDTH if auto else 1
+    elif width > 1 and not able:
         raise ValueError(f"spec_tree_width: draft trees need a model and an attention backend that attend through "
                          f"them; this engine runs {type(model).__name__} with attention {attn.name!r}")
-    return config
+    nodes = config.spec_tree_nodes
+    if nodes is None and width > 1:
+        # The nodes verified freely: those that fit the rows a step runs at one row's cost, the
+        # request's last known token being one of them; else all K * W.
+        rows = model.rows_at_one_row_cost() if hasattr(model, "rows_at_one_row_cost") else None
+        nodes = config.spec_draft_length * width if rows is None else max(1, rows - 1)
+    return replace(config, spec_tree_width=width, spec_tree_nodes=nodes)
 
 
 def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=None, heads=None,
@@ -91,7 +98,7 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
         cls = EagleProposer if mode == "eagle" else MedusaProposer
         # The width as resolve_tree_width decided it (the engine resolves it once, before the
         # scheduler budgets K * width; an unresolved auto counts as chains).
-        tree = {"tree_width": config.tree_width} if config.tree_width > 1 else {}
+        tree = {"tree_width": config.tree_width, "tree_nodes": config.spec_tree_nodes} if config.tree_width > 1 else {}
         proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
                        min_prob=config.min_draft_prob,
                        head_format=resolve_head_format(config.spec_head_format, runner.device), **tree)

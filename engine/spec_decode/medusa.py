@@ -28,10 +28,12 @@ class MedusaProposer:
     name = "medusa"
 
     def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0,
-                 min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1) -> None:
+                 min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1,
+                 tree_nodes: int | None = None) -> None:
         self.heads = heads
         self.min_prob = min_prob            # a draft ends before a token its head gives less
         self.tree_width = tree_width        # > 1: draft trees, for requests without a grammar
+        self.tree_nodes = tree_nodes        # a tree's nodes verified freely (tree.select); None: all
         self.target = target
         self.captured = captured           # the runner's: request id -> (position, hidden [H])
         self.vocab_size = vocab_size
@@ -95,10 +97,12 @@ class MedusaProposer:
         """Draft trees (``spec_decode.tree``), as Medusa's own: the children of a node at depth j
         are head j's ``tree_width`` likeliest tokens (after the penalties of the node's path),
         kept while the product of the heads' probabilities along the path is at least
-        ``min_prob``, the best-scoring first, at most K * width nodes; point masses, as EAGLE's."""
+        ``min_prob``, the best-scoring first, at most K * width nodes, of which the step verifies
+        those ``tree.select`` keeps; point masses, as EAGLE's."""
         width = self.tree_width
         tokens: list[list[int]] = [[] for _ in work]
         parents: list[list[int]] = [[] for _ in work]
+        scores: list[list[float]] = [[] for _ in work]
         frontier = [(i, -1, 1.0) for i in range(len(work))]     # (request index, node, score)
         for depth in range(max(room for _req, room in work)):
             frontier = [f for f in frontier if depth < work[f[0]][1]]
@@ -116,6 +120,12 @@ class MedusaProposer:
                 i = frontier[f][0]
                 parents[i].append(frontier[f][1])
                 tokens[i].append(tok)
+                scores[i].append(score)
                 grown.append((i, len(tokens[i]) - 1, score))
             frontier = grown
-        return {req.request_id: Draft(t, None, p) for (req, _r), t, p in zip(work, tokens, parents) if t}
+        out = {}
+        for (req, _r), t, p, sc in zip(work, tokens, parents, scores):
+            if t:
+                t, p = tree.select(t, p, sc, self.tree_nodes)
+                out[req.request_id] = Draft(t, None, p)
+        return out

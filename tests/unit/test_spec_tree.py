@@ -44,8 +44,8 @@ def test_tree_helpers():
 
 
 def _trees(tiny, heads_folders, monkeypatch, mode: str = "eagle", **kw) -> tuple[LLM, dict]:
-    """An engine drafting full trees (width 3, every node kept) that counts the accepted paths
-    and the K/V moves they took."""
+    """An engine drafting full trees (width 3, every node kept and verified) that counts the
+    accepted paths and the K/V moves they took."""
     seen = {"moves": 0, "branch": 0}
     inner = tree.accepted_moves
 
@@ -57,7 +57,8 @@ def _trees(tiny, heads_folders, monkeypatch, mode: str = "eagle", **kw) -> tuple
 
     monkeypatch.setattr(tree, "accepted_moves", moves)
     llm = LLM(loaded=tiny, speculative_mode=mode, additional_models=str(heads_folders[mode]),
-              **(OPTS | dict(spec_max_batch_size=16, spec_min_draft_prob=0.0, spec_tree_width=3) | kw))
+              **(OPTS | dict(spec_max_batch_size=16, spec_min_draft_prob=0.0, spec_tree_width=3,
+                             spec_tree_nodes=12) | kw))
     assert llm.engine.spec.max_drafts == 12 and llm.engine.spec.proposer.tree_width == 3
     return llm, seen
 
@@ -91,6 +92,52 @@ def test_a_tree_is_each_nodes_likeliest_children_up_to_k_times_width_nodes(tiny,
         auto = LLM(loaded=tiny, speculative_mode=mode, additional_models=str(heads_folders[mode]), **OPTS)
         assert auto.engine.spec.proposer.tree_width == 3 and auto.engine.spec.proposer.min_prob == 0.1
         assert auto.engine.scheduler.config.num_speculative_tokens == 12
+        assert auto.engine.spec.proposer.tree_nodes == 5     # 6 rows at one row's cost on this stack
+
+
+def test_a_step_verifies_the_best_scoring_nodes_unless_the_rest_are_worth_more_rows():
+    """tree.select: the `free` nodes of highest path score, re-indexed in their order (ancestors
+    included: a child never scores above its parent, ties go to the earlier node); all of them
+    when the others' scores add up to EXTRA_NODES_MIN_SCORE."""
+    tokens = [10, 11, 12, 13, 14, 15]
+    parents = [-1, -1, 0, 0, 2, 1]
+    scores = [0.6, 0.3, 0.6 * 0.5, 0.6 * 0.1, 0.3 * 0.9, 0.3 * 0.2]     # 0.6 .3 .3 .06 .27 .06
+    assert tree.select(tokens, parents, scores, None) == (tokens, parents)
+    assert tree.select(tokens, parents, scores, 6) == (tokens, parents)
+    # Best 3: node 0 (0.6), node 1 (0.3) and node 2 (0.3: ties to the earlier); the rest add 0.39.
+    assert tree.select(tokens, parents, scores, 3, extra_min=0.5) == ([10, 11, 12], [-1, -1, 0])
+    assert tree.select(tokens, parents, scores, 3, extra_min=0.39) == (tokens, parents)
+    assert tree.select(tokens, parents, scores, 4, extra_min=0.2) == ([10, 11, 12, 14], [-1, -1, 0, 2])
+    assert tree.EXTRA_NODES_MIN_SCORE == 0.25
+    # A chain whose probabilities are all 1: its order is kept, parents first.
+    assert tree.select([1, 2, 3], [-1, 0, 1], [1.0, 1.0, 1.0], 2, extra_min=2.0) == ([1, 2], [-1, 0])
+
+
+def test_engine_trees_keep_at_most_the_free_nodes_when_the_rest_score_little(tiny, heads_folders):
+    """The tiny model's random heads spread their probability thinly: with the default budget (5
+    nodes on this stack) every verified tree is at most 5 nodes, its best-scoring ones."""
+    llm = LLM(loaded=tiny, speculative_mode="eagle", additional_models=str(heads_folders["eagle"]),
+              **(OPTS | dict(spec_min_draft_prob=0.0, spec_tree_width=3)))
+    proposer = llm.engine.spec.proposer
+    assert proposer.tree_nodes == 5
+    trees, grown = [], []
+    inner, inner_select = proposer.propose, tree.select
+
+    def select(t, p, sc, free, **kw):
+        grown.append((len(t), sum(sorted(sc, reverse=True)[5:])))
+        return inner_select(t, p, sc, free, **kw)
+
+    proposer.propose = lambda requests, k: trees.extend(inner(requests, k).values()) or {}
+    import sluice.engine.spec_decode.eagle as eagle_mod
+    eagle_mod.tree.select, saved = select, eagle_mod.tree.select
+    try:
+        llm.generate([prompt(7)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    finally:
+        eagle_mod.tree.select = saved
+    assert trees and any(n == 12 for n, _rest in grown)
+    assert all(rest < tree.EXTRA_NODES_MIN_SCORE for _n, rest in grown)
+    assert all(len(d.token_ids) <= 5 for d in trees)
+    assert all(-1 <= p < i for d in trees for i, p in enumerate(d.parents))
 
 
 @pytest.mark.parametrize("mode", ["eagle", "medusa"])
