@@ -53,10 +53,9 @@ class SpeculativeConfig:
     # block format (w4a8, w8a8), else 1 (factory.resolve_tree_width, once the model is loaded).
     spec_tree_width: int | None = None
     # eagle/medusa draft trees: nodes a step verifies per request, those of highest path score;
-    # the others (up to K * W) too only when together they score at least
-    # tree.EXTRA_NODES_MIN_SCORE (tree.select). None (auto): what the target runs at one row's
-    # cost (LlamaForCausalLM.rows_at_one_row_cost: 5 nodes on the float32 CPU stack), else
-    # K * W (factory.resolve_tree_width).
+    # of the others (up to K * W) those whose scores pay for the larger step (tree.select).
+    # None (auto): what the target runs at one row's cost (LlamaForCausalLM.rows_at_one_row_cost:
+    # 5 nodes on the float32 CPU stack), else K * W (factory.resolve_tree_width).
     spec_tree_nodes: int | None = None
 
     def __post_init__(self) -> None:

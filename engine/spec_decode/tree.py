@@ -95,17 +95,21 @@ def children(frontier: list[tuple[int, float]], top_ids: list[list[int]], top_pr
     return out
 
 
-# A tree's nodes past its free ones (``select``) make the step run more rows than it runs at one
-# row's cost; they are verified only when their path scores, the head's estimate of how many of
-# them the target accepts, add up to this. On SmolLM2's float32 CPU stack a step of 7-9 rows costs
-# ~15% more than one of 1-6 (3 of ~24 ms), ~0.3 of the ~2 tokens a step emits.
-EXTRA_NODES_MIN_SCORE = 0.25
+# What rows past those a step runs at one row's cost (``select``'s free nodes) cost, in accepted
+# drafts they must bring: the first extra row makes the step EXTRA_ROWS_STEP_COST larger, every
+# further one EXTRA_ROW_COST. Measured on SmolLM2's float32 CPU stack (2 AVX-512 cores): 1-6 rows
+# ~19 ms a step, 7 rows +15%, 12 rows +55%, with ~2 tokens a step: 0.3 of a token for the jump,
+# ~0.1 a row after it.
+EXTRA_ROWS_STEP_COST = 0.2
+EXTRA_ROW_COST = 0.1
 
 
 def select(tokens: list[int], parents: list[int], scores: list[float], free: int | None,
-           extra_min: float = EXTRA_NODES_MIN_SCORE) -> tuple[list[int], list[int]]:
-    """The tree a step verifies (EAGLE-2's reranking, with a cost): the ``free`` nodes of highest
-    path score, and every other node too when their scores add up to at least ``extra_min``.
+           step_cost: float = EXTRA_ROWS_STEP_COST, row_cost: float = EXTRA_ROW_COST) -> tuple[list[int], list[int]]:
+    """The tree a step verifies (EAGLE-2's reranking, with a cost): its ``free`` nodes of highest
+    path score, and as many of the others, best first, as pay for themselves: a node's score
+    estimates the accepted drafts it brings (the expected accepted length is the sum of the
+    path probabilities), ``step_cost`` + ``row_cost`` * extras what the larger step costs.
     ``free`` None: every node. A child's score is its parent's times a probability, so the best
     nodes (ties by index: parents first) include each one's ancestors; they keep their order.
     Returns (tokens, parents), re-indexed."""
@@ -113,9 +117,14 @@ def select(tokens: list[int], parents: list[int], scores: list[float], free: int
     if free is None or n <= free:
         return tokens, parents
     order = sorted(range(n), key=lambda i: (-scores[i], i))
-    if sum(scores[i] for i in order[free:]) >= extra_min:
+    best, extra, gain = 0, 0, -step_cost
+    for j, i in enumerate(order[free:], start=1):
+        gain += scores[i] - row_cost
+        if gain > extra:       # more rows only for more gain; none unless it is positive
+            best, extra = j, gain
+    if free + best == n:
         return tokens, parents
-    keep = sorted(order[:free])
+    keep = sorted(order[:free + best])
     index = {old: new for new, old in enumerate(keep)}
     return [tokens[i] for i in keep], [-1 if parents[i] < 0 else index[parents[i]] for i in keep]
 

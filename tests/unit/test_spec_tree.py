@@ -95,22 +95,24 @@ def test_a_tree_is_each_nodes_likeliest_children_up_to_k_times_width_nodes(tiny,
         assert auto.engine.spec.proposer.tree_nodes == 5     # 6 rows at one row's cost on this stack
 
 
-def test_a_step_verifies_the_best_scoring_nodes_unless_the_rest_are_worth_more_rows():
+def test_a_step_verifies_the_best_scoring_nodes_and_the_others_that_pay_for_their_rows():
     """tree.select: the `free` nodes of highest path score, re-indexed in their order (ancestors
-    included: a child never scores above its parent, ties go to the earlier node); all of them
-    when the others' scores add up to EXTRA_NODES_MIN_SCORE."""
+    included: a child never scores above its parent, ties go to the earlier node); then, best
+    first, as many others as bring more (their scores) than the larger step costs (a jump, then
+    a cost per row)."""
     tokens = [10, 11, 12, 13, 14, 15]
     parents = [-1, -1, 0, 0, 2, 1]
     scores = [0.6, 0.3, 0.6 * 0.5, 0.6 * 0.1, 0.3 * 0.9, 0.3 * 0.2]     # 0.6 .3 .3 .06 .27 .06
     assert tree.select(tokens, parents, scores, None) == (tokens, parents)
     assert tree.select(tokens, parents, scores, 6) == (tokens, parents)
-    # Best 3: node 0 (0.6), node 1 (0.3) and node 2 (0.3: ties to the earlier); the rest add 0.39.
-    assert tree.select(tokens, parents, scores, 3, extra_min=0.5) == ([10, 11, 12], [-1, -1, 0])
-    assert tree.select(tokens, parents, scores, 3, extra_min=0.39) == (tokens, parents)
-    assert tree.select(tokens, parents, scores, 4, extra_min=0.2) == ([10, 11, 12, 14], [-1, -1, 0, 2])
-    assert tree.EXTRA_NODES_MIN_SCORE == 0.25
+    # Best 3: nodes 0 (0.6), 1 (0.3) and 2 (0.3: ties to the earlier); then 4 (0.27), 3 and 5 (0.06).
+    assert tree.select(tokens, parents, scores, 3, step_cost=0.4, row_cost=0.0) == ([10, 11, 12], [-1, -1, 0])
+    assert tree.select(tokens, parents, scores, 3, step_cost=0.3, row_cost=0.0) == (tokens, parents)
+    assert tree.select(tokens, parents, scores, 3, step_cost=0.1, row_cost=0.1) == ([10, 11, 12, 14], [-1, -1, 0, 2])
+    assert tree.select(tokens, parents, scores, 3) == ([10, 11, 12], [-1, -1, 0])    # 0.27 < 0.2 + 0.1
+    assert (tree.EXTRA_ROWS_STEP_COST, tree.EXTRA_ROW_COST) == (0.2, 0.1)
     # A chain whose probabilities are all 1: its order is kept, parents first.
-    assert tree.select([1, 2, 3], [-1, 0, 1], [1.0, 1.0, 1.0], 2, extra_min=2.0) == ([1, 2], [-1, 0])
+    assert tree.select([1, 2, 3], [-1, 0, 1], [1.0, 1.0, 1.0], 2, step_cost=2.0) == ([1, 2], [-1, 0])
 
 
 def test_engine_trees_keep_at_most_the_free_nodes_when_the_rest_score_little(tiny, heads_folders):
@@ -124,7 +126,7 @@ def test_engine_trees_keep_at_most_the_free_nodes_when_the_rest_score_little(tin
     inner, inner_select = proposer.propose, tree.select
 
     def select(t, p, sc, free, **kw):
-        grown.append((len(t), sum(sorted(sc, reverse=True)[5:])))
+        grown.append((len(t), sorted(sc, reverse=True)[5:]))
         return inner_select(t, p, sc, free, **kw)
 
     proposer.propose = lambda requests, k: trees.extend(inner(requests, k).values()) or {}
@@ -135,7 +137,8 @@ def test_engine_trees_keep_at_most_the_free_nodes_when_the_rest_score_little(tin
     finally:
         eagle_mod.tree.select = saved
     assert trees and any(n == 12 for n, _rest in grown)
-    assert all(rest < tree.EXTRA_NODES_MIN_SCORE for _n, rest in grown)
+    # No extra node pays for a larger step: even the best scores under the jump plus one row.
+    assert all(not rest or rest[0] < tree.EXTRA_ROWS_STEP_COST + tree.EXTRA_ROW_COST for _n, rest in grown)
     assert all(len(d.token_ids) <= 5 for d in trees)
     assert all(-1 <= p < i for d in trees for i, p in enumerate(d.parents))
 
