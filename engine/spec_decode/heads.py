@@ -313,13 +313,14 @@ class EagleHead(_DraftVocab):
         return "float32"
 
     def _cpp_layer(self):
-        """``_packed`` as the C++ ``EagleLayer`` (None where the kernels are not built or
-        SLUICE_CPU_CPP_LAYERS=0 asks for the Python layers)."""
+        """``_packed`` as the C++ ``EagleLayer`` (None off a float32 CPU head, where the kernels
+        are not built, or where SLUICE_CPU_CPP_LAYERS=0 asks for the Python layers)."""
         from sluice.engine import envs
         from sluice.kernels import cpu_ext
 
-        if not (envs.cpu_cpp_layers() and cpu_ext.available()):
-            return None
+        w = self.fc.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not (envs.cpu_cpp_layers() and cpu_ext.available()):
+            return None     # its caches and activations are float32 CPU tensors
         none = torch.empty(0)
         norm = lambda m: none if m is None else m.weight.detach().float().contiguous()  # noqa: E731
         tensors, biases, shapes = [norm(self.input_layernorm), norm(self.post_attention_layernorm)], [], []

@@ -685,6 +685,20 @@ def test_eagle_layer_in_cpp_equals_the_python_layer(tiny, fmt, input_norm):
         torch.testing.assert_close(ca.v[:len(ca)], cb.v[:len(cb)], rtol=1e-4, atol=1e-4)
 
 
+def test_a_bfloat16_head_drafts_through_the_python_layer(tiny):
+    """The C++ EagleLayer reads float32 caches and activations: a head in another dtype (a
+    bfloat16 target's) keeps the Python layer, over its w8a8 drafting copies too."""
+    from sluice.engine.spec_decode.heads import eagle_config
+
+    head = EagleHead(ModelArchConfig.from_hf_config(eagle_config(tiny.arch))).to(torch.bfloat16)
+    assert head.pack_for_serving("w8a8") == "w8a8" and head._cpp is None
+    cache = head.new_cache(4)
+    with torch.inference_mode():
+        out = head.forward_many([(torch.randn(3, HIDDEN, dtype=torch.bfloat16), torch.randn(3, HIDDEN, dtype=torch.bfloat16),
+                                  [0, 1, 2], cache)])
+    assert out[0].shape == (3, HIDDEN) and out[0].dtype == torch.bfloat16 and cache.positions == [0, 1, 2]
+
+
 def test_training_second_drafts_are_what_serving_drafts_second(tiny):
     """train-heads' second-draft pass (all positions at once) gives, at each position p, what
     serving computes for a second draft there: the cache filled with pairs 0..p-1, the head's
