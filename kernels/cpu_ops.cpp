@@ -59,6 +59,7 @@ inline v16 v_div(v16 a, v16 b) { return _mm512_div_ps(a, b); }
 // Bit i set where lane i of a is NaN / where a == b.
 inline uint32_t v_nan_mask(v16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 inline uint32_t v_eq_mask(v16 a, v16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline uint32_t v_gt_mask(v16 a, v16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ); }
 inline v16 v_fmadd(v16 a, v16 b, v16 c) { return _mm512_fmadd_ps(a, b, c); }
 inline v16 v_round(v16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline float v_sum(v16 a) { return _mm512_reduce_add_ps(a); }
@@ -92,6 +93,10 @@ inline uint32_t v_nan_mask(v16 a) {
 inline uint32_t v_eq_mask(v16 a, v16 b) {
   return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_EQ_OQ))) |
          static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_EQ_OQ))) << 8;
+}
+inline uint32_t v_gt_mask(v16 a, v16 b) {
+  return static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, _CMP_GT_OQ))) |
+         static_cast<uint32_t>(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, _CMP_GT_OQ))) << 8;
 }
 inline v16 v_fmadd(v16 a, v16 b, v16 c) {
   return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)};
@@ -983,10 +988,10 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
     std::vector<float> best(static_cast<size_t>(k), -std::numeric_limits<float>::infinity());
     std::vector<int64_t> at(static_cast<size_t>(k), -1);
     float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < n; ++j) {
+    auto offer = [&](int64_t j) {   // x[j] into the sorted k best, after its equals
       const float v = x[j];
       mx = std::max(mx, v);
-      if (!(v > best[k - 1]) && at[k - 1] >= 0) continue;
+      if (!(v > best[k - 1]) && at[k - 1] >= 0) return;
       int64_t pos = k - 1;
       while (pos > 0 && (v > best[pos - 1] || at[pos - 1] < 0)) {
         best[pos] = best[pos - 1];
@@ -995,7 +1000,27 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
       }
       best[pos] = v;
       at[pos] = j;
+    };
+    int64_t j0 = 0;
+#if SLUICE_V16
+    // Once the k best are filled, a block of 16 with nothing above the k-th is skipped whole
+    // (its maximum still counts).
+    v16 vmax = v_set1(mx);
+    for (; j0 < std::min<int64_t>(k, n); ++j0) offer(j0);
+    for (; j0 + 16 <= n; j0 += 16) {
+      const v16 v = v_load(x + j0);
+      vmax = v_max(v, vmax);
+      uint32_t above = v_gt_mask(v, v_set1(best[k - 1]));
+      while (above) {
+        offer(j0 + __builtin_ctz(above));
+        above &= above - 1;
+      }
     }
+    float lanes[16];
+    v_store(lanes, vmax);
+    for (float l : lanes) mx = std::max(mx, l);
+#endif
+    for (; j0 < n; ++j0) offer(j0);
     float total = 0.f;
     int64_t j = 0;
 #if SLUICE_V16
