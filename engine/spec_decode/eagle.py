@@ -59,6 +59,11 @@ class EagleProposer:
         self._preemptions: dict[str, int] = {}
         self._next: dict[str, tuple[int, torch.Tensor]] = {}   # request id -> (position, predicted hidden [H])
         self._lm = DraftLMHead(target, head.draft_vocab, vocab_size, head.fc.weight.dtype, device, head_format)
+        self._top_probs = None      # the C++ kernels' softmax top-k, where the head's layer runs in them
+        if head._cpp is not None:
+            from sluice.kernels import cpu_ext
+
+            self._top_probs = cpu_ext.module().top_probs
 
     def drop(self, request_id: str) -> None:
         self._caches.pop(request_id, None)
@@ -162,8 +167,8 @@ class EagleProposer:
         frontier node's ``tree_width`` likeliest children (after penalties, as a greedy chain's
         argmax), kept while the product of the head's probabilities along the path is at least
         ``min_prob`` (EAGLE-2's score), the best-scoring first, at most K * width nodes a request,
-        of which the step verifies those ``tree.select`` keeps. Every node is a point mass, a sampled request's too (verified by elimination,
-        ``verify._tree_rejection``). A kept child that may have children runs the head on (its
+        of which the step verifies those ``tree.select`` keeps. Every node is a point mass, a
+        sampled request's too (verified by elimination, ``verify._tree_rejection``). A kept child that may have children runs the head on (its
         embedding, its parent's predicted hidden state), in a copy of its parent's cache when it
         has siblings."""
         width = self.tree_width
@@ -231,10 +236,8 @@ class EagleProposer:
         else:
             logits, ids = penalize(self._lm(h), sb), None
         width = min(width, logits.shape[-1])
-        if self.head._cpp is not None and logits.device.type == "cpu":     # the C++ kernels are built
-            from sluice.kernels import cpu_ext
-
-            probs, top = cpu_ext.module().top_probs(logits.float().contiguous(), width)
+        if self._top_probs is not None and logits.device.type == "cpu":
+            probs, top = self._top_probs(logits.float().contiguous(), width)
         else:
             probs, top = torch.softmax(logits, dim=-1).topk(width, dim=-1)
         return (top if ids is None else ids[top]).tolist(), probs.tolist()

@@ -385,6 +385,8 @@ class EagleHead(_DraftVocab):
 
     def _forward_cpp(self, items, sizes: list[int]) -> list[torch.Tensor]:
         caches = [cache for _e, _h, _p, cache in items]
+        if len({id(c) for c in caches}) != len(caches):   # each writes after its own entries
+            raise ValueError("EagleHead.forward_many: a cache appears in more than one item")
         positions = [p for _e, _h, pos, _c in items for p in pos]
         cat = lambda ts: (ts[0] if len(ts) == 1 else torch.cat(ts)).float().contiguous()  # noqa: E731
         cos, sin = self.rotary._cpu_table(max(positions) + 1, torch.float32)
