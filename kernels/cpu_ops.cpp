@@ -387,6 +387,11 @@ struct Partial {
   float* l;     // [G]
 };
 
+// One chunk's kernel (chunk_fixed's specialisations; nullptr: chunk_any).
+template <typename T>
+using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int64_t,
+                         const RowKeys&, int64_t, int64_t, int64_t, float, std::vector<float>&);
+
 #if SLUICE_V16
 // One chunk for G query heads per KV head and a head size of 16 * CH, everything in registers.
 // The per-row arithmetic is fixed by (G, CH): every row of every step takes this same path.
@@ -446,10 +451,6 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < CH; ++c) v_store(part.acc + g * dim + 16 * c, acc[g][c]);
 }
-
-template <typename T>
-using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int64_t,
-                         const RowKeys&, int64_t, int64_t, int64_t, float, std::vector<float>&);
 
 template <int CH, typename T>
 ChunkFn<T> pick_group(int64_t group) {
@@ -545,6 +546,19 @@ void merge_chunks(const Partial* parts, int64_t n, int64_t group, int64_t dim, f
   }
 }
 
+// One chunk [t0, t1) of one row for the G query heads of KV head kvh, finished into out [G, D]
+// when it is the row's only chunk: the fixed-shape kernel where (G, D) has one, else chunk_any.
+template <typename T>
+void attend_one_chunk(ChunkFn<T> fixed, const float* q, const Partial& part, int64_t group, int64_t dim,
+                      const T* kc, const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& keys,
+                      int64_t block_size, int64_t t0, int64_t t1, float scale, std::vector<float>& scores) {
+  if (fixed != nullptr) {
+    fixed(q, part, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, scores);
+  } else {
+    chunk_any(q, part, group, dim, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, scores);
+  }
+}
+
 }  // namespace
 
 // q [B, Hq, D] (heads of one KV head adjacent), caches [blocks, bs, Hkv, D], block_tables
@@ -624,6 +638,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
 #if SLUICE_V16
     const ChunkFn<T> fixed = pick_chunk<T>(group, dim);
+#else
+    const ChunkFn<T> fixed = nullptr;
 #endif
     at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t i0, int64_t i1) {
       std::vector<float> scores, local(static_cast<size_t>(per_part));
@@ -632,15 +648,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
         const int64_t t0 = (c - first[b]) * kChunk, t1 = std::min<int64_t>(lens[b], t0 + kChunk);
         const float* qh = qp + (b * heads + kvh * group) * dim;
         const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
-#if SLUICE_V16
-        if (fixed != nullptr) {
-          fixed(qh, part, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1, static_cast<float>(scale), scores);
-        } else
-#endif
-        {
-          chunk_any(qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
-                    static_cast<float>(scale), scores);
-        }
+        attend_one_chunk<T>(fixed, qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
+                            static_cast<float>(scale), scores);
         if (slot[c] < 0) merge_chunks(&part, 1, group, dim, op + (b * heads + kvh * group) * dim);
       }
     });
@@ -863,6 +872,8 @@ class EagleLayer {
     const int64_t group = heads_ / kv_heads_;
 #if SLUICE_V16
     const ChunkFn<float> fixed = pick_chunk<float>(group, dim_);
+#else
+    const ChunkFn<float> fixed = nullptr;
 #endif
     at::parallel_for(0, static_cast<int64_t>(n) * kv_heads_, 1, [&](int64_t w0, int64_t w1) {
       std::vector<float> scores, local(static_cast<size_t>(group * (dim_ + 2)));
@@ -875,14 +886,8 @@ class EagleLayer {
         for (int64_t r = 0; r < rows[i]; ++r) {
           const int64_t len = before[i] + r + 1, row = first[i] + r;
           const float* q = qkp + row * qk_row + kvh * group * dim_;
-#if SLUICE_V16
-          if (fixed != nullptr) {
-            fixed(q, part, kc, vc, kv_heads_, kvh, keys, cap, 0, len, static_cast<float>(scale_), scores);
-          } else
-#endif
-          {
-            chunk_any(q, part, group, dim_, kc, vc, kv_heads_, kvh, keys, cap, 0, len, static_cast<float>(scale_), scores);
-          }
+          attend_one_chunk<float>(fixed, q, part, group, dim_, kc, vc, kv_heads_, kvh, keys, cap, 0, len,
+                                  static_cast<float>(scale_), scores);
           merge_chunks(&part, 1, group, dim_, ap + (row * heads_ + kvh * group) * dim_);
         }
       }

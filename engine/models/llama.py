@@ -256,7 +256,7 @@ class LlamaForCausalLM(torch.nn.Module):
             self._decoder = False
             linears = [m for m in self.modules() if isinstance(m, _Linear)]
             blockq = all(isinstance(m.quantized, quant.BlockQLinear) for m in linears)
-            packed = all(m.quantized is None and m.packed is not None for m in linears)
+            packed = self._float32_packed()
             if linears and (blockq or packed):
                 from sluice.kernels import cpu_ext
 
@@ -300,9 +300,12 @@ class LlamaForCausalLM(torch.nn.Module):
         (``row_bucket``) and stream a weight as fast at 4-6 rows; 7 rows cost ~15% more a step on
         SmolLM2 with 2 AVX-512 cores). None elsewhere. Draft trees verify that many rows'
         nodes freely (``spec_decode.tree.select``)."""
+        return 6 if self._float32_packed() else None
+
+    def _float32_packed(self) -> bool:
+        """Every projection float32 and packed for oneDNN (the CPU's float32 format)."""
         linears = [m for m in self.modules() if isinstance(m, _Linear)]
-        packed = bool(linears) and all(m.quantized is None and m.packed is not None for m in linears)
-        return 6 if packed else None
+        return bool(linears) and all(m.quantized is None and m.packed is not None for m in linears)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input ids [T] → embeddings [T, hidden] (EAGLE's heads share them)."""

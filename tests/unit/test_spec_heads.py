@@ -667,7 +667,8 @@ def test_eagle_layer_in_cpp_equals_the_python_layer(tiny, fmt, input_norm):
     steps = [[(5, 0, 0), (2, 0, 1)], [(1, 5, 0), (3, 2, 1)], [(1, 6, 0), (1, 6, 2)], [(2, 7, 2), (1, 5, 1)]]
     inputs = [[(torch.randn(n, HIDDEN, generator=g), torch.randn(n, HIDDEN, generator=g), list(range(p, p + n)), c)
                for n, p, c in step] for step in steps]
-    for head in heads:
+    results = {}
+    for name, head in zip(("cpp", "py"), heads):
         caches = [head.new_cache(2), head.new_cache(2)]       # small: the steps grow them
         outs = []
         with torch.inference_mode():
@@ -675,11 +676,11 @@ def test_eagle_layer_in_cpp_equals_the_python_layer(tiny, fmt, input_norm):
                 if i == 2:
                     caches.append(caches[0].fork())           # a sibling branch from here on
                 outs.append(head.forward_many([(e, h, pos, caches[c]) for e, h, pos, c in step]))
-        head.result = (outs, caches)
-    for step_cpp, step_py in zip(cpp.result[0], py.result[0]):
+        results[name] = (outs, caches)
+    for step_cpp, step_py in zip(results["cpp"][0], results["py"][0]):
         for a, b in zip(step_cpp, step_py):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
-    for ca, cb in zip(cpp.result[1], py.result[1]):
+    for ca, cb in zip(results["cpp"][1], results["py"][1]):
         assert ca.positions == cb.positions
         torch.testing.assert_close(ca.k[:len(ca)], cb.k[:len(cb)], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(ca.v[:len(ca)], cb.v[:len(cb)], rtol=1e-4, atol=1e-4)
