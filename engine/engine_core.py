@@ -30,7 +30,8 @@ from sluice.engine.heap import release_freed_heap
 from sluice.engine.kv_cache import KVCacheManager, num_blocks_for_budget
 from sluice.engine.loaders import LoadedModel, load_model, resolve_dtype, resolve_kv_dtype
 from sluice.engine.model_runner import ModelRunner
-from sluice.engine.outputs import CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage
+from sluice.engine.outputs import (CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage,
+                                  shown_logprobs)
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.scheduler import Scheduler
@@ -122,6 +123,10 @@ def build_infill_prompt(tokenizer, prefix: str, suffix: str) -> InfillPrompt:
     stops = (tokenizer.token_to_id(t) for t in _END_OF_INFILL)
     extra = tuple(dict.fromkeys(t for t in stops if t is not None and t not in tokenizer.eos_token_ids))
     return InfillPrompt([*bos, fim.prefix, *pre, fim.suffix, *suf, fim.middle], extra)
+
+
+def _never(_token_id: int) -> bool:
+    return False
 
 
 def _encode_continuation(tokenizer, text: str) -> list[int]:
@@ -407,7 +412,8 @@ class EngineCore:
             d.token_ids.extend(new)
             lps = res.logprobs.get(req.request_id)
             if lps:
-                d.logprobs = (d.logprobs or []) + lps[:len(new)]
+                hidden = self.tokenizer.is_special if req.sampling_params.skip_special_tokens else _never
+                d.logprobs = (d.logprobs or []) + shown_logprobs(lps[:len(new)], hidden)
             d.text += r.delta_text
             choice.delta = d
             if r.stop_string is not None:

@@ -12,6 +12,21 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()   # (token id, logprob) of the top-k alternatives, best first
 
 
+def shown_logprobs(lps: list[TokenLogprob], hidden) -> list[TokenLogprob]:
+    """The logprobs a caller sees: those of the tokens whose text is in the output (``hidden(id)``:
+    a special token that ``skip_special_tokens`` leaves out, such as the EOS that ended it, has
+    none, so the tokens join to the text), and, among each token's alternatives, only those the
+    constraints allowed (a masked token's logprob is -inf: it was never a choice)."""
+    out = []
+    for lp in lps:
+        if hidden(lp.token_id):
+            continue
+        if any(v == float("-inf") for _, v in lp.top):
+            lp = TokenLogprob(lp.token_id, lp.logprob, tuple((t, v) for t, v in lp.top if v != float("-inf")))
+        out.append(lp)
+    return out
+
+
 @dataclass
 class RunnerOutput:
     # request id -> tokens appended this step: one normally, several with speculative decoding.

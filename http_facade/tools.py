@@ -115,18 +115,45 @@ def _named(choice: Any, tools: list[pb.ToolDefinition]) -> str | None:
 
 
 def calls_schema(tools: list[pb.ToolDefinition], single: bool) -> dict:
-    """JSON Schema of the list of calls: each item one tool's name and its arguments."""
+    """JSON Schema of the list of calls: each item one tool's name and its arguments. A tool's
+    local references (``#/$defs/Item``, ``#``) are relative to its ``parameters``; inside this
+    schema they are rewritten to point where those parameters now sit."""
     items = []
-    for t in tools:
+    for i, t in enumerate(tools):
         params = json.loads(t.function.parameters_json) if t.function.HasField("parameters_json") else {}
+        at = "#/items/properties/arguments" if len(tools) == 1 else f"#/items/anyOf/{i}/properties/arguments"
         items.append({"type": "object", "properties": {
             "name": {"const": t.function.name},
-            "arguments": params or {"type": "object", "properties": {}}},
+            "arguments": _rebase_refs(params, at[1:]) if params else {"type": "object", "properties": {}}},
             "required": ["name", "arguments"]})
     schema: dict = {"type": "array", "items": items[0] if len(items) == 1 else {"anyOf": items}, "minItems": 1}
     if single:
         schema["maxItems"] = 1
     return schema
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def _rebase_refs(node: Any, base: str, names: bool = False) -> Any:
+    """A copy of the schema ``node`` whose local ``$ref`` values (``#`` and ``#/...``) are
+    prefixed by the JSON pointer ``base`` (where ``node`` sits in the enclosing schema).
+    ``names``: ``node`` maps property names to schemas (``properties`` and the like)."""
+    if isinstance(node, list):
+        return [_rebase_refs(v, base) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for k, v in node.items():
+        if names:
+            out[k] = _rebase_refs(v, base)
+        elif k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = "#" + base + v[1:]
+        elif k in ("const", "enum", "default", "examples"):
+            out[k] = v                     # values, not schemas: a "$ref" key in them is data
+        else:
+            out[k] = _rebase_refs(v, base, names=k in _SCHEMA_MAPS)
+    return out
 
 
 # What may stand before a call (a list's bracket, the comma between calls, Hermes' <tool_call>,

@@ -31,8 +31,10 @@ from collections import OrderedDict
 import torch
 
 from sluice.engine.structured.bitmask import bitmask_words
+from sluice.engine.structured.json_keys import KeyTracker, clear_repeats, quote_tokens
+from sluice.engine.structured.schema import normalize
 from sluice.engine.structured.spec import GrammarSpec, StructuredOutputConfig, parse_triggered_tags
-from sluice.engine.structured.vocab import build_tokenizer_info
+from sluice.engine.structured.vocab import build_tokenizer_info, token_bytes
 
 log = logging.getLogger("sluice.structured")
 
@@ -54,6 +56,10 @@ class StructuredOutputManager:
         # it cannot turn into an all -inf row (NaN probabilities for the whole batch's sampler),
         # and ``accept`` fails them with this reason.
         self._dead_ends: set[str] = set()
+        # Request id -> (KeyTracker, its state after the accepted tokens); see json_keys.
+        self._keys: dict[str, tuple[KeyTracker, tuple]] = {}
+        self._token_bytes: list[bytes] = []
+        self._quote_tokens: list[tuple[int, bytes]] = []
 
     # ---- compiling (any thread) ---------------------------------------------------------------
     def compile(self, spec: GrammarSpec):
@@ -112,7 +118,9 @@ class StructuredOutputManager:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = build_tokenizer_info(self._tokenizer, self.vocab_size)
+                self._token_bytes = token_bytes(self._tokenizer, self.vocab_size)
+                self._quote_tokens = quote_tokens(self._token_bytes)
+                info = build_tokenizer_info(self._tokenizer, self.vocab_size, self._token_bytes)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=self.config.compile_threads)
             return self._compiler
 
@@ -124,12 +132,25 @@ class StructuredOutputManager:
         import xgrammar as xgr
 
         self._matchers[request_id] = xgr.GrammarMatcher(self.compile(spec))
+        tracker = self._key_tracker(spec)
+        if tracker is not None:
+            self._keys[request_id] = (tracker, tracker.initial)
+
+    def _key_tracker(self, spec: GrammarSpec) -> KeyTracker | None:
+        """JSON constraints get a key tracker (``json_keys``): objects never repeat a key."""
+        if spec.kind in ("json_object", "json_schema"):
+            return KeyTracker()
+        if spec.kind == "triggered_tags":
+            triggers = tuple(t.encode() for t in parse_triggered_tags(spec.text)[0])
+            return KeyTracker(triggers)
+        return None
 
     def is_constrained(self, request_id: str) -> bool:
         return request_id in self._matchers
 
     def drop(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._keys.pop(request_id, None)
         self._dead_ends.discard(request_id)
 
     def request_ids(self) -> set[str]:
@@ -144,7 +165,13 @@ class StructuredOutputManager:
         if request_id in self._dead_ends:
             raise ValueError("grammar: no token of the model's vocabulary can continue the output here "
                              "(the constraint needs text that this tokenizer cannot produce)")
-        return all(matcher.accept_token(int(t)) for t in token_ids)
+        ok = all(matcher.accept_token(int(t)) for t in token_ids)
+        keys = self._keys.get(request_id)
+        if keys is not None:
+            tracker, state = keys
+            state, _ = tracker.feed(state, b"".join(self._token_bytes[int(t)] for t in token_ids))
+            self._keys[request_id] = (tracker, state)
+        return ok
 
     def is_finished(self, request_id: str) -> bool:
         matcher = self._matchers.get(request_id)
@@ -164,9 +191,12 @@ class StructuredOutputManager:
                 row += len(drafts) + 1
                 continue
             advanced = 0
+            keys = self._keys.get(req.request_id)
             for j in range(len(drafts) + 1):
                 if advanced == j and not matcher.is_terminated():
                     matcher.fill_next_token_bitmask(bitmask, row + j)
+                    if keys is not None:
+                        clear_repeats(keys[0], keys[1], self._quote_tokens, bitmask[row + j])
                     if not bool(bitmask[row + j].any()):
                         # A dead end now fails the request; one behind a draft only if the target
                         # accepts that draft (the next step's first row finds it then).
@@ -176,6 +206,8 @@ class StructuredOutputManager:
                         break
                     if j < len(drafts) and matcher.accept_token(int(drafts[j])):
                         advanced += 1
+                        if keys is not None:
+                            keys = (keys[0], keys[0].feed(keys[1], self._token_bytes[int(drafts[j])])[0])
                 # Rows past a draft the grammar rejects stay all ones: that draft's own row
                 # forbids it, so verification stops there and never samples from them.
             if advanced:
@@ -191,7 +223,8 @@ def structural_tag(text: str) -> str:
     return json.dumps({"type": "structural_tag", "format": {
         "type": "triggered_tags", "triggers": triggers, "at_least_one": False, "stop_after_first": stop_after_first,
         "tags": [{"type": "tag", "begin": t.begin, "end": t.end,
-                  "content": {"type": "json_schema", "json_schema": json.loads(t.schema_json)}} for t in tags]}})
+                  "content": {"type": "json_schema", "json_schema": normalize(json.loads(t.schema_json), True, "tools")}}
+                 for t in tags]}})
 
 
 # xgrammar (0.2) spells the characters of a string with maxLength / minLength as [^"\\\r\n]
@@ -203,11 +236,13 @@ _JSON_STRING_CHARS = r'[^\0-\x1f\"\\]'
 
 
 def json_schema_grammar(schema: str, strict: bool):
-    """xgrammar's grammar for a JSON Schema (compact JSON), with its bounded-length strings held
+    """xgrammar's grammar for a JSON Schema (compact JSON), normalized first (``schema.normalize``:
+    the spec was checked with it, so it does not raise here), with its bounded-length strings held
     to JSON's string characters (no raw control characters; escapes stay out of them)."""
     import xgrammar as xgr
 
-    grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
+    normalized = json.dumps(normalize(json.loads(schema), strict, "json_schema"))
+    grammar = xgr.Grammar.from_json_schema(normalized, any_whitespace=False, strict_mode=strict)
     text = str(grammar)
     fixed = text.replace(_BOUNDED_STRING_CHARS, _JSON_STRING_CHARS)
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)

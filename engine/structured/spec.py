@@ -3,9 +3,9 @@
 
 Kinds (``GrammarSpec.kind``):
   * ``json_object``: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``);
-  * ``json_schema``: a JSON Schema, as JSON text; ``strict`` forbids properties and items the
-    schema does not name (OpenAI's ``strict: true``; not strict: ``additionalProperties`` is open
-    unless the schema closes it);
+  * ``json_schema``: a JSON Schema, as JSON text; ``strict`` closes every object schema that
+    says nothing of ``additionalProperties`` (OpenAI's ``strict: true``; not strict: such objects
+    are open). Every keyword is enforced or refused (``schema.normalize``, ``schema.KEYWORDS``);
   * ``regex``: the whole output matches the regular expression;
   * ``choice``: the output is exactly one of the strings;
   * ``ebnf``: an EBNF grammar in xgrammar's (GBNF-like) dialect, with a ``root`` rule;
@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+
+from sluice.engine.structured.schema import normalize, regex_unsupported
 
 KINDS = ("json_object", "json_schema", "regex", "choice", "ebnf", "triggered_tags")
 FIELD = "structured_output"
@@ -43,7 +45,9 @@ class GrammarSpec:
         if self.kind in ("regex", "ebnf") and not self.text:
             raise ValueError(f"{self.field}: the {self.kind} must not be empty")
         if self.kind == "json_schema":
-            _check_schema_text(self.text, self.field)
+            _check_schema_text(self.text, self.field, self.strict)
+        if self.kind == "regex" and (why := regex_unsupported(self.text)):
+            raise ValueError(f"{self.field}: {why}")
         if self.kind == "triggered_tags":
             _check_triggered_tags(self.text, self.field)
         if self.kind == "choice":
@@ -106,55 +110,22 @@ def _check_triggered_tags(text: str, field: str) -> None:
         if len(starts) != 1:
             raise ValueError(f"{field}: tags[{i}].begin {tag.begin!r} must start with exactly one trigger, "
                              f"it starts with {len(starts)}")
-        _check_schema_text(tag.schema_json, f"{field}.tags[{i}]")
+        _check_schema_text(tag.schema_json, f"{field}.tags[{i}]", strict=True)
     unused = [t for t in triggers if not any(tag.begin.startswith(t) for tag in tags)]
     if unused:
         raise ValueError(f"{field}: trigger {unused[0]!r} begins no tag")
 
 
-def _check_schema_text(text: str, field: str) -> None:
+def _check_schema_text(text: str, field: str, strict: bool = False) -> None:
     try:
         schema = json.loads(text, parse_constant=_no_constant)
     except (ValueError, RecursionError) as exc:
         raise ValueError(f"{field}: the JSON schema is not valid JSON: {exc}") from None
     if not isinstance(schema, (dict, bool)):
         raise ValueError(f"{field}: a JSON schema must be an object (or true/false), got {type(schema).__name__}")
-    _check_keywords(schema, "", field, 0)
-
-
-# Keywords xgrammar 0.2 compiles without enforcing them (checked here: an instance that breaks
-# the keyword is accepted by the compiled grammar). Refused, so that a schema never promises
-# what the output does not keep. ``then``/``else`` go with ``if``, min/maxContains with contains.
-_UNENFORCED = ("not", "if", "then", "else", "uniqueItems", "dependentRequired", "contains",
-               "minContains", "maxContains")
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
-
-
-def _check_keywords(schema, path: str, field: str, depth: int) -> None:
-    if not isinstance(schema, dict) or depth > 64:
-        return
-    for kw in _UNENFORCED:
-        if kw in schema and not (kw == "uniqueItems" and schema[kw] is False):
-            raise ValueError(f"{field}: JSON Schema keyword {kw!r} at {path or '/'} is not supported "
-                             "(the grammar could not enforce it)")
-    if isinstance(schema.get("allOf"), list) and len(schema["allOf"]) > 1:
-        raise ValueError(f"{field}: JSON Schema keyword 'allOf' with more than one schema at {path or '/'} is "
-                         "not supported (the grammar could not enforce it); merge them into one schema")
-    if "format" in schema and ("minLength" in schema or "maxLength" in schema):
-        raise ValueError(f"{field}: JSON Schema 'format' together with minLength/maxLength at {path or '/'} is "
-                         "not supported (the lengths would not be enforced)")
-    for kw in _SCHEMA_MAPS:
-        if isinstance(schema.get(kw), dict):
-            for name, sub in schema[kw].items():
-                _check_keywords(sub, f"{path}/{kw}/{name}", field, depth + 1)
-    for kw in _SCHEMA_LISTS:
-        if isinstance(schema.get(kw), list):
-            for i, sub in enumerate(schema[kw]):
-                _check_keywords(sub, f"{path}/{kw}/{i}", field, depth + 1)
-    for kw in _SCHEMA_ONE:
-        _check_keywords(schema.get(kw), f"{path}/{kw}", field, depth + 1)
+    # Every keyword enforced or refused (engine/structured/schema.py); the manager compiles the
+    # normalized schema.
+    normalize(schema, strict, field)
 
 
 def _no_constant(name: str) -> float:

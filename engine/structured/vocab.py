@@ -42,10 +42,12 @@ def _is_byte_level(spellings: list[str], inverse: dict[str, int]) -> bool:
     return inside >= 0.95 * len(spellings)
 
 
-def build_tokenizer_info(tokenizer, vocab_size: int):
+def build_tokenizer_info(tokenizer, vocab_size: int, spelled: list[bytes] | None = None):
     """``xgrammar.TokenizerInfo`` for the model: its vocabulary (padded to the model's logits
-    width) and its stop tokens (the ones EOS-checking ends a request on)."""
+    width; ``spelled``: ``token_bytes``' result when the caller has it) and its stop tokens (the
+    ones EOS-checking ends a request on)."""
     import xgrammar as xgr
 
-    return xgr.TokenizerInfo(token_bytes(tokenizer, vocab_size), xgr.VocabType.RAW, vocab_size=vocab_size,
+    spelled = token_bytes(tokenizer, vocab_size) if spelled is None else spelled
+    return xgr.TokenizerInfo(spelled, xgr.VocabType.RAW, vocab_size=vocab_size,
                              stop_token_ids=sorted(tokenizer.eos_token_ids))
