@@ -36,7 +36,7 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "required": ("enforced", "a name `properties` does not declare is added to it (with "
                              "`additionalProperties`' schema)"),
     "additionalProperties": ("enforced", "under `strict`, objects that say nothing are closed"),
-    "patternProperties": ("enforced", "no lookaround in the patterns"),
+    "patternProperties": ("enforced", "each pattern matched against the whole name; no lookaround"),
     "propertyNames": ("enforced", ""),
     "minProperties": ("enforced", ""),
     "maxProperties": ("enforced", ""),
@@ -49,7 +49,8 @@ KEYWORDS: dict[str, tuple[str, str]] = {
     "maxItems": ("enforced", ""),
     "minLength": ("enforced", "not together with `pattern` or `format` (refused)"),
     "maxLength": ("enforced", "not together with `pattern` or `format` (refused)"),
-    "pattern": ("enforced", "lookahead/lookbehind and backreferences are refused"),
+    "pattern": ("enforced", "matched against the whole string (as if anchored: narrower, never invalid); "
+                            "lookahead/lookbehind and backreferences are refused"),
     "format": ("enforced", "strings: " + ", ".join(sorted(
         ("email", "date", "date-time", "time", "duration", "uuid", "ipv4", "ipv6", "hostname", "uri",
          "uri-reference", "uri-template", "json-pointer", "relative-json-pointer")))
@@ -438,7 +439,8 @@ def regex_unsupported(pattern: str) -> str | None:
             if pattern[i + 1:i + 2] == "]":
                 i += 1
         elif pattern.startswith(("(?=", "(?!", "(?<=", "(?<!"), i):
-            return f"lookaround ({pattern[i:i + 4].rstrip('(')!s}...) at position {i} of {pattern!r} is not enforced"
+            kind = pattern[i:i + 4] if pattern[i + 2] == "<" else pattern[i:i + 3]
+            return f"lookaround ({kind}...) at position {i} of {pattern!r} is not enforced"
         i += 1
     return None
 

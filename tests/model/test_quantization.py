@@ -11,6 +11,9 @@ logits by several units everywhere) fails, and the ordinary rounding passes. Per
 ``perplexity_text.txt`` (440 tokens, our own prose) must stay within 1% of float32 for bf16 and
 int8 and 5% for int4 (the issue's bounds; measured -0.1%, -0.4%, -0.2%).
 
+Greedy continuations: teacher-forced top-1 agreement with float32's (a close pair of logits costs
+one position, never the rest of the sequence, so the figure does not flip with the CPU's kernels).
+
 Batching: a request's greedy tokens must be the same alone and in a batch of 8 mixed requests
 (chunked prefill beside decodes), in every format.
 """
@@ -176,9 +179,10 @@ def test_perplexity_within_bound_of_float32(on_text, fmt):
     assert abs(ppl / ref_ppl - 1) <= PERPLEXITY_BOUND[fmt], f"{fmt}: perplexity {ppl:.3f} vs float32 {ref_ppl:.3f}"
 
 
-# 24 greedy tokens of each CHAT_PROMPT; the logprobs are for the float16 KV cache test below
-# (asking for them does not change a greedy token).
-GREEDY_24 = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
+# 24 greedy tokens of each CHAT_PROMPT; the logprobs (the best two) are for the float16 KV cache
+# test below (asking for them does not change a greedy token). Special tokens are kept in the
+# text, so that every token has its logprob.
+GREEDY_24 = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2, skip_special_tokens=False)
 
 
 def _engine(loaded, fmt: str, kv: str = "float32") -> LLM:
@@ -187,39 +191,44 @@ def _engine(loaded, fmt: str, kv: str = "float32") -> LLM:
 
 @pytest.fixture(scope="module")
 def greedy_24(formats):
-    """Format -> (outputs, the pool's block count) of GREEDY_24 over CHAT_PROMPTS with a float32
-    KV cache, each run once: float32's is the reference of every format's agreement test and of
-    the float16 cache test, and none's and w4a8's are also the float16 cache test's other side
-    (float32 decodes 4 x 24 tokens in several seconds here)."""
+    """Format -> (outputs, the pool's block count, prompt ids) of GREEDY_24 over CHAT_PROMPTS with
+    a float32 KV cache, each run once: float32's is the reference of every format's agreement
+    test, and none's and w4a8's are also the float16 cache test's other side (float32 decodes
+    4 x 24 tokens in several seconds here)."""
     done = {}
 
     def get(fmt: str):
         if fmt not in done:
             llm = _engine(formats(fmt), fmt)
-            done[fmt] = ([r.outputs[0] for r in llm.generate(CHAT_PROMPTS, GREEDY_24)], llm.engine.kv.num_total_blocks)
+            res = llm.generate(CHAT_PROMPTS, GREEDY_24)
+            done[fmt] = ([r.outputs[0] for r in res], llm.engine.kv.num_total_blocks, [r.prompt_token_ids for r in res])
         return done[fmt]
 
     return get
 
 
-@pytest.fixture(scope="module")
-def float_greedy(greedy_24):
-    return [o.token_ids for o in greedy_24("none")[0]]
+# Teacher-forced top-1 agreement with float32's greedy continuations (the 4 x 24 tokens of
+# CHAT_PROMPTS): measured here (AMD EPYC, AVX2) bf16 1.00, int8 0.97, int4 0.99, w8a8 0.99,
+# w4a8 0.99. Each disagreement costs one position of 96, so the bounds sit a few close calls below.
+TEACHER_FORCED_AGREEMENT = {"bf16": 0.95, "int8": 0.9, "int4": 0.9, "w8a8": 0.9, "w4a8": 0.9}
 
 
-@pytest.mark.parametrize("fmt", FORMAT_PARAMS)
-def test_greedy_continuations_mostly_agree_with_float32(greedy_24, float_greedy, fmt):
-    """Greedy decoding amplifies any change once two tokens are close, so full agreement is not
-    asked; the share of tokens before the first difference must stay above what was measured
-    less a margin (bench/README.md has the measured prefixes)."""
-    ours = [o.token_ids for o in greedy_24(fmt)[0]]
-    same = []
-    for a, b in zip(ours, float_greedy):
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b))
-        same.append(n)
-    share = sum(same) / (24 * len(same))
-    assert share >= {"bf16": 0.6, "int8": 0.4, "int4": 0.4, "w8a8": 0.4, "w4a8": 0.4}[fmt], \
-        f"{fmt}: agreeing prefix per prompt {same}"
+@pytest.mark.parametrize("fmt", ["none", *FORMAT_PARAMS])
+def test_teacher_forced_top1_agrees_with_float32(formats, greedy_24, fmt):
+    """Each format predicts float32's greedy continuation token by token from float32's own
+    prefix. Unlike greedy-prefix agreement, where one close pair of logits (which pair depends on
+    the CPU's kernels) flips the rest of the sequence, a close call here costs one position, so
+    the share is stable across AVX2, AVX-512 and AMX hosts."""
+    outs, _blocks, prompts = greedy_24("none")
+    model = formats(fmt).model
+    agree = total = 0
+    for out, prompt in zip(outs, prompts):
+        logits = _prefill_logits(model, prompt + out.token_ids)[len(prompt) - 1:-1]   # [24, vocab]
+        agree += int((logits.argmax(-1) == torch.tensor(out.token_ids)).sum())
+        total += len(out.token_ids)
+    share = agree / total
+    print(f"teacher-forced agreement {fmt}: {share:.3f}")
+    assert share >= TEACHER_FORCED_AGREEMENT.get(fmt, 0.97), f"{fmt}: teacher-forced top-1 agreement {share:.3f}"
 
 
 # ---- batching cannot change a token -----------------------------------------------------------
@@ -263,32 +272,38 @@ def test_a_loaded_model_must_match_the_configured_format(formats):
 
 
 # ---- a float16 KV cache (kv_cache_dtype) ----------------------------------------------------------
-# Measured on CHAT_PROMPTS: under none every token agreed and logprobs moved by at most 0.003;
-# under w4a8 the agreeing prefixes were 5, 13, 20 and 13 of 24 tokens with logprob changes up
-# to ~0.1. The int8 activations of w4a8 turn any small change into whole rounding steps: its C++
-# and Python layers, with the same float32 cache, differ by as much (0.02-0.16 per token).
-KV16_AGREEMENT = {"none": 0.9, "w4a8": 0.35}
+# Measured on CHAT_PROMPTS: under none the sampled tokens' logprobs moved by at most 0.003; under
+# w4a8 by up to ~0.1 (its int8 activations turn any small change into whole rounding steps: its
+# C++ and Python layers, with the same float32 cache, differ by as much: 0.02-0.16 per token).
+# The continuations must agree until the float32 cache's run meets a near tie: a gap between its
+# best two tokens under NEAR_TIE, which twice the largest logit change can flip. Past that point
+# greedy decoding may follow either token, and which one depends on the CPU's last bits. Tokens
+# before the first near tie here: none 24, 24, 24, 6; w4a8 4, 1, 0, 2 (its logits are rougher).
 KV16_LOGPROB_CHANGE = {"none": 0.02, "w4a8": 0.5}
+NEAR_TIE = {"none": 0.05, "w4a8": 1.0}
 
 
 @pytest.mark.parametrize("fmt", ("none", "w4a8"))
 def test_a_float16_kv_cache_stays_close_and_keeps_batching_exact(formats, greedy_24, fmt):
     """K and V rounded to float16 in the cache (half its bytes, half of what attention reads):
-    greedy continuations agree with the float32 cache's (bounds above), the sampled tokens'
-    logprobs stay close while they agree, the pool holds twice the tokens for the same bytes,
-    and a request's tokens are still the same alone and in a batch."""
-    full, full_blocks = greedy_24(fmt)   # the float32 cache's run, shared with the agreement test
+    greedy continuations agree with the float32 cache's up to its first near tie, the sampled
+    tokens' logprobs stay close while they agree, the pool holds twice the tokens for the same
+    bytes, and a request's tokens are still the same alone and in a batch."""
+    full, full_blocks, _ = greedy_24(fmt)   # the float32 cache's run
     llm = _engine(formats(fmt), fmt, kv="float16")
     halved = [r.outputs[0] for r in llm.generate(CHAT_PROMPTS, GREEDY_24)]
     half = llm.engine
     assert half.runner.kv_caches[0][0].dtype == torch.float16
     assert half.kv.num_total_blocks // 2 == full_blocks   # (rounded down)
-    same, worst = [], 0.0
+    worst, checked = 0.0, []
     for a, b in zip(halved, full):
-        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(b.token_ids))
-        same.append(n)
+        assert len(b.logprobs) == len(b.token_ids) == 24
+        tie = next((i for i, lp in enumerate(b.logprobs) if lp.top[0][1] - lp.top[1][1] < NEAR_TIE[fmt]), 24)
+        assert a.token_ids[:tie] == b.token_ids[:tie], f"{fmt}: differs before the first near tie (token {tie})"
+        n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 24)
         worst = max([worst] + [abs(x.logprob - y.logprob) for x, y in zip(a.logprobs[:n], b.logprobs[:n])])
-    assert sum(same) / (24 * len(same)) >= KV16_AGREEMENT[fmt], f"{fmt}: agreeing prefix per prompt {same}"
+        checked.append(tie)
+    print(f"float16 cache {fmt}: tokens before the first near tie {checked}, logprob change {worst:.4f}")
     assert worst <= KV16_LOGPROB_CHANGE[fmt], f"{fmt}: logprob change {worst:.4f}"
     # Alone against batched: the shortest and the longest prompt (each alone costs 24 decode steps).
     ends = [min(range(4), key=lambda i: len(CHAT_PROMPTS[i])), max(range(4), key=lambda i: len(CHAT_PROMPTS[i]))]

@@ -164,3 +164,22 @@ def test_schemas_validate_with_speculative_decoding(smollm2_default, temperature
             json.loads(out.text))
     assert sum(r.usage.draft_tokens for r in results) > 0           # drafts were verified
     assert not spec_llm.engine.structured.request_ids()
+
+
+def test_logprobs_cover_the_text_and_only_tokens_the_grammar_allowed(llm):
+    """OpenAI's shape: the logprob tokens join to the text (the EOS that ended the output, which
+    the text leaves out, has none), and the alternatives are tokens the grammar allowed (a masked
+    token's -inf is never listed)."""
+    tok = llm.engine.tokenizer
+    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                              "days": {"type": "integer"}}, "required": ["city", "days"]}
+    params = SamplingParams(max_tokens=60, temperature=0.0, logprobs=20,
+                            structured=GrammarSpec("json_schema", json.dumps(schema), strict=True))
+    out = llm.chat([_chat(schema)], params)[0].outputs[0]
+    assert out.finish_reason == "stop", out.text
+    assert out.token_ids[-1] in tok.eos_token_ids
+    ids = [lp.token_id for lp in out.logprobs]
+    assert ids == out.token_ids[:-1] and tok.decode(ids) == out.text
+    assert all(v > float("-inf") for lp in out.logprobs for _, v in lp.top)
+    # Inside the enum's string most of the vocabulary is masked: fewer than 20 alternatives remain.
+    assert min(len(lp.top) for lp in out.logprobs) < 20
