@@ -16,6 +16,7 @@ from aiohttp import web
 from sluice.http_facade import routes_afs, routes_embeddings, routes_openai
 from sluice.http_facade.afs_errors import afs_error_body, is_afs_path
 from sluice.http_facade.engine_link import EngineLink
+from sluice.http_facade.engine_pool import EnginePool
 from sluice.http_facade.errors import ApiError, from_rpc_error, internal, unavailable
 from sluice.http_facade.openapi import ENDPOINTS, docs_page, openapi_document
 from sluice.http_facade.sse import CORS_HEADERS
@@ -125,11 +126,7 @@ async def ready(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = state_of(request)
-    try:
-        load = await state.link.get_load()
-    except grpc.aio.AioRpcError:
-        load = None
-    state.metrics.set_load(load)
+    state.metrics.set_loads(await state.link.loads(), state.link.routing_counts())
     return web.Response(body=state.metrics.render(), headers={"Content-Type": state.metrics.content_type})
 
 
@@ -169,19 +166,27 @@ _HANDLERS = {
 }
 
 
-def build_app(config: FacadeConfig, link: EngineLink | None = None,
+def build_app(config: FacadeConfig, link: EngineLink | EnginePool | None = None,
               afs: routes_afs.AfsConfig | None = None) -> web.Application:
-    """The facade app. ``link`` defaults to a channel to ``config.engine_addr`` (closed on cleanup);
-    ``afs``: the AFS dialect's options (ping interval, query prefix)."""
+    """The facade app. ``link`` defaults to a pool of channels to ``config.engines`` (its health
+    watch starts with the app, and it is closed on cleanup); ``afs``: the AFS dialect's options
+    (ping interval, query prefix)."""
     app = web.Application(client_max_size=config.max_body_bytes,
                           middlewares=[cors_middleware, error_middleware, drain_middleware, auth_middleware])
-    app[STATE_KEY] = FacadeState(config, link or EngineLink(config.engine_addr))
+    if not isinstance(link, EnginePool):
+        links = [link] if link is not None else [EngineLink(addr) for addr in config.engines]
+        link = EnginePool(links, policy=config.routing)
+    app[STATE_KEY] = FacadeState(config, link)
     app[routes_afs.AFS_CONFIG] = afs or routes_afs.AfsConfig()
     for ep in ENDPOINTS:
         app.router.add_route(ep.method, ep.path, _HANDLERS[(ep.method, ep.path)])
 
+    async def start_pool(app: web.Application) -> None:
+        await app[STATE_KEY].link.start()
+
     async def close_link(app: web.Application) -> None:
         await app[STATE_KEY].link.close()
 
+    app.on_startup.append(start_pool)
     app.on_cleanup.append(close_link)
     return app

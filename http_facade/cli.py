@@ -19,6 +19,7 @@ from aiohttp import web
 from sluice.http_facade.app import build_app
 from sluice.http_facade.auth import AuthPolicy, load_keys
 from sluice.http_facade.cors import CorsPolicy, parse_json_list
+from sluice.http_facade.engine_pool import POLICIES
 from sluice.http_facade.limits import parse_limits
 from sluice.http_facade.routes_afs import AfsConfig
 from sluice.http_facade.state import DEFAULT_MAX_BODY_BYTES, STATE_KEY, FacadeConfig
@@ -54,12 +55,18 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                         "serve, the keys the engine knows reach it too")
     p.add_argument("--afs-ping-interval", type=float, default=15.0, metavar="S",
                    help="AFS streams: seconds without a record before an 'event: ping' (default: 15)")
+    p.add_argument("--routing", default="prefix", choices=POLICIES,
+                   help="how requests are spread over several engines: prefix (to the engine that last "
+                        "served the prompt's leading text, unless it is overloaded; else the least loaded) "
+                        "or round_robin (default: prefix)")
     p.add_argument("--afs-query-prefix", default=None, metavar="TEXT",
                    help="AFS embeddings: prefix for input_type 'query' (default: the embedding model's own)")
 
 
 def add_facade_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", required=True, metavar="HOST:PORT", help="the engine's gRPC address")
+    parser.add_argument("--engine", required=True, action="append", metavar="HOST:PORT",
+                        help="an engine's gRPC address; repeat it for several engines (replicas, or "
+                             "engines serving different models: requests are routed by model name)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM, then their streams "
                              "end with an error event (default: 30)")
@@ -77,9 +84,14 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--speculative-mode", default=None, metavar="MODE",
                         help="the engine's speculative decoding: disable | ngram | small_draft | eagle | medusa "
                              "(the last three need --additional-models; default: disable)")
-    parser.add_argument("--additional-models", default=None, metavar="PATH",
-                        help="small_draft: the draft model, with the target's tokenizer vocabulary; eagle, "
-                             "medusa: the heads' folder (public EAGLE-1 / Medusa layout)")
+    parser.add_argument("--additional-models", default=None, nargs="+", metavar="MODEL",
+                        help="without a speculative mode: more models to serve, each by its own engine "
+                             "(requests are routed by model name); small_draft: the draft model, with the "
+                             "target's tokenizer vocabulary; eagle, medusa: the heads' folder (public "
+                             "EAGLE-1 / Medusa layout)")
+    parser.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                        help="N engines of the model, each with an equal share of the CPU cores (or one "
+                             "GPU each), behind the one facade (default: 1)")
     parser.add_argument("--engine-port", type=int, default=0, help="the engine's gRPC port (default: a free one)")
     parser.add_argument("--grace", type=float, default=30.0,
                         help="seconds in-flight requests may run on after SIGTERM (default: 30)")
@@ -101,8 +113,9 @@ def afs_config(args: argparse.Namespace) -> AfsConfig:
         raise ValueError(f"--afs-ping-interval: {exc}") from None
 
 
-def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
+def facade_config(args: argparse.Namespace, engine_addr: str | Sequence[str]) -> FacadeConfig:
     """Raises ValueError naming the flag for a bad value."""
+    addrs = (engine_addr,) if isinstance(engine_addr, str) else tuple(engine_addr)
     cors = CorsPolicy(
         allow_credentials=args.allow_credentials,
         allowed_origins=parse_json_list(args.allowed_origins, "--allowed-origins"),
@@ -110,7 +123,13 @@ def facade_config(args: argparse.Namespace, engine_addr: str) -> FacadeConfig:
         allowed_headers=parse_json_list(args.allowed_headers, "--allowed-headers"),
     )
     keys = load_keys(args.api_key, args.api_key_file)
-    return FacadeConfig(engine_addr=engine_addr, auth=AuthPolicy(keys=keys), cors=cors,
+    try:
+        FacadeConfig(engine_addrs=addrs, routing=args.routing)
+    except ValueError as exc:
+        flag = "--routing" if str(exc).startswith("routing") else "--engine"
+        raise ValueError(f"{flag}: {str(exc).split(': ', 1)[-1]}") from None
+    return FacadeConfig(engine_addr=addrs[0], engine_addrs=addrs, routing=args.routing,
+                        auth=AuthPolicy(keys=keys), cors=cors,
                         max_body_bytes=args.max_body_bytes, enable_tracing=args.enable_tracing,
                         default_max_tokens=args.default_max_tokens, limits=parse_limits(args.limits),
                         idle_timeout_s=args.idle_timeout, body_timeout_s=args.body_timeout)
@@ -140,7 +159,7 @@ async def serve_facade(config: FacadeConfig, host: str, port: int, stop: asyncio
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        print(f"sluice facade: listening on http://{host}:{port} (engine {config.engine_addr})",
+        print(f"sluice facade: listening on http://{host}:{port} (engines {', '.join(config.engines)})",
               file=sys.stderr, flush=True)
         await stop.wait()
         state.draining = True

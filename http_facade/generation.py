@@ -18,7 +18,7 @@ from typing import AsyncIterator
 import grpc
 
 from sluice.engine.rpc import engine_pb2 as pb
-from sluice.http_facade.engine_link import EngineLink
+from sluice.http_facade.engine_pool import EnginePool
 from sluice.http_facade.errors import ApiError, from_rpc_error
 from sluice.http_facade.protocol import GenerationPlan
 
@@ -27,10 +27,12 @@ log = logging.getLogger("sluice.facade.trace")
 _END = object()
 
 
-async def run_plan(link: EngineLink, plan: GenerationPlan, base_id: str, stop: asyncio.Event | None = None
+async def run_plan(link: EnginePool, plan: GenerationPlan, base_id: str, stop: asyncio.Event | None = None
                    ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
-    """``stop``: when it is set (the shutdown grace is over) the streams are closed and a 503
-    ``ApiError`` is raised, which a streaming handler sends as its error event."""
+    """``link``: the engines (each prompt's stream goes to the one the pool routes it to, by the
+    plan's model and the prompt). ``stop``: when it is set (the shutdown grace is over) the
+    streams are closed and a 503 ``ApiError`` is raised, which a streaming handler sends as its
+    error event."""
     if stop is not None:
         async with contextlib.aclosing(run_plan(link, plan, base_id)) as source:
             async for item in until_set(source, stop):
@@ -44,28 +46,22 @@ async def run_plan(link: EngineLink, plan: GenerationPlan, base_id: str, stop: a
         requests.append(req)
     try:
         if len(requests) == 1:
-            async for msg in _one(link, requests[0]):
+            async for msg in link.stream(requests[0], plan.model):
                 yield 0, msg
         else:
-            async for item in _merged(link, requests, plan.n):
+            async for item in _merged(link, requests, plan.n, plan.model):
                 yield item
     except grpc.aio.AioRpcError as err:
         raise from_rpc_error(err) from None
 
 
-async def _one(link: EngineLink, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
-    async with link.open_stream(request) as call:
-        async for msg in call:
-            yield msg
-
-
-async def _merged(link: EngineLink, requests: list[pb.GenerateRequest], n: int
+async def _merged(link: EnginePool, requests: list[pb.GenerateRequest], n: int, model: str
                   ) -> AsyncIterator[tuple[int, pb.GenerateResponse]]:
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, req: pb.GenerateRequest) -> None:
         try:
-            async for msg in _one(link, req):
+            async for msg in link.stream(req, model):
                 for c in msg.choices:
                     c.index += i * n
                 await queue.put((i, msg))

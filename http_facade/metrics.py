@@ -38,6 +38,19 @@ class FacadeMetrics:
         self.kv_used = Gauge("sluice_kv_cache_blocks_used", "KV blocks in use", registry=r)
         self.kv_total = Gauge("sluice_kv_cache_blocks_total", "KV blocks in the pool", registry=r)
         self.prefix_hit = Gauge("sluice_prefix_cache_hit_rate", "prefix-cache hit rate", registry=r)
+        # Per engine (``--engine`` repeated): the gauges above are the sums over the engines.
+        self.engine_state = Gauge("sluice_engine_serving", "1 when the engine is in the routing pool",
+                                  ["engine"], registry=r)
+        self.engine_running = Gauge("sluice_engine_num_requests_running", "sequences the engine is running",
+                                    ["engine"], registry=r)
+        self.engine_waiting = Gauge("sluice_engine_num_requests_waiting", "sequences waiting in the engine's queue",
+                                    ["engine"], registry=r)
+        self.engine_kv_usage = Gauge("sluice_engine_kv_cache_usage_ratio", "fraction of the engine's KV blocks in use",
+                                     ["engine"], registry=r)
+        self.engine_open = Gauge("sluice_engine_open_streams", "this facade's streams open on the engine",
+                                 ["engine"], registry=r)
+        self.engine_routed = Gauge("sluice_engine_routed_requests", "requests routed to the engine since start",
+                                   ["engine"], registry=r)
         # Speculative decoding: the engine's running totals since start-up, read at scrape time
         # (gauges that only grow while the engine lives; they restart with it).
         self.spec_drafts = Gauge("sluice_spec_decode_drafts", "request-steps that carried draft tokens", registry=r)
@@ -62,6 +75,33 @@ class FacadeMetrics:
         self.tasks = Gauge("sluice_facade_asyncio_tasks", "asyncio tasks alive in the facade's event loop",
                            registry=r)
         self.tasks.set_function(_live_tasks)
+
+    def set_loads(self, loads: list[tuple[str, pb.GetLoadResponse | None]],
+                  routing: list[tuple[str, int, int, bool]]) -> None:
+        """Each engine's load (None: it did not answer) and routing counts; the unlabelled
+        gauges get the sums over the engines that answered."""
+        answered = [load for _, load in loads if load is not None]
+        total = pb.GetLoadResponse()
+        for load in answered:
+            for name in ("num_running", "num_waiting", "num_in_flight", "kv_blocks_used", "kv_blocks_total",
+                         "spec_num_drafts", "spec_draft_tokens", "spec_accepted_tokens"):
+                setattr(total, name, getattr(total, name) + getattr(load, name))
+        if answered:
+            total.prefix_cache_hit_rate = sum(x.prefix_cache_hit_rate for x in answered) / len(answered)
+            width = max(len(x.spec_accepted_per_position) for x in answered)
+            total.spec_accepted_per_position.extend(
+                sum(x.spec_accepted_per_position[i] for x in answered if i < len(x.spec_accepted_per_position))
+                for i in range(width))
+        self.set_load(total if answered else None)
+        for address, load in loads:
+            self.engine_running.labels(engine=address).set(load.num_running if load else 0)
+            self.engine_waiting.labels(engine=address).set(load.num_waiting if load else 0)
+            usage = load.kv_blocks_used / load.kv_blocks_total if load and load.kv_blocks_total else 0.0
+            self.engine_kv_usage.labels(engine=address).set(usage)
+        for address, routed, open_streams, up in routing:
+            self.engine_state.labels(engine=address).set(1 if up else 0)
+            self.engine_open.labels(engine=address).set(open_streams)
+            self.engine_routed.labels(engine=address).set(routed)
 
     def set_load(self, load: pb.GetLoadResponse | None) -> None:
         if load is None:

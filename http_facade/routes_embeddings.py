@@ -121,9 +121,10 @@ def not_supported(model: pb.ModelInfo, capability: str, detail: str = "") -> Api
 
 
 async def call_encoder(call, request, model: pb.ModelInfo, capability: str):
-    """``call(request)``; the engine's UNIMPLEMENTED becomes the 400 ``model_not_supported``."""
+    """``call(request, model name)`` (an ``EnginePool`` method: the engine serving ``model``); the
+    engine's UNIMPLEMENTED becomes the 400 ``model_not_supported``."""
     try:
-        return await call(request)
+        return await call(request, model.name)
     except grpc.aio.AioRpcError as err:
         if err.code() == grpc.StatusCode.UNIMPLEMENTED:
             raise not_supported(model, capability, err.details() or "") from None

@@ -87,7 +87,7 @@ class _Run:
         if req.WhichOneof("input") == "text":
             text = req.text
         else:
-            text = await self.state.link.detokenize(list(msg.prompt_token_ids or req.token_ids.ids))
+            text = await self.state.link.detokenize(list(msg.prompt_token_ids or req.token_ids.ids), self.plan.model)
         for j in range(self.plan.n):
             self.echo[prompt_index * self.plan.n + j] = text
 

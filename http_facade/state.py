@@ -11,7 +11,7 @@ from aiohttp import web
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.auth import AuthPolicy
 from sluice.http_facade.cors import CorsPolicy
-from sluice.http_facade.engine_link import EngineLink
+from sluice.http_facade.engine_pool import POLICIES, EnginePool
 from sluice.http_facade.errors import ApiError, not_found
 from sluice.http_facade.limits import RequestLimits
 from sluice.http_facade.metrics import FacadeMetrics
@@ -23,6 +23,9 @@ _TRACE_KEEP = 1024
 @dataclass(frozen=True)
 class FacadeConfig:
     engine_addr: str = "127.0.0.1:50051"
+    # Several engines (``--engine`` repeated): when set, these, and ``engine_addr`` is ignored.
+    engine_addrs: tuple[str, ...] = ()
+    routing: str = "prefix"           # engine_pool.POLICIES
     auth: AuthPolicy = field(default_factory=AuthPolicy)
     cors: CorsPolicy = field(default_factory=CorsPolicy)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
@@ -44,15 +47,24 @@ class FacadeConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {v!r}")
-        host, sep, port = self.engine_addr.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"engine_addr: expected HOST:PORT, got {self.engine_addr!r}")
+        for addr in self.engines:
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"engine_addr: expected HOST:PORT, got {addr!r}")
+        if len(set(self.engines)) != len(self.engines):
+            raise ValueError(f"engine_addr: an engine is named twice in {', '.join(self.engines)}")
+        if self.routing not in POLICIES:
+            raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {self.routing!r}")
+
+    @property
+    def engines(self) -> tuple[str, ...]:
+        return tuple(self.engine_addrs) or (self.engine_addr,)
 
 
 class FacadeState:
-    def __init__(self, config: FacadeConfig, link: EngineLink) -> None:
+    def __init__(self, config: FacadeConfig, link: EnginePool) -> None:
         self.config = config
-        self.link = link
+        self.link = link          # the engines: one per --engine
         self.metrics = FacadeMetrics()
         self.started = int(time.time())
         self.traces: collections.deque[dict] = collections.deque(maxlen=_TRACE_KEEP)

@@ -105,7 +105,7 @@ def test_serve_exits_nonzero_when_the_engine_dies(tmp_path, model):
 
 def test_unsupported_flags_fail_at_once():
     for flag, words in ((["--speculative-mode", "eagle"], "--speculative-mode eagle needs EAGLE heads"),
-                        (["--additional-models", "x"], "--additional-models"),
+                        (["--speculative-mode", "ngram", "--additional-models", "x"], "--additional-models"),
                         (["--allowed-origins", "nope"], "--allowed-origins")):
         r = subprocess.run([sys.executable, "-m", "sluice.http_facade.cli", "serve", "smollm2", *flag], cwd=REPO,
                            env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=60)

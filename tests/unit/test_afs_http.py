@@ -255,7 +255,7 @@ async def test_text_infilling(afs):
     resp = await _afs_error(await client.post("/models/text_infilling", json=body, headers=H), 400, "model")
     assert "does not support infilling" in resp["error"]
     fake.capabilities.append("infilling")
-    client.app[STATE_KEY].link._models = None     # the model list is cached for 5 s
+    client.app[STATE_KEY].link.engines[0].link._models = None     # the model list is cached for 5 s
     resp = await client.post("/models/text_infilling", json=body, headers=H)
     assert resp.status == 200 and (await resp.json())["generated_text"] == "c0w0 c0w1 "
     sent = fake.requests[-1]

@@ -181,7 +181,7 @@ async def test_embeddings_unsupported_model(http):
     await _error(await client.post("/v1/embeddings", json={"model": MODEL, "input": "x"}), 400, "model",
                  "model_not_supported")
     fake.capabilities = ["embeddings"]          # capability claimed, the RPC still UNIMPLEMENTED
-    client.app[STATE_KEY].link._models = None  # the model list is cached for 5 s
+    client.app[STATE_KEY].link.engines[0].link._models = None  # the model list is cached for 5 s
     await _error(await client.post("/v1/embeddings", json={"model": MODEL, "input": "x"}), 400, "model",
                  "model_not_supported")
     await _error(await client.post("/v1/embeddings", json={"model": MODEL, "input": 5}), 400, "input")

@@ -68,10 +68,25 @@ def test_serve_plan(monkeypatch):
     assert "secret" not in facade and plan.facade_env == {"SLUICE_API_KEYS": "secret"}
 
 
+def test_serve_plans_replicas_and_additional_models_as_engines_of_their_own():
+    plan = build_plan(_serve_args("smollm2", "--data-parallel", "2", "--additional-models", "/m/qwen.gguf",
+                                  "--routing", "round_robin"))
+    assert [e.label for e in plan.engines] == ["engine 0 (smollm2)", "engine 1 (smollm2)", "engine 2 (/m/qwen.gguf)"]
+    assert [e.cmd[e.cmd.index("engine") + 1] for e in plan.engines] == ["smollm2", "smollm2", "/m/qwen.gguf"]
+    assert len({e.addr for e in plan.engines}) == 3
+    facade = " ".join(plan.facade_cmd)
+    assert all(f"--engine {e.addr}" in facade for e in plan.engines) and "--routing round_robin" in facade
+    for e in plan.engines:   # an equal share of the cores each, and as many threads
+        assert e.cpus and int(e.env["OMP_NUM_THREADS"]) <= len(e.cpus)
+    one = build_plan(_serve_args("smollm2"))
+    assert len(one.engines) == 1 and one.engines[0].cpus is None and one.engines[0].env == {}
+
+
 @pytest.mark.parametrize("argv, flag", [
     (["--speculative-mode", "eagle"], "--additional-models: --speculative-mode eagle needs EAGLE heads"),
     (["--speculative-mode", "turbo"], "--speculative-mode: must be one of"),
-    (["--additional-models", "draft"], "--additional-models"),
+    (["--data-parallel", "0"], "--data-parallel: must be a positive number of engines"),
+    (["--data-parallel", "2", "--engine-port", "50100"], "--engine-port: one port cannot serve several engines"),
     (["--allowed-headers", "x"], "--allowed-headers"),
     (["--api-key", "a,b"], "--api-key"),
 ])
