@@ -160,7 +160,8 @@ class Supervisor:
                 return 0 if self.stopping else 1
         finally:
             for fd in self._ready_r:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
             self._ready_r = []
         self.facade = self._spawn(self.plan.facade_cmd, self.plan.facade_env)
         if not self._wait(self._facade_healthy, _FACADE_START_S, "the facade to listen"):

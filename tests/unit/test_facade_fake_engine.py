@@ -4,7 +4,7 @@ facade tests built on it cannot pass against a double that never streams or neve
 
 Behaviour is chosen by the prompt text: ``context-too-long`` → OUT_OF_RANGE, ``queue-full`` →
 RESOURCE_EXHAUSTED, ``fail-midway`` → one message then INTERNAL, ``slow`` → many slow steps
-(for disconnect tests). Otherwise each choice j generates ``max_tokens`` (8 when unlimited)
+(for disconnect tests), ``paced`` → ``max_tokens`` steps of 20 ms each. Otherwise each choice j generates ``max_tokens`` (8 when unlimited)
 words ``c{j}w{k} ``, one token per step, the last with a final record carrying usage.
 """
 from __future__ import annotations
@@ -37,6 +37,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
         self.cancelled: list[str] = []
         self.aborted: list[str] = []
         self.capabilities = ["chat", "generate"]
+        self.model_name = MODEL
 
     async def Generate(self, request, context):
         self.requests.append(request)
@@ -66,6 +67,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
         sp = request.sampling
         n = sp.n if sp.HasField("n") else 1
         slow = "slow" in text
+        paced = slow or "paced" in text
         steps = 1000 if slow else (sp.max_tokens if sp.HasField("max_tokens") else 8)
         prompt_ids = list(request.token_ids.ids) or list(range(1, len(text.split()) + 1))
         for k in range(steps):
@@ -75,7 +77,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
             for j in range(n):
                 self._delta(msg.choices.add(), j, k, steps, sp, len(prompt_ids))
             yield msg
-            await asyncio.sleep(0.02 if slow else 0)
+            await asyncio.sleep(0.02 if paced else 0)
             if "fail-midway" in text:
                 return
 
@@ -102,7 +104,7 @@ class FakeEngine(pb_grpc.EngineServiceServicer):
 
     async def ListModels(self, request, context):
         return pb.ListModelsResponse(models=[pb.ModelInfo(
-            name=MODEL, path="/models/fake.gguf", architecture="llama", max_model_len=2048, vocab_size=1000,
+            name=self.model_name, path=f"/models/{self.model_name}.gguf", architecture="llama", max_model_len=2048, vocab_size=1000,
             dtype="float32", device="cpu", attention_backend="torch", capabilities=self.capabilities)])
 
     async def GetLoad(self, request, context):
