@@ -13,7 +13,8 @@ import logging
 import grpc
 from aiohttp import web
 
-from sluice.http_facade import routes_afs, routes_embeddings, routes_openai
+from sluice.http_facade import (routes_afs, routes_embeddings, routes_openai, routes_rerank, routes_responses,
+                                routes_tokens)
 from sluice.http_facade.afs_errors import afs_error_body, is_afs_path
 from sluice.http_facade.engine_link import EngineLink
 from sluice.http_facade.engine_pool import EnginePool
@@ -152,6 +153,14 @@ _HANDLERS = {
     ("POST", "/v1/chat/completions"): routes_openai.chat_completions,
     ("POST", "/v1/completions"): routes_openai.completions,
     ("POST", "/v1/embeddings"): routes_embeddings.embeddings,
+    ("POST", "/v1/responses"): routes_responses.create,
+    ("GET", "/v1/responses/{response_id}"): routes_responses.retrieve,
+    ("DELETE", "/v1/responses/{response_id}"): routes_responses.delete,
+    ("POST", "/v1/rerank"): routes_rerank.rerank,
+    ("POST", "/rerank"): routes_rerank.rerank,
+    ("POST", "/v1/score"): routes_rerank.score,
+    ("POST", "/tokenize"): routes_tokens.tokenize,
+    ("POST", "/detokenize"): routes_tokens.detokenize,
     ("POST", "/models/conversation"): routes_afs.conversation,
     ("POST", "/models/generate"): routes_afs.generate,
     ("POST", "/models/text_infilling"): routes_afs.text_infilling,
@@ -178,6 +187,7 @@ def build_app(config: FacadeConfig, link: EngineLink | EnginePool | None = None,
         link = EnginePool(links, policy=config.routing)
     app[STATE_KEY] = FacadeState(config, link)
     app[routes_afs.AFS_CONFIG] = afs or routes_afs.AfsConfig()
+    app[routes_responses.STORE_KEY] = routes_responses.ResponseStore()
     for ep in ENDPOINTS:
         app.router.add_route(ep.method, ep.path, _HANDLERS[(ep.method, ep.path)])
 

@@ -95,10 +95,14 @@ class EngineLink:
     async def get_load(self) -> pb.GetLoadResponse:
         return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.unary_timeout_s)
 
-    async def detokenize(self, token_ids: list[int]) -> str:
-        resp = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids, skip_special_tokens=False),
+    async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        resp = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids,
+                                                                skip_special_tokens=skip_special_tokens),
                                            timeout=self.unary_timeout_s)
         return resp.text
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
+        return await self._stub.Tokenize(request, timeout=self.unary_timeout_s)
 
     async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
         return await self._stub.Embed(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR)

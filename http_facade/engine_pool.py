@@ -165,8 +165,11 @@ class EnginePool:
         """(address, requests routed to it, streams open on it, up) per engine."""
         return [(e.address, e.routed, e.open_streams, e.up) for e in self.engines]
 
-    async def detokenize(self, token_ids: list[int], model: str | None = None) -> str:
-        return await self.route(model, b"").link.detokenize(token_ids)
+    async def detokenize(self, token_ids: list[int], model: str | None = None, skip_special_tokens: bool = False) -> str:
+        return await self.route(model, b"").link.detokenize(token_ids, skip_special_tokens)
+
+    async def tokenize(self, request: pb.TokenizeRequest, model: str | None = None) -> pb.TokenizeResponse:
+        return await self.route(model, b"").link.tokenize(request)
 
     async def embed(self, request: pb.EmbedRequest, model: str | None = None) -> pb.EmbedResponse:
         return await self.route(model, b"").link.embed(request)

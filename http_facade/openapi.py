@@ -45,6 +45,31 @@ _EMBED = {"type": "object", "required": ["model", "input"], "properties": {
     "model": {"type": "string"}, "input": _EMBED_INPUT,
     "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer", "minimum": 1}}}
 
+_TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+_RERANK = {"type": "object", "required": ["model", "query", "documents"], "properties": {
+    "model": {"type": "string"}, "query": {"type": "string"},
+    "documents": {"type": "array", "items": {"oneOf": [
+        {"type": "string"}, {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}},
+    "top_n": {"type": "integer", "minimum": 1}, "return_documents": {"type": "boolean"}}}
+_SCORE = {"type": "object", "required": ["model", "text_1", "text_2"], "properties": {
+    "model": {"type": "string"}, "text_1": _TEXTS, "text_2": _TEXTS}}
+_TOKENIZE = {"type": "object", "properties": {
+    "model": {"type": "string"}, "prompt": {"type": "string"}, "content": {"type": "string"},
+    "messages": _CHAT["properties"]["messages"], "add_special_tokens": {"type": "boolean"},
+    "add_special": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"}}}
+_DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {
+    "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+    "skip_special_tokens": {"type": "boolean"}}}
+_RESPONSES = {"type": "object", "required": ["model", "input"], "properties": {
+    "model": {"type": "string"}, "instructions": {"type": "string"},
+    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
+    "previous_response_id": {"type": "string"}, "tools": {"type": "array", "items": {"type": "object"}},
+    "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
+    "parallel_tool_calls": {"type": "boolean"}, "text": {"type": "object"},
+    "max_output_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number"},
+    "top_p": {"type": "number"}, "stream": {"type": "boolean"}, "store": {"type": "boolean"},
+    "metadata": {"type": "object", "additionalProperties": {"type": "string"}}, "user": {"type": "string"}}}
+
 # ---- AFS (/models/...): see http_facade/routes_afs.py and afs_errors.py
 _AFS_ERROR = {"type": "object", "properties": {
     "status_code": {"type": "integer"}, "error": {"type": "string"}, "detail": {"type": "string"},
@@ -98,6 +123,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("POST", "/v1/chat/completions", "Chat completion, streaming (SSE) or not", schema=_CHAT),
     Endpoint("POST", "/v1/completions", "Text completion, streaming (SSE) or not", schema=_COMPLETION),
     Endpoint("POST", "/v1/embeddings", "Embeddings (models with the embeddings capability)", schema=_EMBED),
+    Endpoint("POST", "/v1/responses", "OpenAI Responses API: create a response, streaming (SSE events) or not",
+             schema=_RESPONSES),
+    Endpoint("GET", "/v1/responses/{response_id}", "Retrieve a stored response"),
+    Endpoint("DELETE", "/v1/responses/{response_id}", "Delete a stored response"),
+    Endpoint("POST", "/v1/rerank", "Rerank documents against a query (Jina / Cohere shape)", schema=_RERANK),
+    Endpoint("POST", "/rerank", "Rerank documents against a query (Jina / Cohere shape)", schema=_RERANK),
+    Endpoint("POST", "/v1/score", "Score text pairs (vLLM shape: text_1 against text_2)", schema=_SCORE),
+    Endpoint("POST", "/tokenize", "Tokenize a text or chat messages (vLLM / llama.cpp shape)", schema=_TOKENIZE),
+    Endpoint("POST", "/detokenize", "Token ids back to text (vLLM / llama.cpp shape)", schema=_DETOKENIZE),
     Endpoint("POST", "/models/conversation", "AFS: chat (human/assistant/system/function), streaming or not",
              schema=_AFS_CONVERSATION, dialect="afs"),
     Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=_AFS_GENERATE,
@@ -128,8 +162,9 @@ def openapi_document(title: str = "sluice", version: str = "0.1.0") -> dict:
             op["security"] = [{"bearer": []}, {"x_api_key": []}]
         if ep.schema is not None:
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ep.schema}}}
-        if "{model}" in ep.path:
-            op["parameters"] = [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}]
+        for name in ("model", "response_id"):
+            if "{" + name + "}" in ep.path:
+                op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
         paths.setdefault(ep.path, {})[ep.method.lower()] = op
     return {"openapi": "3.1.0", "info": {"title": title, "version": version,
                                          "description": "OpenAI-, MLC- and AFS-compatible REST API of sluice"},

@@ -3,8 +3,9 @@
 The facade checks types and the parameters only it understands (content parts, prompt shapes,
 logit_bias keys, unsupported features); value ranges (top_p in (0, 1], ...) are the engine's
 to check, and its INVALID_ARGUMENT comes back as a 400 naming the parameter. Unknown fields are
-ignored, as OpenAI does; features we cannot honour (tools, suffix, ...)
-are refused with a 400 naming the parameter, never silently dropped.
+ignored, as OpenAI does; features we cannot honour are refused with a 400 naming the
+parameter, never silently dropped. ``suffix`` makes each text prompt the prefix of a
+fill-in-the-middle request (the route checks that the model has FIM tokens).
 """
 from __future__ import annotations
 
@@ -59,6 +60,9 @@ def parse_json(raw: bytes) -> dict:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+is_int = _is_int
 
 
 def _is_num(v: Any) -> bool:
@@ -315,6 +319,11 @@ def _message(m: Any, i: int) -> pb.ChatMessage:
     return msg
 
 
+def chat_messages(messages: list) -> list[pb.ChatMessage]:
+    """OpenAI chat messages, validated (400 naming ``messages[i]...``)."""
+    return [_message(m, i) for i, m in enumerate(messages)]
+
+
 def parse_chat(body: dict, default_max_tokens: int | None = None,
                limits: RequestLimits = RequestLimits()) -> GenerationPlan:
     """``default_max_tokens``: used when the client sets none (None: until the context window is full)."""
@@ -371,14 +380,30 @@ def _token_prompt(ids: list, where: str) -> pb.GenerateRequest:
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids))
 
 
+def _infill(req: pb.GenerateRequest, suffix: str, index: int | None) -> pb.GenerateRequest:
+    """``suffix``: fill in the middle, the prompt being the prefix (a model with FIM tokens;
+    the route checks the model's "infilling" capability)."""
+    where = "prompt" if index is None else f"prompt[{index}]"
+    if req.WhichOneof("input") != "text":
+        raise bad_request(f"{where}: a suffix needs text prompts (the prefix), not token ids", where)
+    if not req.text and not suffix:
+        raise bad_request("suffix: the prompt (prefix) and suffix cannot both be empty", "suffix")
+    return pb.GenerateRequest(infill=pb.InfillInput(prefix=req.text, suffix=suffix))
+
+
 def parse_completion(body: dict, limits: RequestLimits = RequestLimits()) -> GenerationPlan:
     check_caps(body, limits)
     model = get_model(body)
-    _refuse_unsupported(body, ("suffix",))
     bases = _prompts(body.get("prompt"))
+    suffix = get_str(body, "suffix")
+    if suffix is not None:
+        bases = [_infill(req, suffix, i if len(bases) > 1 else None) for i, req in enumerate(bases)]
     stream = get_bool(body, "stream")
     lp = get_int(body, "logprobs", (0, _MAX_COMPLETION_LOGPROBS))
     echo = get_bool(body, "echo")
+    if echo and suffix is not None:
+        raise bad_request("echo: cannot be combined with suffix (the prompt of an infill is built by the "
+                          "engine from the model's FIM tokens)", "echo")
     if echo and lp is not None:
         raise bad_request("echo: echo together with logprobs needs prompt logprobs, not supported yet", "echo")
     sp = _sampling(body, _max_tokens(body, ("max_tokens",), 16))   # OpenAI's completions default

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade import protocol, shapes
-from sluice.http_facade.errors import ApiError
+from sluice.http_facade.errors import ApiError, bad_request
 from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.sse import SSEWriter
@@ -101,6 +101,9 @@ class _Run:
 async def _generate(request: web.Request, plan: protocol.GenerationPlan, prefix: str) -> web.StreamResponse:
     state = state_of(request)
     model = await state.resolve_model(plan.model)
+    if plan.requests[0].WhichOneof("input") == "infill" and "infilling" not in model.capabilities:
+        raise bad_request(f"suffix: model {model.name} cannot fill in the middle (its tokenizer has no FIM "
+                          "tokens); send the prompt without a suffix", "suffix", "model_not_supported")
     env = shapes.Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model.name, shapes.fingerprint(model))
     run = _Run(state, plan, env, request.path)
     outcome = "error"

@@ -43,6 +43,11 @@ class SSEWriter:
     async def send(self, payload: dict) -> None:
         await self._write("data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")) + "\n\n")
 
+    async def send_event(self, event: str, payload: dict) -> None:
+        """A named event (``event: <name>``), as OpenAI's Responses stream sends them."""
+        await self._write(f"event: {event}\ndata: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+                          + "\n\n")
+
     async def send_error(self, err: ApiError) -> None:
         await self.send(err.body())
 

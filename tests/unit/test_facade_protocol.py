@@ -1,6 +1,6 @@
 """Proves the facade's request parsing: every OpenAI parameter reaches the engine request in the
-right field, bad values are refused with a 400 naming the parameter, unsupported features
-(tools, suffix, ...) are refused rather than ignored, unknown fields are
+right field, bad values are refused with a 400 naming the parameter (a suffix with token
+prompts among them), unsupported features are refused rather than ignored, unknown fields are
 ignored, and engine error messages / gRPC codes map to the right HTTP status and param."""
 from __future__ import annotations
 
@@ -99,13 +99,24 @@ def test_chat_bad_parameters_name_the_parameter(body, param):
     ({"model": "m", "prompt": 5}, "prompt"),
     ({"model": "m", "prompt": []}, "prompt"),
     ({"model": "m", "prompt": [[1], []]}, "prompt[1]"),
-    ({"model": "m", "prompt": "x", "suffix": "y"}, "suffix"),
+    ({"model": "m", "prompt": "x", "suffix": 5}, "suffix"),
+    ({"model": "m", "prompt": "", "suffix": ""}, "suffix"),
+    ({"model": "m", "prompt": [1, 2], "suffix": "y"}, "prompt"),
+    ({"model": "m", "prompt": ["a", [1]], "suffix": "y"}, "prompt"),
+    ({"model": "m", "prompt": [[1], [2]], "suffix": "y"}, "prompt[0]"),
+    ({"model": "m", "prompt": "x", "suffix": "y", "echo": True}, "echo"),
     ({"model": "m", "prompt": "x", "logprobs": 6}, "logprobs"),
     ({"model": "m", "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ({"model": "m", "prompt": "x", "best_of": 3}, "best_of"),
 ])
 def test_completion_bad_parameters_name_the_parameter(body, param):
     assert _err(protocol.parse_completion, body).param == param
+
+
+def test_suffix_makes_infill_requests():
+    plan = protocol.parse_completion({"model": "m", "prompt": ["def f(", "x = "], "suffix": "\n", "max_tokens": 4})
+    assert [(r.infill.prefix, r.infill.suffix) for r in plan.requests] == [("def f(", "\n"), ("x = ", "\n")]
+    assert all(r.sampling.max_tokens == 4 for r in plan.requests)
 
 
 def test_assistant_tool_calls_reach_the_engine_as_typed_calls():
