@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import sys
 from collections.abc import Sequence
@@ -89,6 +90,9 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="seconds in-flight requests may run on after SIGTERM/SIGINT (default: 30)")
     eng.add_argument("--ready-fd", type=int, default=None, metavar="FD",
                      help="write 'ready' to this inherited file descriptor once serving (sluice serve uses it)")
+    eng.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                     help="export a span per Generate call over OTLP/HTTP, e.g. http://localhost:4318/v1/traces "
+                          "(needs the otel extra; joined to the caller's traceparent)")
     add_embedding_options(eng)
     eng.set_defaults(func=_cmd_engine)
 
@@ -146,7 +150,13 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from sluice.engine.engine_core import EngineCore
     from sluice.engine.rpc.server import ServerConfig, serve
 
-    server_config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace, ready_fd=args.ready_fd)
+    if args.otlp_traces_endpoint and importlib.util.find_spec("opentelemetry.sdk") is None:
+        from sluice.engine.rpc.tracing import EXTRA_HINT
+
+        print(f"sluice engine: error: --otlp-traces-endpoint: {EXTRA_HINT}", file=sys.stderr)
+        return 2
+    server_config = ServerConfig(host=args.host, port=args.port, grace_s=args.grace, ready_fd=args.ready_fd,
+                                 otlp_traces_endpoint=args.otlp_traces_endpoint)
     config = _engine_config(args)
 
     def on_started(port: int) -> None:

@@ -38,6 +38,7 @@ from sluice.http_facade.afs_functions import find_call
 from sluice.http_facade.afs_protocol import AfsGeneration
 from sluice.http_facade.errors import ApiError, internal, unavailable
 from sluice.http_facade.generation import RequestTimer, run_plan
+from sluice.http_facade.request_context import TIMER
 from sluice.http_facade.protocol import GenerationPlan
 from sluice.http_facade.sse import SSEWriter
 from sluice.http_facade.state import FacadeState
@@ -144,7 +145,8 @@ async def run_afs(request: web.Request, state: FacadeState, gen: AfsGeneration, 
                   request_id: str, ping_interval_s: float) -> web.StreamResponse:
     plan = GenerationPlan("completion", model.name, (gen.request,), 1, gen.stream, False,
                           gen.params.show_probabilities, 0, False, None)
-    answer = _Answer(gen, RequestTimer(request_id, request.path))
+    answer = _Answer(gen, RequestTimer(request_id, request.path, model.name))
+    request[TIMER] = answer.timer
     try:
         async with contextlib.aclosing(run_plan(state.link, plan, request_id, state.ending)) as stream:
             if gen.stream:

@@ -19,7 +19,11 @@ from sluice.http_facade.afs_errors import afs_error_body, is_afs_path
 from sluice.http_facade.engine_link import EngineLink
 from sluice.http_facade.engine_pool import EnginePool
 from sluice.http_facade.errors import ApiError, from_rpc_error, internal, unavailable
+from sluice.engine.rpc.tracing import Tracing
 from sluice.http_facade.openapi import ENDPOINTS, docs_page, openapi_document
+from sluice.http_facade.request_context import (add_request_id_header, configure_request_log,
+                                                request_context_middleware)
+from sluice.http_facade.served_names import ServedNames
 from sluice.http_facade.sse import CORS_HEADERS
 from sluice.http_facade.state import STATE_KEY, FacadeConfig, FacadeState, state_of
 
@@ -176,16 +180,25 @@ _HANDLERS = {
 
 
 def build_app(config: FacadeConfig, link: EngineLink | EnginePool | None = None,
-              afs: routes_afs.AfsConfig | None = None) -> web.Application:
+              afs: routes_afs.AfsConfig | None = None, tracing: Tracing | None = None) -> web.Application:
     """The facade app. ``link`` defaults to a pool of channels to ``config.engines`` (its health
     watch starts with the app, and it is closed on cleanup); ``afs``: the AFS dialect's options
-    (ping interval, query prefix)."""
+    (ping interval, query prefix); ``tracing``: spans per request (default: to
+    ``config.otlp_traces_endpoint`` when it is set)."""
     app = web.Application(client_max_size=config.max_body_bytes,
-                          middlewares=[cors_middleware, error_middleware, drain_middleware, auth_middleware])
+                          middlewares=[request_context_middleware, cors_middleware, error_middleware,
+                                       drain_middleware, auth_middleware])
     if not isinstance(link, EnginePool):
         links = [link] if link is not None else [EngineLink(addr) for addr in config.engines]
         link = EnginePool(links, policy=config.routing)
-    app[STATE_KEY] = FacadeState(config, link)
+    if config.served_model_names:
+        link = ServedNames(link, config.served_model_names)
+    if tracing is None and config.otlp_traces_endpoint:
+        tracing = Tracing.to_otlp(config.otlp_traces_endpoint, "sluice-facade", "sluice.facade")
+    if config.request_log == "json":
+        configure_request_log()
+    app[STATE_KEY] = FacadeState(config, link, tracing)
+    app.on_response_prepare.append(add_request_id_header)
     app[routes_afs.AFS_CONFIG] = afs or routes_afs.AfsConfig()
     app[routes_responses.STORE_KEY] = routes_responses.ResponseStore()
     for ep in ENDPOINTS:
@@ -196,6 +209,8 @@ def build_app(config: FacadeConfig, link: EngineLink | EnginePool | None = None,
 
     async def close_link(app: web.Application) -> None:
         await app[STATE_KEY].link.close()
+        if app[STATE_KEY].tracing is not None:
+            app[STATE_KEY].tracing.shutdown()
 
     app.on_startup.append(start_pool)
     app.on_cleanup.append(close_link)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import logging
 import signal
 import sys
@@ -17,10 +18,12 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from sluice.http_facade.app import build_app
-from sluice.http_facade.auth import AuthPolicy, load_keys
+from sluice.engine.rpc.tracing import EXTRA_HINT
+from sluice.http_facade.auth import PUBLIC_PATHS, AuthPolicy, load_keys
 from sluice.http_facade.cors import CorsPolicy, parse_json_list
 from sluice.http_facade.engine_pool import POLICIES
 from sluice.http_facade.limits import parse_limits
+from sluice.http_facade.request_context import LOG_FORMATS
 from sluice.http_facade.routes_afs import AfsConfig
 from sluice.http_facade.state import DEFAULT_MAX_BODY_BYTES, STATE_KEY, FacadeConfig
 
@@ -61,6 +64,16 @@ def _add_http_arguments(p: argparse.ArgumentParser) -> None:
                         "or round_robin (default: prefix)")
     p.add_argument("--afs-query-prefix", default=None, metavar="TEXT",
                    help="AFS embeddings: prefix for input_type 'query' (default: the embedding model's own)")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) clients use for the model (the first engine's); /v1/models lists each, "
+                        "and the model's own name is no longer accepted (default: its own name)")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="serve /metrics without an API key (default: it needs one when keys are set)")
+    p.add_argument("--request-log", default="off", choices=LOG_FORMATS,
+                   help="json: one JSON line per request on stderr, with its request id and timings (default: off)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export OpenTelemetry spans over OTLP/HTTP, e.g. http://localhost:4318/v1/traces; the "
+                        "engine's spans join the facade's by traceparent (needs the otel extra)")
 
 
 def add_facade_arguments(parser: argparse.ArgumentParser) -> None:
@@ -123,16 +136,28 @@ def facade_config(args: argparse.Namespace, engine_addr: str | Sequence[str]) ->
         allowed_headers=parse_json_list(args.allowed_headers, "--allowed-headers"),
     )
     keys = load_keys(args.api_key, args.api_key_file)
+    if args.otlp_traces_endpoint and importlib.util.find_spec("opentelemetry.sdk") is None:
+        raise ValueError(f"--otlp-traces-endpoint: {EXTRA_HINT}")
+    public = PUBLIC_PATHS | {"/metrics"} if args.public_metrics else PUBLIC_PATHS
     try:
         FacadeConfig(engine_addrs=addrs, routing=args.routing)
     except ValueError as exc:
         flag = "--routing" if str(exc).startswith("routing") else "--engine"
         raise ValueError(f"{flag}: {str(exc).split(': ', 1)[-1]}") from None
     return FacadeConfig(engine_addr=addrs[0], engine_addrs=addrs, routing=args.routing,
-                        auth=AuthPolicy(keys=keys), cors=cors,
+                        auth=AuthPolicy(keys=keys, public_paths=public), cors=cors,
                         max_body_bytes=args.max_body_bytes, enable_tracing=args.enable_tracing,
                         default_max_tokens=args.default_max_tokens, limits=parse_limits(args.limits),
-                        idle_timeout_s=args.idle_timeout, body_timeout_s=args.body_timeout)
+                        idle_timeout_s=args.idle_timeout, body_timeout_s=args.body_timeout,
+                        served_model_names=tuple(args.served_model_name or ()), request_log=args.request_log,
+                        otlp_traces_endpoint=args.otlp_traces_endpoint)
+
+
+def operations_flags(args: argparse.Namespace) -> list[str]:
+    """The operations flags of ``sluice serve`` that its facade process gets as they are."""
+    out = ["--served-model-name", *args.served_model_name] if args.served_model_name else []
+    out += ["--public-metrics"] * args.public_metrics + ["--request-log", args.request_log]
+    return out + (["--otlp-traces-endpoint", args.otlp_traces_endpoint] if args.otlp_traces_endpoint else [])
 
 
 # ---------------------------------------------------------------------------------- running

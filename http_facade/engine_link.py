@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.rpc.tracing import outgoing_metadata
 
 log = logging.getLogger("sluice.facade.engine")
 
@@ -58,7 +59,7 @@ class EngineLink:
     # ---- generation -------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def open_stream(self, request: pb.GenerateRequest) -> AsyncIterator[grpc.aio.UnaryStreamCall]:
-        call = self._stub.Generate(request)
+        call = self._stub.Generate(request, metadata=outgoing_metadata())
         try:
             yield call
         finally:

@@ -121,6 +121,7 @@ class RequestTimer:
     """What one HTTP request's client saw, for metrics and tracing."""
     request_id: str
     route: str
+    model: str = ""           # the served name the request used (metrics label, request log)
     start: float = field(default_factory=time.monotonic)
     first_token: float | None = None
     last_token: float | None = None

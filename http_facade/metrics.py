@@ -59,14 +59,16 @@ class FacadeMetrics:
         self.spec_accepted_at = Gauge("sluice_spec_decode_accepted_tokens_per_position",
                                       "draft tokens accepted at each draft position (0-based)", ["position"],
                                       registry=r)
-        self.ttft = Histogram("sluice_time_to_first_token_seconds", "request arrival to first token",
+        # What clients saw, per served model name (the name a request used: an alias of
+        # --served-model-name, or the model's own).
+        self.ttft = Histogram("sluice_time_to_first_token_seconds", "request arrival to first token", ["model"],
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("sluice_inter_token_latency_seconds", "time between generated tokens",
+        self.itl = Histogram("sluice_inter_token_latency_seconds", "time between generated tokens", ["model"],
                              buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "request arrival to its last byte",
+        self.e2e = Histogram("sluice_e2e_request_latency_seconds", "request arrival to its last byte", ["model"],
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("sluice_prompt_tokens", "prompt tokens processed", registry=r)
-        self.generation_tokens = Counter("sluice_generation_tokens", "tokens generated", registry=r)
+        self.prompt_tokens = Counter("sluice_prompt_tokens", "prompt tokens processed", ["model"], registry=r)
+        self.generation_tokens = Counter("sluice_generation_tokens", "tokens generated", ["model"], registry=r)
         self.requests = Counter("sluice_http_requests", "HTTP requests by route and status",
                                 ["route", "status"], registry=r)
         # The facade process itself (RSS, open fds, CPU) and its event loop's live tasks: what a
@@ -122,13 +124,15 @@ class FacadeMetrics:
             self.spec_accepted_at.labels(position=str(position)).set(accepted)
 
     def observe(self, timer: RequestTimer) -> None:
+        model = timer.model or "unknown"
         if timer.ttft is not None:
-            self.ttft.observe(timer.ttft)
+            self.ttft.labels(model=model).observe(timer.ttft)
+        itl = self.itl.labels(model=model)
         for gap in timer.gaps:
-            self.itl.observe(gap)
-        self.e2e.observe(timer.elapsed())
-        self.prompt_tokens.inc(timer.prompt_tokens)
-        self.generation_tokens.inc(timer.completion_tokens)
+            itl.observe(gap)
+        self.e2e.labels(model=model).observe(timer.elapsed())
+        self.prompt_tokens.labels(model=model).inc(timer.prompt_tokens)
+        self.generation_tokens.labels(model=model).inc(timer.completion_tokens)
 
     def count(self, route: str, status: int) -> None:
         self.requests.labels(route=route, status=str(status)).inc()

@@ -22,7 +22,6 @@ embeddings and rerank the embedding model's own name is accepted too.
 from __future__ import annotations
 
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +33,7 @@ from sluice.http_facade.afs_errors import invalid, unsupported
 from sluice.http_facade.afs_generation import run_afs
 from sluice.http_facade.errors import ApiError
 from sluice.http_facade.json_body import read_json
+from sluice.http_facade.request_context import request_id_of
 from sluice.http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
                                            encoding_format, resolve_encoder)
 from sluice.http_facade.state import state_of
@@ -76,7 +76,7 @@ async def _generate(request: web.Request, gen: ap.AfsGeneration, capability: str
     if capability is not None and capability not in model.capabilities:
         raise unsupported(f"model {model.name} does not support {capability} (its tokenizer has no "
                           "fill-in-the-middle tokens)")
-    return await run_afs(request, state, gen, model, f"afs-{uuid.uuid4().hex}", _config(request).ping_interval_s)
+    return await run_afs(request, state, gen, model, request_id_of(request), _config(request).ping_interval_s)
 
 
 async def conversation(request: web.Request) -> web.StreamResponse:

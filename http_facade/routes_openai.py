@@ -23,6 +23,7 @@ from sluice.http_facade import protocol, shapes
 from sluice.http_facade.errors import ApiError, bad_request
 from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
 from sluice.http_facade.json_body import read_json
+from sluice.http_facade.request_context import TIMER, request_id_of
 from sluice.http_facade.sse import SSEWriter
 from sluice.http_facade.tools import CallScanner
 from sluice.http_facade.state import FacadeState, state_of
@@ -66,7 +67,7 @@ class _Run:
         self.state = state
         self.plan = plan
         self.env = env
-        self.timer = RequestTimer(env.id, route)
+        self.timer = RequestTimer(env.id, route, env.model)
         total = len(plan.requests) * plan.n
         self.choices = [shapes.ChoiceState(i) for i in range(total)]
         self.echo: dict[int, str] = {}
@@ -106,9 +107,10 @@ async def _generate(request: web.Request, plan: protocol.GenerationPlan, prefix:
                           "tokens); send the prompt without a suffix", "suffix", "model_not_supported")
     env = shapes.Envelope(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), model.name, shapes.fingerprint(model))
     run = _Run(state, plan, env, request.path)
+    request[TIMER] = run.timer
     outcome = "error"
     try:
-        async with contextlib.aclosing(run_plan(state.link, plan, env.id, state.ending)) as stream:
+        async with contextlib.aclosing(run_plan(state.link, plan, request_id_of(request), state.ending)) as stream:
             if plan.stream:
                 response = await _stream(request, run, stream)
             else:

@@ -29,6 +29,7 @@ from sluice.http_facade import shapes
 from sluice.http_facade.errors import ApiError, bad_request, not_found
 from sluice.http_facade.generation import RequestTimer, run_plan, usage_of
 from sluice.http_facade.json_body import read_json
+from sluice.http_facade.request_context import TIMER, request_id_of
 from sluice.http_facade.sse import SSEWriter
 from sluice.http_facade.state import FacadeState, state_of
 from sluice.http_facade.tools import CallScanner, split_calls
@@ -126,9 +127,10 @@ async def create(request: web.Request) -> web.StreamResponse:
     plan = rp.parse_chat(req, state.config.default_max_tokens, state.config.limits)
     model = await state.resolve_model(plan.model)
     run = _ResponseRun(state, req, plan, model.name)
+    request[TIMER] = run.timer
     outcome = "error"
     try:
-        async with contextlib.aclosing(run_plan(state.link, plan, run.id, state.ending)) as stream:
+        async with contextlib.aclosing(run_plan(state.link, plan, request_id_of(request), state.ending)) as stream:
             response = await (_stream(request, run, stream) if req.stream else _collect(run, stream))
         outcome = "ok"
         return response
@@ -146,7 +148,7 @@ class _ResponseRun:
         self.id = rp.new_id("resp")
         self.created = rp.now()
         self.echo = {**req.echo, "model": model}
-        self.timer = RequestTimer(self.id, "/v1/responses")
+        self.timer = RequestTimer(self.id, "/v1/responses", model)
         self.text: list[str] = []
         self.final: pb.ChoiceFinal | None = None
         self.output: list[dict] = []

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
+from sluice.engine.rpc.tracing import Tracing
 from sluice.http_facade.auth import AuthPolicy
 from sluice.http_facade.cors import CorsPolicy
 from sluice.http_facade.engine_pool import POLICIES, EnginePool
@@ -37,6 +38,10 @@ class FacadeConfig:
     # after idle_timeout_s; a request body that has not fully arrived after body_timeout_s is a 408.
     idle_timeout_s: float = 15.0
     body_timeout_s: float = 30.0
+    # --served-model-name: the names clients use for the main model (served_names.py); () = its own
+    served_model_names: tuple[str, ...] = ()
+    request_log: str = "off"              # "json": one JSON line per request (request_context.py)
+    otlp_traces_endpoint: str | None = None   # OTLP/HTTP traces endpoint (engine/rpc/tracing.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
@@ -53,6 +58,10 @@ class FacadeConfig:
                 raise ValueError(f"engine_addr: expected HOST:PORT, got {addr!r}")
         if len(set(self.engines)) != len(self.engines):
             raise ValueError(f"engine_addr: an engine is named twice in {', '.join(self.engines)}")
+        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
+            raise ValueError(f"served_model_names: names must be non-empty, got {list(self.served_model_names)!r}")
+        if self.request_log not in ("off", "json"):
+            raise ValueError(f"request_log: must be off or json, got {self.request_log!r}")
         if self.routing not in POLICIES:
             raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {self.routing!r}")
 
@@ -62,9 +71,10 @@ class FacadeConfig:
 
 
 class FacadeState:
-    def __init__(self, config: FacadeConfig, link: EnginePool) -> None:
+    def __init__(self, config: FacadeConfig, link: EnginePool, tracing: Tracing | None = None) -> None:
         self.config = config
-        self.link = link          # the engines: one per --engine
+        self.link = link          # the engines: one per --engine (wrapped by ServedNames when aliased)
+        self.tracing = tracing    # --otlp-traces-endpoint: a span per request (request_context.py)
         self.metrics = FacadeMetrics()
         self.started = int(time.time())
         self.traces: collections.deque[dict] = collections.deque(maxlen=_TRACE_KEEP)

@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from sluice.http_facade.auth import ENV_KEYS
-from sluice.http_facade.cli import afs_config, facade_config
+from sluice.http_facade.cli import afs_config, facade_config, operations_flags
 from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
 
 log = logging.getLogger("sluice.serve")
@@ -289,7 +289,8 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
         for flag, value in (("--embedding-model", args.embedding_model), ("--rerank-model", args.rerank_model),
                             ("--speculative-mode", args.speculative_mode if i < replicas else None),
                             ("--additional-models", spec_extra),
-                            ("--quantization", getattr(args, "quantization", None))):
+                            ("--quantization", getattr(args, "quantization", None)),
+                            ("--otlp-traces-endpoint", args.otlp_traces_endpoint)):
             if value is not None:   # unset: the engine's own default
                 cmd += (flag, value)
         label = "engine" if len(models) == 1 else f"engine {i} ({model})"
@@ -308,6 +309,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     if afs.query_prefix is not None:
         facade_cmd += ["--afs-query-prefix", afs.query_prefix]
     facade_cmd += ["--allow-credentials"] * args.allow_credentials + ["--enable-tracing"] * args.enable_tracing
+    facade_cmd += operations_flags(args)
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return ServePlan(tuple(engines), tuple(facade_cmd), f"http://{host}:{args.port}",
                      {ENV_KEYS: ",".join(config.auth.keys)}, args.ready_timeout, args.grace + 10.0)

@@ -22,6 +22,7 @@ from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from sluice.engine.rpc.servicer import SERVICE_NAME, EngineServicer
 from sluice.engine.rpc.status import ErrorInterceptor
+from sluice.engine.rpc.tracing import Tracing
 
 log = logging.getLogger("sluice.server")
 
@@ -38,6 +39,8 @@ class ServerConfig:
     # A file descriptor to write b"ready\n" to (then close) once SERVING, closed unwritten if the
     # model fails to load: how ``sluice serve`` learns the engine is up without a gRPC client.
     ready_fd: int | None = None
+    # OTLP/HTTP traces endpoint (``--otlp-traces-endpoint``); None: no tracing (engine/rpc/tracing.py)
+    otlp_traces_endpoint: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -49,16 +52,20 @@ class ServerConfig:
 class EngineServer:
     """The gRPC server around one ``AsyncEngine``."""
 
-    def __init__(self, engine: AsyncEngine, config: ServerConfig) -> None:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, tracing: Tracing | None = None) -> None:
+        """``tracing``: spans of Generate calls (default: to ``config.otlp_traces_endpoint``, if set)."""
         self.engine = engine
         self.config = config
+        if tracing is None and config.otlp_traces_endpoint:
+            tracing = Tracing.to_otlp(config.otlp_traces_endpoint, "sluice-engine", "sluice.engine")
+        self.tracing = tracing
         self.health = health.aio.HealthServicer()
         self.server = grpc.aio.server(
             interceptors=[ErrorInterceptor()],
             options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
                      ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)],
         )
-        pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine), self.server)
+        pb_grpc.add_EngineServiceServicer_to_server(EngineServicer(engine, tracing), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
             (SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -126,6 +133,8 @@ class EngineServer:
             log.warning("aborted %d request(s) still running after %.1fs", aborted, self.config.grace_s)
         await self.server.stop(grace=1.0)
         await self.engine.shutdown()
+        if self.tracing is not None:
+            self.tracing.shutdown()     # flushes the spans still batched
         log.info("engine server stopped")
 
 

@@ -17,18 +17,36 @@ from sluice.engine.errors import UnsupportedError
 from sluice.engine.rpc import convert, convert_embed
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
+from sluice.engine.rpc.tracing import Tracing
 from sluice.engine.sampling_params import SamplingParams
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineService"].full_name   # "sluice.v1.EngineService"
 
 
 class EngineServicer(pb_grpc.EngineServiceServicer):
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: AsyncEngine, tracing: Tracing | None = None) -> None:
         self.engine = engine
+        self.tracing = tracing     # a span per Generate call, the child of the caller's traceparent
 
     # ---- Generate -------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
                        ) -> AsyncIterator[pb.GenerateResponse]:
+        if self.tracing is None:
+            async for msg in self._generate(request, context):
+                yield msg
+            return
+        attributes = {"sluice.request_id": request.request_id, "sluice.input": request.WhichOneof("input") or ""}
+        with self.tracing.server_span("sluice.engine/Generate", context.invocation_metadata(), attributes) as span:
+            async with contextlib.aclosing(self._generate(request, context)) as stream:
+                async for msg in stream:
+                    for c in msg.choices:
+                        if c.HasField("final"):
+                            span.set_attribute("sluice.completion_tokens", c.final.usage.completion_tokens)
+                            span.set_attribute("sluice.prompt_tokens", c.final.usage.prompt_tokens)
+                    yield msg
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+                        ) -> AsyncIterator[pb.GenerateResponse]:
         params = convert.sampling_from_proto(request.sampling, self.engine.core.config.limits)
         if request.WhichOneof("input") == "infill":
             prompt, add_special, params = await self._infill(request.infill, params)

@@ -285,9 +285,12 @@ async def test_metrics_docs_openapi_ready_and_trace(http):
     await client.post("/v1/chat/completions", json=_chat())
     text = await (await client.get("/metrics")).text()
     for name in ("sluice_num_requests_running", "sluice_num_requests_waiting", "sluice_kv_cache_usage_ratio",
-                 "sluice_prefix_cache_hit_rate 0.5", "sluice_time_to_first_token_seconds_count 1.0",
-                 "sluice_inter_token_latency_seconds_count 2.0", "sluice_e2e_request_latency_seconds_count 1.0",
-                 "sluice_prompt_tokens_total 1.0", "sluice_generation_tokens_total 3.0"):
+                 "sluice_prefix_cache_hit_rate 0.5",
+                 'sluice_time_to_first_token_seconds_count{model="fake-model"} 1.0',
+                 'sluice_inter_token_latency_seconds_count{model="fake-model"} 2.0',
+                 'sluice_e2e_request_latency_seconds_count{model="fake-model"} 1.0',
+                 'sluice_prompt_tokens_total{model="fake-model"} 1.0',
+                 'sluice_generation_tokens_total{model="fake-model"} 3.0'):
         assert name in text, name
     docs = await (await client.get("/docs")).text()
     assert all(ep.path in docs for ep in ENDPOINTS)
