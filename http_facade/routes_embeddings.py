@@ -23,6 +23,7 @@ import grpc
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import api_models
 from sluice.http_facade.errors import ApiError, bad_request, from_rpc_error, not_found
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.protocol import get_model
@@ -135,6 +136,7 @@ async def call_encoder(call, request, model: pb.ModelInfo, capability: str):
 async def embeddings(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_json(request, state_of(request).config.body_timeout_s)
+    api_models.check(api_models.EmbeddingRequest, body)
     model = await resolve_encoder(state, get_model(body), "embeddings")
     inputs = encoder_inputs(body.get("input"))
     fmt = encoding_format(body)

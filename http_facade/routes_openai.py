@@ -19,7 +19,7 @@ import uuid
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
-from sluice.http_facade import protocol, shapes
+from sluice.http_facade import api_models, protocol, shapes
 from sluice.http_facade.errors import ApiError, bad_request
 from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
 from sluice.http_facade.json_body import read_json
@@ -50,12 +50,14 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state_of(request).config.body_timeout_s)
+    api_models.check(api_models.ChatCompletionRequest, body)
     config = state_of(request).config
     return await _generate(request, protocol.parse_chat(body, config.default_max_tokens, config.limits), "chatcmpl")
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     body = await read_json(request, state_of(request).config.body_timeout_s)
+    api_models.check(api_models.CompletionRequest, body)
     return await _generate(request, protocol.parse_completion(body, state_of(request).config.limits), "cmpl")
 
 

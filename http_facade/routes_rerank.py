@@ -24,7 +24,7 @@ from typing import Any
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
-from sluice.http_facade import protocol
+from sluice.http_facade import api_models, protocol
 from sluice.http_facade.errors import bad_request
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.routes_embeddings import call_encoder, resolve_encoder
@@ -60,6 +60,7 @@ def rerank_request(body: dict) -> tuple[pb.RerankRequest, bool]:
 async def rerank(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_json(request, state.config.body_timeout_s)
+    api_models.check(api_models.RerankRequest, body)
     model = await resolve_encoder(state, protocol.get_model(body), "rerank")
     req, with_docs = rerank_request(body)
     resp = await call_encoder(state.link.rerank, req, model, "rerank")
@@ -95,6 +96,7 @@ def score_request(body: dict) -> pb.RerankRequest:
 async def score(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_json(request, state.config.body_timeout_s)
+    api_models.check(api_models.ScoreRequest, body)
     model = await resolve_encoder(state, protocol.get_model(body), "rerank")
     req = score_request(body)
     resp = await call_encoder(state.link.rerank, req, model, "rerank")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import api_models
 from sluice.http_facade import responses_protocol as rp
 from sluice.http_facade import shapes
 from sluice.http_facade.errors import ApiError, bad_request, not_found
@@ -123,6 +124,7 @@ def _missing(resp_id: str) -> ApiError:
 async def create(request: web.Request) -> web.StreamResponse:
     state = state_of(request)
     body = await read_json(request, state.config.body_timeout_s)
+    api_models.check(api_models.ResponseCreateRequest, body)
     req = rp.parse_request(body, _previous(_store(request), body))
     plan = rp.parse_chat(req, state.config.default_max_tokens, state.config.limits)
     model = await state.resolve_model(plan.model)

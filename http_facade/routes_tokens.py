@@ -23,7 +23,7 @@ import grpc
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
-from sluice.http_facade import protocol
+from sluice.http_facade import api_models, protocol
 from sluice.http_facade.errors import bad_request, from_rpc_error
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.state import FacadeState, state_of
@@ -85,6 +85,7 @@ def tokenize_request(body: dict, state: FacadeState) -> pb.TokenizeRequest:
 async def tokenize(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_json(request, state.config.body_timeout_s)
+    api_models.check(api_models.TokenizeRequest, body)
     model = await _model(state, body)
     req = tokenize_request(body, state)
     try:
@@ -113,6 +114,7 @@ def token_ids(value: Any, limit: int, name: str = "tokens") -> list[int]:
 async def detokenize(request: web.Request) -> web.Response:
     state = state_of(request)
     body = await read_json(request, state.config.body_timeout_s)
+    api_models.check(api_models.DetokenizeRequest, body)
     model = await _model(state, body)
     ids = token_ids(body.get("tokens"), state.config.limits.max_prompt_tokens)
     skip = protocol.get_bool(body, "skip_special_tokens", False)

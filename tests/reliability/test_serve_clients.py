@@ -170,11 +170,20 @@ _BODIES = {
 }
 
 
+def _stored_response(serve) -> str:
+    """A stored response's id, for /v1/responses/{response_id} (DELETE removes it: one each)."""
+    made = serve.post("/v1/responses", json={"model": serve.model, "input": "w1 w2", "max_output_tokens": 2})
+    assert made.status_code == 200, made.text[:200]
+    return made.json()["id"]
+
+
 def test_api_keys_on_every_route_and_cors_preflight(serve, idle):
     for ep in ENDPOINTS:
         path = ep.path.replace("{model}", quote(serve.model, safe=""))
+        if "{response_id}" in path:
+            path = path.replace("{response_id}", _stored_response(serve))
         body = {"model": serve.model, **_BODIES.get(ep.path, {})}
-        call = requests.get if ep.method == "GET" else requests.post
+        call = {"GET": requests.get, "DELETE": requests.delete}.get(ep.method, requests.post)
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"X-API-KEY": "wrong"}):
             r = call(serve.url + path, headers=headers, json=body, timeout=30)
             if ep.public:
@@ -183,7 +192,9 @@ def test_api_keys_on_every_route_and_cors_preflight(serve, idle):
                 assert r.status_code == 401, (ep.path, headers, r.status_code)
         for headers in ({"Authorization": f"Bearer {KEY}"}, {"X-API-KEY": KEY}):
             r = call(serve.url + path, headers=headers, json=body, timeout=30)
-            if ep.method == "GET" or ep.path in _BODIES:
+            if "{response_id}" in ep.path and ep.method == "DELETE":
+                path = path.rsplit("/", 1)[0] + "/" + _stored_response(serve)   # the next key deletes anew
+            if ep.method in ("GET", "DELETE") or ep.path in _BODIES:
                 assert r.status_code == 200, (ep.path, r.status_code, r.text[:200])
             else:   # no embedding model, no FIM tokens, tracing off: refused, but not for the key
                 assert r.status_code not in (401, 500), (ep.path, r.status_code)

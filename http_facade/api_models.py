@@ -1,0 +1,602 @@
+"""Typed request and response models (pydantic v2) of the OpenAI dialect and of the endpoints
+beside it (responses, rerank, score, tokenize): the source of ``/openapi.json`` (openapi.py) and
+the first validation step of each request (``check``).
+
+``check(Model, body)`` validates the JSON body before the route's own parser runs: types, required
+fields, enumerations and bounds that the model states. Its 400 names the parameter as the
+parsers do (``messages[0].role``, ``max_tokens``) with the same kind of message
+(``temperature: must be a number, got 'hot'``); the parsers then check what needs more than a
+type (caps, cross-field rules, the engine's ranges). Unknown fields are allowed, as OpenAI
+ignores them.
+
+The grammar path's sub-objects (``tools``, ``tool_choice``, ``response_format``, the
+``guided_*`` fields, ``text.format``) are documented precisely here but validated by
+``tools.py`` / ``structured.py``, whose messages clients already rely on: their fields are typed
+loosely for ``check`` and carry their real schema with ``WithJsonSchema``.
+"""
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, TypeAdapter,
+                      ValidationError, WithJsonSchema)
+
+from sluice.http_facade.errors import bad_request
+
+Number = Union[StrictInt, StrictFloat]
+TokenIds = list[StrictInt]
+
+
+def shaped(annotation: Any) -> Any:
+    """A field documented as ``annotation`` but checked by the route's parser, whose message for
+    a wrong shape is more precise than a union's ("prompt[1]: must be a non-empty list of token
+    ids")."""
+    return Annotated[Any, WithJsonSchema(TypeAdapter(annotation).json_schema())]
+
+
+class _Open(BaseModel):
+    """Requests: unknown fields are allowed (and ignored)."""
+    model_config = ConfigDict(extra="allow")
+
+
+class _Out(BaseModel):
+    """Responses: the fields sluice sends (a client must accept more in a later version)."""
+    model_config = ConfigDict(extra="allow")
+
+
+_TOOLS_SCHEMA = {"type": "array", "items": {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}}}
+_TOOL_CHOICE_SCHEMA = {"oneOf": [{"enum": ["none", "auto", "required"]}, {
+    "type": "object", "required": ["type", "function"], "properties": {
+        "type": {"const": "function"},
+        "function": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}}}]}
+_RESPONSE_FORMAT_SCHEMA = {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]},
+                                                            "schema": {}}},
+    {"type": "object", "required": ["type"], "properties": {"type": {"const": "json_schema"}, "json_schema": {
+        "type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"},
+                                         "strict": {"type": "boolean"}}}}}]}
+Tools = Annotated[Any, WithJsonSchema(_TOOLS_SCHEMA)]
+ToolChoice = Annotated[Any, WithJsonSchema(_TOOL_CHOICE_SCHEMA)]
+ResponseFormat = Annotated[Any, WithJsonSchema(_RESPONSE_FORMAT_SCHEMA)]
+JsonValue = Annotated[Any, WithJsonSchema({})]
+
+
+# ------------------------------------------------------------------------------- requests
+class StreamOptions(_Open):
+    include_usage: StrictBool | None = None
+
+
+class _Sampling(_Open):
+    model: StrictStr = Field(description="a served model's name (GET /v1/models)")
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    min_p: Number | None = None
+    presence_penalty: Number | None = None
+    frequency_penalty: Number | None = None
+    repetition_penalty: Number | None = None
+    n: StrictInt | None = Field(None, ge=1)
+    seed: StrictInt | None = None
+    stop: shaped(Union[StrictStr, list[StrictStr], None]) = None
+    logit_bias: dict[str, Number] | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    user: StrictStr | None = None
+    ignore_eos: StrictBool | None = None
+    min_tokens: StrictInt | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    response_format: ResponseFormat = None
+    guided_json: JsonValue = None
+    guided_regex: JsonValue = None
+    guided_choice: JsonValue = None
+    guided_grammar: JsonValue = None
+
+
+class TextPart(_Open):
+    type: Literal["text"]
+    text: StrictStr
+
+
+class ToolCallFunction(_Open):
+    name: StrictStr
+    arguments: StrictStr
+
+
+class ToolCall(_Open):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: shaped(Union[StrictStr, list[TextPart], None]) = None
+    name: StrictStr | None = None
+    tool_call_id: StrictStr | None = None
+    tool_calls: Annotated[Any, WithJsonSchema({"type": "array", "items": ToolCall.model_json_schema()})] = None
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
+    logprobs: StrictBool | None = None
+    top_logprobs: StrictInt | None = Field(None, ge=0)   # the cap is the server's max_logprobs (limits.py)
+    tools: Tools = None
+    tool_choice: ToolChoice = None
+    parallel_tool_calls: StrictBool | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: shaped(Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]])
+    suffix: StrictStr | None = Field(None, description="fill in the middle (models with FIM tokens)")
+    logprobs: StrictInt | None = Field(None, ge=0, le=5)
+    echo: StrictBool | None = None
+    best_of: StrictInt | None = None
+    max_tokens: StrictInt | None = Field(None, ge=1)
+
+
+class EmbeddingRequest(_Open):
+    model: StrictStr
+    input: shaped(Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]])
+    encoding_format: Literal["float", "base64"] | None = None
+    dimensions: StrictInt | None = Field(None, ge=1)
+
+
+class Document(_Open):
+    text: StrictStr
+
+
+class RerankRequest(_Open):
+    model: StrictStr
+    query: StrictStr
+    documents: shaped(list[Union[StrictStr, Document]])
+    top_n: StrictInt | None = Field(None, ge=1)
+    return_documents: StrictBool | None = None
+
+
+class ScoreRequest(_Open):
+    model: StrictStr
+    text_1: shaped(Union[StrictStr, list[StrictStr]])
+    text_2: shaped(Union[StrictStr, list[StrictStr]])
+
+
+class TokenizeRequest(_Open):
+    """Exactly one of ``prompt`` (vLLM), ``content`` (llama.cpp) or ``messages``."""
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    content: StrictStr | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: StrictBool | None = None
+    add_special: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+    tools: Tools = None
+
+
+class DetokenizeRequest(_Open):
+    model: StrictStr | None = None
+    tokens: shaped(list[Annotated[StrictInt, Field(ge=0)]])
+    skip_special_tokens: StrictBool | None = None
+
+
+class InputText(_Open):
+    type: Literal["input_text", "output_text", "text"]
+    text: StrictStr
+
+
+class InputMessage(_Open):
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: StrictStr | list[InputText]
+
+
+class FunctionCallItem(_Open):
+    type: Literal["function_call"]
+    call_id: StrictStr
+    name: StrictStr
+    arguments: StrictStr
+
+
+class FunctionCallOutputItem(_Open):
+    type: Literal["function_call_output"]
+    call_id: StrictStr
+    output: StrictStr | list[InputText]
+
+
+_INPUT_ITEMS = {"type": "array", "minItems": 1, "items": {"anyOf": [
+    InputMessage.model_json_schema(), FunctionCallItem.model_json_schema(), FunctionCallOutputItem.model_json_schema()]}}
+_RESPONSE_TOOLS = {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
+    "type": {"const": "function"}, "name": {"type": "string"}, "description": {"type": "string"},
+    "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}
+_TEXT_FORMAT = {"type": "object", "properties": {"format": {"oneOf": [
+    {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+    {"type": "object", "required": ["type", "schema"], "properties": {
+        "type": {"const": "json_schema"}, "name": {"type": "string"}, "schema": {"type": "object"},
+        "strict": {"type": "boolean"}, "description": {"type": "string"}}}]}}}
+
+
+class ResponseCreateRequest(_Open):
+    model: StrictStr
+    # Items are checked by responses_protocol (its messages name input[i].field).
+    input: Annotated[Any, WithJsonSchema({"oneOf": [{"type": "string"}, _INPUT_ITEMS]})]
+    instructions: StrictStr | None = None
+    previous_response_id: StrictStr | None = None
+    tools: Annotated[Any, WithJsonSchema(_RESPONSE_TOOLS)] = None
+    tool_choice: Annotated[Any, WithJsonSchema({"oneOf": [
+        {"enum": ["none", "auto", "required"]},
+        {"type": "object", "required": ["type", "name"], "properties": {"type": {"const": "function"},
+                                                                        "name": {"type": "string"}}}]})] = None
+    parallel_tool_calls: StrictBool | None = None
+    text: Annotated[Any, WithJsonSchema(_TEXT_FORMAT)] = None
+    max_output_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: StrictBool | None = None
+    store: StrictBool | None = None
+    metadata: dict[str, StrictStr] | None = Field(None, max_length=16)
+    user: StrictStr | None = None
+    truncation: Literal["disabled"] | None = None
+
+
+# ------------------------------------------------------------------------------ responses
+class ErrorBody(_Out):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(_Out):
+    error: ErrorBody
+
+
+class ModelCard(_Out):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+    capabilities: list[str]
+
+
+class ModelList(_Out):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class PromptTokensDetails(_Out):
+    cached_tokens: int
+
+
+class CompletionTokensDetails(_Out):
+    accepted_prediction_tokens: int
+    rejected_prediction_tokens: int
+
+
+class Usage(_Out):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[TokenLogprob] | None
+    refusal: Any = None
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
+class AssistantMessage(_Out):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class ChatChoice(_Out):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "tool_calls"]
+
+
+class ChatCompletion(_Out):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(_Out):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChunkChoice(_Out):
+    index: int
+    delta: ChunkDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: Literal["stop", "length", "tool_calls"] | None
+
+
+class ChatCompletionChunk(_Out):
+    """One ``data:`` event of a streamed chat completion (then ``data: [DONE]``)."""
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Out):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Out):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: Literal["stop", "length"] | None
+
+
+class Completion(_Out):
+    """A whole completion, and also one ``data:`` event of a streamed one."""
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class EmbeddingUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingItem(_Out):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingList(_Out):
+    object: Literal["list"]
+    data: list[EmbeddingItem]
+    model: str
+    usage: EmbeddingUsage
+
+
+class RerankResult(_Out):
+    index: int
+    relevance_score: float
+    document: Document | None = None
+
+
+class RerankResponse(_Out):
+    id: str
+    model: str
+    results: list[RerankResult]
+    usage: EmbeddingUsage
+
+
+class ScoreItem(_Out):
+    index: int
+    object: Literal["score"]
+    score: float
+
+
+class ScoreUsage(EmbeddingUsage):
+    completion_tokens: int
+
+
+class ScoreResponse(_Out):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[ScoreItem]
+    usage: ScoreUsage
+
+
+class TokenizeResponse(_Out):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+    prompt: str | None = Field(None, description="the rendered chat prompt (messages input only)")
+
+
+class DetokenizeResponse(_Out):
+    prompt: str
+    content: str
+
+
+class OutputText(_Out):
+    type: Literal["output_text"]
+    text: str
+    annotations: list[Any]
+    logprobs: list[Any] | None = None
+
+
+class OutputMessage(_Out):
+    type: Literal["message"]
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"]
+    content: list[OutputText]
+
+
+class OutputFunctionCall(_Out):
+    type: Literal["function_call"]
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: Literal["in_progress", "completed", "incomplete"]
+
+
+class ResponseUsage(_Out):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(_Out):
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    error: dict[str, Any] | None
+    incomplete_details: dict[str, Any] | None
+    model: str
+    instructions: str | None
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    output: list[Annotated[Union[OutputMessage, OutputFunctionCall], Field(discriminator="type")]]
+    usage: ResponseUsage | None
+    tools: list[Any]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    temperature: float | None
+    top_p: float | None
+    text: dict[str, Any]
+    metadata: dict[str, str]
+    store: bool
+
+
+class ResponseStreamEvent(_Out):
+    """One event of a streamed response (``event: <type>``, then this object as ``data:``)."""
+    type: Literal["response.created", "response.in_progress", "response.output_item.added",
+                  "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                  "response.content_part.done", "response.function_call_arguments.delta",
+                  "response.function_call_arguments.done", "response.output_item.done", "response.completed",
+                  "response.incomplete", "response.failed", "error"]
+    sequence_number: int
+    response: ResponseObject | None = None
+    output_index: int | None = None
+    item_id: str | None = None
+    content_index: int | None = None
+    delta: str | None = None
+    text: str | None = None
+    arguments: str | None = None
+
+
+class ResponseDeleted(_Out):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+# ---------------------------------------------------------------------------- validation
+# Pydantic's error types → the facade's phrasing ("must be a number").
+_PHRASES = {
+    "bool_type": "must be a boolean", "int_type": "must be an integer", "float_type": "must be a number",
+    "string_type": "must be a string", "list_type": "must be a list", "dict_type": "must be an object",
+    "model_type": "must be an object", "model_attributes_type": "must be an object",
+    "missing": "required", "too_short": "must not be empty", "int_from_float": "must be an integer",
+}
+
+
+def _field_names(model: type[BaseModel], seen: set | None = None) -> set[str]:
+    seen = set() if seen is None else seen
+    names: set[str] = set()
+    if model in seen:
+        return names
+    seen.add(model)
+    for name, info in model.model_fields.items():
+        names.add(name)
+        for arg in _types_in(info.annotation):
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                names |= _field_names(arg, seen)
+    return names
+
+
+def _types_in(annotation: Any) -> list[Any]:
+    args = getattr(annotation, "__args__", None)
+    if not args:
+        return [annotation]
+    out = []
+    for a in args:
+        out += _types_in(a)
+    return out
+
+
+_FIELDS: dict[type, set[str]] = {}
+
+
+def _param(model: type[BaseModel], loc: tuple) -> tuple[str, bool]:
+    """``messages[0].content`` from a pydantic location, cut where a union or a mapping's key
+    begins (those parts are pydantic's own tags or the client's keys); True when it was cut."""
+    names = _FIELDS.setdefault(model, _field_names(model))
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in names:
+            out += ("." if out else "") + part
+        else:
+            return out, True
+    return out, False
+
+
+def _message(err: dict, param: str, cut: bool, kinds: set[str]) -> str:
+    got = err.get("input")
+    shown = "" if err["type"] == "missing" else f", got {got!r}"[:200]
+    if cut and kinds <= {"int_type", "float_type"}:
+        return f"{param}: must be a number{shown}"
+    if cut:
+        return f"{param}: does not match the documented types (see /openapi.json){shown}"
+    kind, ctx = err["type"], err.get("ctx") or {}
+    if kind == "literal_error":
+        return f"{param}: must be one of {ctx.get('expected')}{shown}"
+    if kind in ("greater_than_equal", "less_than_equal", "greater_than", "less_than"):
+        op = {"greater_than_equal": ">=", "less_than_equal": "<=", "greater_than": ">", "less_than": "<"}[kind]
+        bound = next(iter(ctx.values()), "")
+        return f"{param}: must be {op} {bound}{shown}"
+    if kind == "too_long":
+        return f"{param}: at most {ctx.get('max_length')} items{shown}"
+    return f"{param}: {_PHRASES.get(kind, err['msg'])}{shown}"
+
+
+def check(model: type[BaseModel], body: dict) -> None:
+    """Validate ``body`` against ``model``; a 400 naming the first wrong parameter."""
+    try:
+        model.model_validate(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        err = errors[0]
+        param, cut = _param(model, tuple(err["loc"]))
+        kinds = {e["type"] for e in errors if _param(model, tuple(e["loc"]))[0] == param}
+        raise bad_request(_message(err, param or "body", cut, kinds), param or None) from None
