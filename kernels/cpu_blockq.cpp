@@ -326,6 +326,11 @@ void check_inputs(const torch::Tensor& x, const torch::Tensor& w, const torch::T
 
 }  // namespace
 
+// The input rounding above, shared with cpu_kquant.cpp's products (the same a, s and s * sum a).
+void blockq_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, float* s, float* ss) {
+  quantize_rows(x, rows, k, a, s, ss);
+}
+
 // y [M, n] = x [M, K] @ W^T for W packed as above.
 torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                             int64_t bits, int64_t n) {

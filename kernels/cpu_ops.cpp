@@ -34,6 +34,10 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
 torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                           int64_t bits, int64_t n, int64_t k);
 std::string blockq_isa();
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n);
+torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t n, int64_t k);
+int64_t kquant_chunk_bytes(int64_t fmt);
+std::string kquant_isa();
 
 namespace {
 
@@ -1050,6 +1054,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("blockq_rows", &blockq_rows, "rows of a block-quantized W, dequantized (cpu_blockq.cpp)");
   mod.def("blockq_isa", &blockq_isa, "the block product's integer path: avx512vnni, avx2 or portable");
+  mod.def("kquant_linear", &kquant_linear, "y = x @ W^T for a K-quant / 5-bit block W (cpu_kquant.cpp)",
+          pybind11::call_guard<pybind11::gil_scoped_release>());
+  mod.def("kquant_rows", &kquant_rows, "rows of a K-quant / 5-bit block W, dequantized (cpu_kquant.cpp)");
+  mod.def("kquant_chunk_bytes", &kquant_chunk_bytes, "bytes per (tile, super-block) chunk of a format");
+  mod.def("kquant_isa", &kquant_isa, "the K-quant product's integer path: avx2 or portable");
   mod.def("rms_norm", &rms_norm);
   mod.def("add_rms_norm", &add_rms_norm);
   mod.def("rotary", &rotary);

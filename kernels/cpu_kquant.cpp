@@ -1,0 +1,404 @@
+// GGUF's K-quants (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) as CPU linear layers, y = x @ W^T,
+// with the weights as the file stores them (values, float16 super-block scales, 6- or 8-bit
+// sub-block scales), repacked at load (kernels/cpu_kquant.py) into a layout for these loops.
+//
+// Every format is one case of: unsigned values u (4, 5 or 6 bits) in sub-blocks of 16 or 32 along
+// K, each sub-block with a float32 scale D and either a float32 offset M (w = D u + M) or an
+// integer zero point z (w = D (u - z)):
+//   Q4_K, Q5_K  D = d * sc, M = -(dmin * mn)  d, dmin float16 per 256; sc, mn 6-bit per 32
+//   Q6_K        D = d * sc, z = 32            d float16 per 256; sc int8 per 16
+//   Q5_0        D = d, z = 16                 d float16 per 32
+//   Q5_1        D = d, M = m                  d, m float16 per 32
+// A float16 times an integer of at most 8 bits is exact in float32, so D and M are the file's
+// values exactly (gguf's dequantize forms them the same way).
+//
+// The input is rounded per row and block of 32 to int8 (x ~ s a) by cpu_blockq.cpp's
+// quantize_rows: the same rounding as the Q4_0/Q4_1/Q8_0 products, finer than llama.cpp's Q8_K
+// (one scale per 256) for K-quants. Each sub-block's integer sum I = sum u a (minus z sum a) is
+// exact, and a row accumulates, block after block, in order:
+//   acc = fma(I, D * s, acc)            then, with an offset,  acc = fma(M, s * sum a, acc)
+// (sum a over the block of 32; sub-blocks of 16 share their block's s).
+//
+// Layout: output rows in tiles of 16 (one 32-bit lane per row in two 8-lane halves, as
+// cpu_blockq.cpp's 4-bit layout). Per tile and super-block (256 along K; 32 for Q5_0 / Q5_1) one
+// chunk: d [16] float16, dmin or m [16] float16 (with an offset), sc [sub-blocks][16] and mn
+// [sub-blocks][16] bytes (K-quants), then per block of 32: 256 bytes of low nibbles (4 pairs of
+// 64 bytes, [lane 16][j 4], pair p holding k = 4(2p) + j in its low nibbles and 4(2p + 1) + j in its
+// high ones) and one 64-byte plane per bit above the fourth ([lane 16][j 4]; bit g of a byte is
+// that bit of k = 4g + j). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
+// Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6).
+//
+// AVX2 (vpmaddubsw, then vpmaddwd by ones) computes the same exact integer sums as the portable
+// loop and the same float operations in the same order, so both give the same bits; an AVX-512
+// host compiles and runs the AVX2 path. The int16 pair sums stay below 2^15: a byte product is at
+// most 63 * 127, and the sums are widened every 8 (4-bit), 4 (5-bit) or 2 (6-bit) groups of 4.
+// Every output element's order of operations is fixed by K alone: a row's result is bitwise the
+// same alone and in a batch, whatever the thread split.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define SLUICE_KQ_AVX2 1
+#include <immintrin.h>
+#else
+#define SLUICE_KQ_AVX2 0
+#endif
+
+void blockq_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, float* s, float* ss);
+
+namespace {
+
+constexpr int64_t kTile = 16, kBlock = 32, kPanel = 128;
+
+// GGML type ids.
+enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+
+template <int FMT> struct Fmt;
+// VB value bits, SBK super-block length, SUB sub-block length, OFFSET float offset (else ZERO),
+// SUBSCALE per-sub-block integer scales, SIGNED those scales are int8.
+template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0; };
+template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0; };
+template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0; };
+template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0; };
+template <> struct Fmt<kQ6_K> { static constexpr int VB = 6, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 32, SUBSCALE = 1, SIGNED = 1; };
+
+// Byte offsets within one (tile, super-block) chunk.
+template <int FMT> struct Lay {
+  using F = Fmt<FMT>;
+  static constexpr int NSUB = F::SBK / F::SUB, NBLK = F::SBK / 32, PER = 32 / F::SUB;
+  static constexpr int64_t D = 0, DM = 32;
+  static constexpr int64_t SC = 32 + (F::OFFSET ? 32 : 0);
+  static constexpr int64_t MN = SC + (F::SUBSCALE ? NSUB * kTile : 0);
+  static constexpr int64_t BODY = MN + (F::SUBSCALE && F::OFFSET ? NSUB * kTile : 0);
+  static constexpr int64_t BLK = 256 + 64 * (F::VB - 4);
+  static constexpr int64_t CHUNK = BODY + NBLK * BLK;
+};
+
+inline float widen(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+inline uint16_t half_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return h; }
+
+// Sub-block i's scale D and offset M for one lane of a chunk: exact products (see the top).
+template <int FMT> inline float sub_scale(const uint8_t* chunk, int64_t lane, int i) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const float d = widen(half_at(chunk + L::D + 2 * lane));
+  if (!F::SUBSCALE) return d;
+  const uint8_t b = chunk[L::SC + kTile * i + lane];
+  return d * static_cast<float>(F::SIGNED ? static_cast<int>(static_cast<int8_t>(b)) : static_cast<int>(b));
+}
+template <int FMT> inline float sub_offset(const uint8_t* chunk, int64_t lane, int i) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const float dm = widen(half_at(chunk + L::DM + 2 * lane));
+  if (!F::SUBSCALE) return dm;
+  return -(dm * static_cast<float>(chunk[L::MN + kTile * i + lane]));
+}
+
+// Element e (< 32) of one lane in a block's packed bytes.
+template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
+  const int g = e / 4, j = e % 4;
+  const uint8_t byte = blk[64 * (g / 2) + lane * 4 + j];
+  int u = (g % 2) ? (byte >> 4) : (byte & 0x0F);
+  for (int b = 0; b < Fmt<FMT>::VB - 4; ++b) u |= ((blk[256 + 64 * b + lane * 4 + j] >> g) & 1) << (4 + b);
+  return u;
+}
+
+// The portable loop: per row and lane, per block and sub-block, the exact integer sum and the
+// fused multiply-adds of the top comment.
+template <int FMT>
+void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, const float* s, const float* ss,
+                 const int32_t* as, int64_t k, float* out, int64_t ldo, int64_t lanes) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const int64_t nb = k / kBlock, n16 = k / 16;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t lane = 0; lane < lanes; ++lane) {
+      float acc = 0.f;
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t* chunk = w + sb * L::CHUNK;
+        for (int blk = 0; blk < L::NBLK; ++blk) {
+          const int64_t b = sb * L::NBLK + blk;
+          const uint8_t* body = chunk + L::BODY + blk * L::BLK;
+          const int8_t* ab = a + r * k + b * kBlock;
+          for (int i2 = 0; i2 < L::PER; ++i2) {
+            int32_t isum = 0;
+            for (int e = i2 * F::SUB; e < (i2 + 1) * F::SUB; ++e) isum += value<FMT>(body, lane, e) * ab[e];
+            const int i = blk * L::PER + i2;
+            const float scale = sub_scale<FMT>(chunk, lane, i) * s[r * nb + b];
+            if (F::OFFSET) {
+              acc = std::fma(static_cast<float>(isum), scale, acc);
+              acc = std::fma(sub_offset<FMT>(chunk, lane, i), ss[r * nb + b], acc);
+            } else {
+              const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
+              isum -= F::ZERO * asum;
+              acc = std::fma(static_cast<float>(isum), scale, acc);
+            }
+          }
+        }
+      }
+      out[r * ldo + lane] = acc;
+    }
+  }
+}
+
+#if SLUICE_KQ_AVX2
+// Bit g of each byte of v moved to bit T (the others cleared): a 16-bit shift moves no bit across
+// a byte boundary into the bit kept, as g and T are both within the byte.
+template <int G, int T> inline __m256i bit_to(__m256i v) {
+  const __m256i keep = _mm256_set1_epi8(static_cast<char>(1 << T));
+  if constexpr (T > G) return _mm256_and_si256(_mm256_slli_epi16(v, T - G), keep);
+  else if constexpr (T < G) return _mm256_and_si256(_mm256_srli_epi16(v, G - T), keep);
+  else return _mm256_and_si256(v, keep);
+}
+
+// Group G (k = 4G .. 4G + 3) of one half's 8 lanes: values as bytes.
+template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i* hi) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  __m256i v = (G % 2) ? _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4) : _mm256_and_si256(nib, low4);
+  if constexpr (VB >= 5) v = _mm256_or_si256(v, bit_to<G, 4>(hi[0]));
+  if constexpr (VB >= 6) v = _mm256_or_si256(v, bit_to<G, 5>(hi[1]));
+  return v;
+}
+
+template <int FMT, int MR> struct TileAvx2 {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  // Groups of 4 between widening int16 pair sums to int32 (see the top), within a sub-block.
+  static constexpr int FLUSH = std::min(F::SUB / 4, F::VB == 4 ? 8 : F::VB == 5 ? 4 : 2);
+
+  const int8_t* a; int64_t k;
+  __m256i p16[MR], isum[MR][L::PER];
+
+  template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, int64_t b) {
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / 2) + 32 * h));
+    const __m256i v = group_values<F::VB, G>(nib, hi);
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) {
+      int32_t a4;
+      std::memcpy(&a4, a + r * k + b * kBlock + 4 * G, 4);
+      p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(a4)));
+    }
+    if constexpr ((G + 1) % FLUSH == 0) {
+      constexpr int i2 = (4 * G) / F::SUB;
+      constexpr bool first = (G + 1 - FLUSH) * 4 % F::SUB == 0;
+      const __m256i ones = _mm256_set1_epi16(1);
+#pragma GCC unroll 4
+      for (int r = 0; r < MR; ++r) {
+        const __m256i w32 = _mm256_madd_epi16(p16[r], ones);
+        isum[r][i2] = first ? w32 : _mm256_add_epi32(isum[r][i2], w32);
+        p16[r] = _mm256_setzero_si256();
+      }
+    }
+  }
+
+  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
+           int64_t ldo, int64_t lanes) {
+    const int64_t nb = k / kBlock, n16 = k / 16;
+    __m256 acc[MR][2];
+#pragma GCC unroll 4
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* chunk = w + sb * L::CHUNK;
+      __m256 dv[2], dmv[2];
+      for (int h = 0; h < 2; ++h) {
+        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::D + 16 * h)));
+        if (F::OFFSET) dmv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::DM + 16 * h)));
+      }
+      for (int blk = 0; blk < L::NBLK; ++blk) {
+        const int64_t b = sb * L::NBLK + blk;
+        const uint8_t* body = chunk + L::BODY + blk * L::BLK;
+        for (int h = 0; h < 2; ++h) {
+          __m256i hi[2];
+          for (int pb = 0; pb < F::VB - 4; ++pb)
+            hi[pb] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256 + 64 * pb + 32 * h));
+#pragma GCC unroll 4
+          for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
+          group<0>(body, h, hi, b); group<1>(body, h, hi, b); group<2>(body, h, hi, b); group<3>(body, h, hi, b);
+          group<4>(body, h, hi, b); group<5>(body, h, hi, b); group<6>(body, h, hi, b); group<7>(body, h, hi, b);
+#pragma GCC unroll 2
+          for (int i2 = 0; i2 < L::PER; ++i2) {
+            const int i = blk * L::PER + i2;
+            __m256 dsub = dv[h], msub = dmv[h];
+            if (F::SUBSCALE) {
+              const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::SC + kTile * i + 8 * h));
+              const __m256i sc = F::SIGNED ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+              dsub = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(sc));
+              if (F::OFFSET) {
+                const __m128i rmn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::MN + kTile * i + 8 * h));
+                msub = _mm256_xor_ps(sign, _mm256_mul_ps(dmv[h], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(rmn))));
+              }
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < MR; ++r) {
+              const int64_t nbr = r * nb + b;
+              __m256i is = isum[r][i2];
+              if (!F::OFFSET) {
+                const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
+                is = _mm256_sub_epi32(is, _mm256_set1_epi32(F::ZERO * asum));
+              }
+              acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), acc[r][h]);
+              if (F::OFFSET) acc[r][h] = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[nbr]), acc[r][h]);
+            }
+          }
+        }
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      alignas(32) float buf[kTile];
+      _mm256_store_ps(buf, acc[r][0]);
+      _mm256_store_ps(buf + 8, acc[r][1]);
+      std::memcpy(out + r * ldo, buf, sizeof(float) * static_cast<size_t>(lanes));
+    }
+  }
+};
+#endif
+
+int64_t chunk_bytes(int64_t fmt) {
+  switch (fmt) {
+    case kQ5_0: return Lay<kQ5_0>::CHUNK;
+    case kQ5_1: return Lay<kQ5_1>::CHUNK;
+    case kQ4_K: return Lay<kQ4_K>::CHUNK;
+    case kQ5_K: return Lay<kQ5_K>::CHUNK;
+    case kQ6_K: return Lay<kQ6_K>::CHUNK;
+    default: TORCH_CHECK(false, "kquant: unknown format ", fmt, " (GGML type ids: Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+  }
+  return 0;
+}
+
+int64_t super_block(int64_t fmt) { return (fmt == kQ5_0 || fmt == kQ5_1) ? 32 : 256; }
+
+void check_weight(const torch::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
+  const int64_t chunk = chunk_bytes(fmt), sbk = super_block(fmt);
+  TORCH_CHECK(n > 0 && k > 0 && k % sbk == 0, "kquant: K must be a positive multiple of ", sbk, ", got ", k);
+  const int64_t tiles = (n + kTile - 1) / kTile;
+  TORCH_CHECK(w.scalar_type() == torch::kUInt8 && w.is_contiguous() && w.numel() == tiles * (k / sbk) * chunk,
+              "kquant: packed weight does not match N = ", n, ", K = ", k, ", format ", fmt);
+}
+
+template <int FMT>
+void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8_t* ap, const float* sp,
+               const float* ssp, const int32_t* asp, float* op) {
+  using L = Lay<FMT>;
+  const int64_t nb = k / kBlock, n16 = k / 16, nsb = k / Fmt<FMT>::SBK;
+  const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
+      const int64_t p1 = std::min(rows, p0 + kPanel);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t lanes = std::min(kTile, n - t * kTile);
+        const uint8_t* wt = wp + t * wtile;
+#if SLUICE_KQ_AVX2
+        constexpr int64_t per = 2;
+        for (int64_t r0 = p0; r0 < p1; r0 += per) {
+          const int64_t mr = std::min<int64_t>(per, p1 - r0);
+          float* o = op + r0 * n + t * kTile;
+          if (mr == 2) {
+            TileAvx2<FMT, 2>{ap + r0 * k, k}.run(wt, nsb, sp + r0 * nb, ssp + r0 * nb, asp + r0 * n16, o, n, lanes);
+          } else {
+            TileAvx2<FMT, 1>{ap + r0 * k, k}.run(wt, nsb, sp + r0 * nb, ssp + r0 * nb, asp + r0 * n16, o, n, lanes);
+          }
+        }
+#else
+        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * nb, ssp + p0 * nb, asp + p0 * n16, k,
+                         op + p0 * n + t * kTile, n, lanes);
+#endif
+      }
+    }
+  });
+}
+
+template <int FMT>
+void rows_of(const uint8_t* wp, const int64_t* ip, int64_t count, int64_t k, float* op) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const int64_t nsb = k / F::SBK, wtile = nsb * L::CHUNK;
+  for (int64_t r = 0; r < count; ++r) {
+    const int64_t t = ip[r] / kTile, lane = ip[r] % kTile;
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const uint8_t* chunk = wp + t * wtile + sb * L::CHUNK;
+      for (int blk = 0; blk < L::NBLK; ++blk) {
+        const uint8_t* body = chunk + L::BODY + blk * L::BLK;
+        float* o = op + r * k + sb * F::SBK + blk * kBlock;
+        for (int e = 0; e < kBlock; ++e) {
+          const int i = blk * L::PER + e / F::SUB;
+          const float scale = sub_scale<FMT>(chunk, lane, i);
+          const int u = value<FMT>(body, lane, e);
+          // gguf's order: D q + M (D q exact for these sizes), D (u - z) rounded once.
+          if (F::OFFSET) {
+            const float dq = scale * static_cast<float>(u);
+            o[e] = dq + sub_offset<FMT>(chunk, lane, i);
+          } else {
+            o[e] = scale * static_cast<float>(u - F::ZERO);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// y [M, n] = x [M, K] @ W^T for W packed as above in format `fmt` (a GGML type id).
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
+              "kquant: x must be a contiguous float32 [M, K]");
+  const int64_t rows = x.size(0), k = x.size(1);
+  check_weight(w, fmt, n, k);
+  auto out = torch::empty({rows, n}, x.options());
+  if (rows == 0) return out;
+  const int64_t nb = k / kBlock, n16 = k / 16;
+  auto a = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  auto s = torch::empty({rows, nb}, x.options());
+  auto ss = torch::empty({rows, nb}, x.options());
+  auto as = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));
+  int8_t* ap = a.data_ptr<int8_t>();
+  blockq_quantize_rows(x.data_ptr<float>(), rows, k, ap, s.data_ptr<float>(), ss.data_ptr<float>());
+  int32_t* asp = as.data_ptr<int32_t>();
+  for (int64_t i = 0; i < rows * n16; ++i) {     // sums of a per 16, for the zero points
+    int32_t t = 0;
+    for (int j = 0; j < 16; ++j) t += ap[16 * i + j];
+    asp[i] = t;
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const float *sp = s.data_ptr<float>(), *ssp = ss.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ5_0: run_tiles<kQ5_0>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
+    case kQ5_1: run_tiles<kQ5_1>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
+    case kQ4_K: run_tiles<kQ4_K>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
+    case kQ5_K: run_tiles<kQ5_K>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
+    case kQ6_K: run_tiles<kQ6_K>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
+  }
+  return out;
+}
+
+// Rows ids [T] of W dequantized, [T, K] float32, with gguf's float32 arithmetic (so its values bit for bit).
+torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t n, int64_t k) {
+  TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == torch::kInt64 && ids.is_contiguous(),
+              "kquant rows: ids must be a contiguous int64 [T]");
+  check_weight(w, fmt, n, k);
+  const int64_t count = ids.size(0);
+  const int64_t* ip = ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < count; ++r) {
+    TORCH_CHECK(ip[r] >= 0 && ip[r] < n, "kquant rows: id ", ip[r], " is outside 0..", n - 1);
+  }
+  auto out = torch::empty({count, k}, torch::dtype(torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  switch (fmt) {
+    case kQ5_0: rows_of<kQ5_0>(wp, ip, count, k, op); break;
+    case kQ5_1: rows_of<kQ5_1>(wp, ip, count, k, op); break;
+    case kQ4_K: rows_of<kQ4_K>(wp, ip, count, k, op); break;
+    case kQ5_K: rows_of<kQ5_K>(wp, ip, count, k, op); break;
+    case kQ6_K: rows_of<kQ6_K>(wp, ip, count, k, op); break;
+  }
+  return out;
+}
+
+// Bytes of one (tile, super-block) chunk of format `fmt` (for the packing code's checks).
+int64_t kquant_chunk_bytes(int64_t fmt) { return chunk_bytes(fmt); }
+
+// The integer path compiled in: "avx2" (also on AVX-512 hosts) or "portable".
+std::string kquant_isa() { return SLUICE_KQ_AVX2 ? "avx2" : "portable"; }

@@ -1,0 +1,233 @@
+"""GGUF K-quants (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) as CPU linear layers
+(``cpu_kquant.cpp``): the file's values and scales, integer dot products.
+
+A weight is given as its parts, the form every one of these formats shares (``cpu_kquant.cpp``
+says how each maps onto it):
+
+* ``u`` [N, K] uint8: the unsigned values (4, 5 or 6 bits);
+* ``d`` [N, K/S] float16: the super-block scale (S = 256 for K-quants, 32 for Q5_0 / Q5_1);
+* ``dm`` [N, K/S] float16: the super-block minimum scale (Q4_K, Q5_K) or the offset m (Q5_1);
+  None for the formats with a zero point (Q6_K 32, Q5_0 16);
+* ``sc`` [N, K/SUB] uint8: the sub-block scales (6-bit for Q4_K / Q5_K per 32, Q6_K's int8 per
+  16 as their bytes); None for Q5_0 / Q5_1;
+* ``mn`` [N, K/32] uint8: Q4_K's and Q5_K's 6-bit sub-block minimums; None otherwise.
+
+They are repacked at load into the kernel's layout (``pack``), which keeps the file's float16
+scales and its 6-bit sub-block scales as bytes rather than as float32 products d * sc: memory
+stays at the file's size (Q4_K 4.625 bits a weight against the file's 4.5, the others equal),
+and the kernel forms the products, which are exact in float32, where it reads them.
+
+The input is rounded to int8 per row and block of 32 (``cpu_blockq.quantize_input``, the same
+rounding as the Q4_0/Q4_1/Q8_0 products): finer than llama.cpp's Q8_K (one scale per 256), so the
+product is at least as close to the float one as llama.cpp's on the same file.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from sluice.kernels import cpu_blockq, cpu_ext
+
+TILE = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    type_id: int       # the GGML type id (the kernel's format code)
+    bits: int          # value bits
+    super_block: int   # elements per d (and dm)
+    sub: int           # elements per sub-block scale (= super_block without sub-block scales)
+    offset: bool       # w = D u + M (else w = D (u - zero))
+    zero: int
+    sub_scales: bool
+    signed_scales: bool = False
+
+    @property
+    def sub_blocks(self) -> int:
+        return self.super_block // self.sub
+
+
+FORMATS = {
+    "Q5_0": Spec(6, 5, 32, 32, False, 16, False),
+    "Q5_1": Spec(7, 5, 32, 32, True, 0, False),
+    "Q4_K": Spec(12, 4, 256, 32, True, 0, True),
+    "Q5_K": Spec(13, 5, 256, 32, True, 0, True),
+    "Q6_K": Spec(14, 6, 256, 16, False, 32, True, signed_scales=True),
+}
+Parts = tuple  # (u, d, dm | None, sc | None, mn | None)
+
+
+def isa() -> str | None:
+    """``avx2`` (also what AVX-512 hosts run) or ``portable``; None when the kernels are not built."""
+    return str(cpu_ext.module().kquant_isa()) if cpu_ext.available() else None
+
+
+def _check_parts(fmt: str, u, d, dm, sc, mn) -> tuple[int, int]:
+    spec = FORMATS[fmt]
+    n, k = u.shape
+    if k % spec.super_block:
+        raise ValueError(f"{fmt}: K must be a multiple of {spec.super_block}, got {k}")
+    want = {"d": (d, (n, k // spec.super_block), torch.float16),
+            "dm": (dm, (n, k // spec.super_block) if spec.offset else None, torch.float16),
+            "sc": (sc, (n, k // spec.sub) if spec.sub_scales else None, torch.uint8),
+            "mn": (mn, (n, k // 32) if spec.sub_scales and spec.offset else None, torch.uint8)}
+    for name, (t, shape, dtype) in want.items():
+        if shape is None:
+            if t is not None:
+                raise ValueError(f"{fmt}: has no {name}")
+        elif t is None or tuple(t.shape) != shape or t.dtype != dtype:
+            got = None if t is None else (tuple(t.shape), t.dtype)
+            raise ValueError(f"{fmt}: {name} must be {dtype} {shape}, got {got}")
+    if u.dtype != torch.uint8 or int(u.max()) >= 2 ** spec.bits:
+        raise ValueError(f"{fmt}: values must be uint8 in 0..{2 ** spec.bits - 1}")
+    if spec.sub_scales and not spec.signed_scales and (int(sc.max()) > 63 or int(mn.max()) > 63):
+        raise ValueError(f"{fmt}: sub-block scales and minimums are 6-bit (0..63)")
+    return n, k
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = -t.shape[0] % TILE
+    return torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def _per_tile(t: torch.Tensor, nsb: int) -> torch.Tensor:
+    """[N, nsb * c] bytes -> [tiles, nsb, c * 16]: each super-block's c columns, row lanes fastest."""
+    p = _pad_rows(t)
+    c = p.shape[1] // nsb
+    return p.view(p.shape[0] // TILE, TILE, nsb, c).permute(0, 2, 3, 1).reshape(p.shape[0] // TILE, nsb, c * TILE)
+
+
+def _halves_per_tile(h: torch.Tensor) -> torch.Tensor:
+    """[N, nsb] float16 -> [tiles, nsb, 32] bytes: each super-block's 16 row lanes as float16."""
+    p = _pad_rows(h.contiguous())
+    tiles, nsb = p.shape[0] // TILE, p.shape[1]
+    return p.view(tiles, TILE, nsb).transpose(1, 2).contiguous().view(torch.uint8)
+
+
+def pack(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) -> torch.Tensor:
+    """The parts (this module's doc) -> the kernel's layout (flat uint8; ``cpu_kquant.cpp``)."""
+    spec = FORMATS[fmt]
+    n, k = _check_parts(fmt, u, d, dm, sc, mn)
+    nsb, blocks = k // spec.super_block, spec.super_block // 32
+    header = [_halves_per_tile(d)]
+    if spec.offset:
+        header.append(_halves_per_tile(dm))
+    if spec.sub_scales:
+        header.append(_per_tile(sc, nsb))
+        if spec.offset:
+            header.append(_per_tile(mn, nsb))
+    q = _pad_rows(u)
+    tiles = q.shape[0] // TILE
+    v = q.view(tiles, TILE, nsb, blocks, 4, 2, 4).permute(0, 2, 3, 4, 5, 1, 6)       # [t, sb, b, p, h, r, j]
+    nib = ((v[:, :, :, :, 0] & 15) | ((v[:, :, :, :, 1] & 15) << 4)).reshape(tiles, nsb, blocks, 256)
+    body = [nib]
+    g = q.view(tiles, TILE, nsb, blocks, 8, 4).permute(0, 2, 3, 1, 5, 4).to(torch.int32)   # [t, sb, b, r, j, g]
+    weights = (1 << torch.arange(8, dtype=torch.int32))
+    for bit in range(4, spec.bits):
+        plane = (((g >> bit) & 1) * weights).sum(-1).to(torch.uint8)                    # [t, sb, b, r, j]
+        body.append(plane.reshape(tiles, nsb, blocks, 64))
+    body = torch.cat(body, -1).reshape(tiles, nsb, -1)
+    out = torch.cat([*header, body], -1).reshape(-1).contiguous()
+    if cpu_ext.available():
+        assert out.numel() == tiles * nsb * cpu_ext.module().kquant_chunk_bytes(spec.type_id)
+    return out
+
+
+def unpack(fmt: str, packed: torch.Tensor, n: int, k: int) -> Parts:
+    """Inverse of ``pack``: the parts, rows [:n]."""
+    spec = FORMATS[fmt]
+    nsb, blocks, tiles = k // spec.super_block, spec.super_block // 32, -(-n // TILE)
+    chunk = packed.view(tiles, nsb, -1)
+    at = 0
+
+    def take(width: int) -> torch.Tensor:       # [tiles, nsb, width * 16] -> [N, nsb * width]
+        nonlocal at
+        t = chunk[:, :, at:at + width * TILE]
+        at += width * TILE
+        return t.reshape(tiles, nsb, width, TILE).permute(0, 3, 1, 2).reshape(tiles * TILE, nsb * width)[:n]
+
+    def halves() -> torch.Tensor:              # [tiles, nsb, 32] -> [N, nsb] float16
+        nonlocal at
+        t = chunk[:, :, at:at + 2 * TILE].contiguous().view(torch.float16)           # [tiles, nsb, 16]
+        at += 2 * TILE
+        return t.transpose(1, 2).reshape(tiles * TILE, nsb)[:n]
+
+    d = halves()
+    dm = halves() if spec.offset else None
+    sc = take(spec.sub_blocks).contiguous() if spec.sub_scales else None
+    mn = take(spec.sub_blocks).contiguous() if spec.sub_scales and spec.offset else None
+    body = chunk[:, :, at:].reshape(tiles, nsb, blocks, 256 + 64 * (spec.bits - 4))
+    nib = body[..., :256].reshape(tiles, nsb, blocks, 4, TILE, 4)                     # [t, sb, b, p, r, j]
+    lo = torch.stack((nib & 15, nib >> 4), dim=4)                                     # [t, sb, b, p, h, r, j]
+    u = lo.permute(0, 5, 1, 2, 3, 4, 6).reshape(tiles * TILE, nsb, blocks, 8, 4).to(torch.int32)   # [N, sb, b, g, j]
+    for i, bit in enumerate(range(4, spec.bits)):
+        plane = body[..., 256 + 64 * i:256 + 64 * (i + 1)].reshape(tiles, nsb, blocks, TILE, 4).to(torch.int32)
+        bits = (plane[..., None] >> torch.arange(8, dtype=torch.int32)) & 1         # [t, sb, b, r, j, g]
+        u |= bits.permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE, nsb, blocks, 8, 4) << bit
+    return u.reshape(tiles * TILE, k)[:n].to(torch.uint8), d, dm, sc, mn
+
+
+def scales(fmt: str, d, dm, sc, mn, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(D [N, K/SUB], M [N, K/SUB] or None) float32 from the parts: d * sc and -(dmin * mn),
+    exact in float32, as gguf forms them."""
+    spec = FORMATS[fmt]
+    rep = spec.sub_blocks
+    dd = d.float().repeat_interleave(rep, dim=1)
+    if spec.sub_scales:
+        s = sc.view(torch.int8) if spec.signed_scales else sc
+        big_d = dd * s.float()
+    else:
+        big_d = dd
+    if not spec.offset:
+        return big_d, None
+    dmf = dm.float().repeat_interleave(rep, dim=1)
+    return big_d, (-(dmf * mn.float()) if spec.sub_scales else dmf)
+
+
+def dequantize(fmt: str, parts: Parts) -> torch.Tensor:
+    """[N, K] float32 with gguf's float32 arithmetic: D q + M, or D (q - zero)."""
+    spec = FORMATS[fmt]
+    u, d, dm, sc, mn = parts
+    n, k = u.shape
+    big_d, big_m = scales(fmt, d, dm, sc, mn, k)
+    q = u.float().view(n, k // spec.sub, spec.sub)
+    if spec.offset:
+        w = big_d[..., None] * q + big_m[..., None]
+    else:
+        w = big_d[..., None] * (q - spec.zero)
+    return w.reshape(n, k)
+
+
+def kernel():
+    """The compiled ``kquant_linear(x, packed, type_id, n)``, for hot loops."""
+    return cpu_ext.module().kquant_linear
+
+
+def rows_kernel():
+    """The compiled ``kquant_rows(ids [T] int64, packed, type_id, n, k) -> [T, k] float32``."""
+    return cpu_ext.module().kquant_rows
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) -> [M, n] float32."""
+    return cpu_ext.module().kquant_linear(x, packed, FORMATS[fmt].type_id, n)
+
+
+def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
+    """The kernel's product in float64: the input rounded as the kernel rounds it, each sub-block's
+    exact integer sum times D s, plus M s (sum a) per block of 32."""
+    spec = FORMATS[fmt]
+    u, d, dm, sc, mn = parts
+    n, k = u.shape
+    a, s = cpu_blockq.quantize_input(x)                                             # [M, K], [M, K/32]
+    rows = a.shape[0]
+    big_d, big_m = scales(fmt, d, dm, sc, mn, k)                                     # [N, K/SUB]
+    q = u.double() - (0 if spec.offset else spec.zero)
+    dots = torch.einsum("msi,nsi->mns", a.double().view(rows, -1, spec.sub), q.view(n, -1, spec.sub))
+    s_sub = s.double().repeat_interleave(32 // spec.sub, dim=1)                      # [M, K/SUB]
+    out = (dots * big_d.double()[None] * s_sub[:, None]).sum(-1)
+    if spec.offset:
+        sums = a.double().view(rows, -1, 32).sum(-1)                                 # [M, K/32]
+        out = out + (big_m.double()[None] * (s.double() * sums)[:, None]).sum(-1)
+    return out.float()
