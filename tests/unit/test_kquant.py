@@ -1,0 +1,175 @@
+"""GGUF K-quants and 5-bit blocks kept as stored (engine/models/kquant.py, kernels/cpu_kquant.*).
+
+* Decoding: random block bytes (any bytes with finite float16 scales are valid blocks), and
+  Q5_0 / Q5_1 blocks the ``gguf`` package writes, become weights whose values are gguf's own
+  ``dequantize``, bit for bit (through the parts, the packed layout, and the C++ row lookup).
+* Products: each format against its float64 reference (the kernel's own input rounding, exact
+  integer sums), and against a float product of the dequantized weight, at 1, 4, 32 and 512
+  rows; a row's bits are the same alone and in a batch, and the portable build (plain
+  x86-64-v2) gives the native build's bits.
+* The test encoder (tests/helpers/kquant_encode.py) writes blocks that decode to near the floats.
+
+The C++ extension is built on first use; if it cannot be built these tests fail, they do not skip.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from sluice.engine.models import kquant
+from sluice.kernels import cpu_ext, cpu_kquant
+from tests.helpers.kquant_encode import encode
+
+FORMATS = kquant.KQUANT_TYPES
+# byte offsets of each block's float16 scales
+_HALVES = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    assert cpu_ext.available(), f"the C++ CPU kernels did not build: {cpu_ext.unavailable_reason()}"
+    return cpu_ext.module()
+
+
+def random_blocks(kind: str, n: int, k: int, seed: int, scale: float = 0.01) -> np.ndarray:
+    """[n, bytes per row] of random blocks with finite, positive float16 scales."""
+    per, size = kquant._BLOCK[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
+    for at in _HALVES[kind]:
+        halves = (rng.random((n, k // per)) * scale + scale / 10).astype(np.float16)
+        raw[..., at:at + 2] = halves.view(np.uint8).reshape(n, k // per, 2)
+    return raw.reshape(n, -1)
+
+
+def weight(kind: str, n: int, k: int, seed: int) -> tuple[kquant.KQuantLinear, torch.Tensor]:
+    raw = random_blocks(kind, n, k, seed)
+    return kquant.KQuantLinear.from_gguf(kind, torch.from_numpy(raw), (n, k)), torch.from_numpy(dequantize(raw, T[kind]))
+
+
+# ---- decoding ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", FORMATS)
+def test_random_blocks_decode_to_ggufs_values_bit_for_bit(ops, kind):
+    n, k = 37, 768                     # 37: a partial row tile; 768: three super-blocks
+    w, want = weight(kind, n, k, seed=1)
+    assert torch.equal(w.dequantize(), want)
+    ids = torch.tensor([0, 36, 15, 16, 36])
+    assert torch.equal(w.rows(ids), want[ids])
+    parts = w.parts()
+    assert all(torch.equal(a, b) for a, b in zip(parts, kquant.gguf_parts(kind, torch.from_numpy(
+        random_blocks(kind, n, k, seed=1)), (n, k))) if a is not None)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1"])
+def test_ggufs_own_q5_blocks_decode_bit_for_bit(ops, kind):
+    import gguf
+
+    x = np.random.default_rng(2).standard_normal((20, 96)).astype(np.float32)
+    raw = gguf.quants.quantize(x, T[kind])
+    w = kquant.KQuantLinear.from_gguf(kind, torch.from_numpy(raw), (20, 96))
+    assert torch.equal(w.dequantize(), torch.from_numpy(dequantize(raw, T[kind])))
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1"])
+def test_the_test_encoder_writes_blocks_close_to_the_floats(kind):
+    x = np.random.default_rng(3).standard_normal((32, 512)).astype(np.float32)
+    back = dequantize(encode(x, kind), T[kind])
+    rms = float(np.sqrt(((back - x) ** 2).mean()))
+    assert rms < {"Q4_K": 0.1, "Q5_K": 0.05, "Q6_K": 0.025, "Q5_0": 0.05, "Q5_1": 0.05}[kind], rms
+
+
+# ---- products ---------------------------------------------------------------------------------------
+def _inputs(rows: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, k, generator=g) * torch.linspace(0.1, 3.0, k)      # channels of unequal size
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("rows", [1, 4, 32, 512])
+def test_product_matches_its_reference_and_the_float_product(ops, kind, rows):
+    n, k = 40, 512
+    w, dense = weight(kind, n, k, seed=rows)
+    x = _inputs(rows, k, seed=100 + rows)
+    got = w(x)
+    want = kquant.kquant_linear_ref(x, w)
+    assert got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    exact = x.double() @ dense.double().t()
+    # int8 rounding of the input per 32 costs what it should: close to the float product.
+    assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(ops, kind):
+    w, _ = weight(kind, 50, 512, seed=4)
+    x = _inputs(37, 512, seed=5)
+    full = w(x)
+    for i in (0, 1, 36):
+        assert torch.equal(w(x[i:i + 1].contiguous())[0], full[i])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        assert torch.equal(w(x), full)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_the_portable_build_computes_what_the_native_one_does(ops):
+    """Plain x86-64-v2 (no AVX2): the same integer sums and fused multiply-adds as the vector
+    path, so the same bits, at 1, 4, 32 and 512 rows, with a partial row tile."""
+    portable = cpu_ext.portable_module()
+    assert portable.kquant_isa() == "portable"
+    flags = set(cpu_ext._cpu_flags().decode().split())
+    assert ops.kquant_isa() == ("avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+    for kind in FORMATS:
+        w, _ = weight(kind, 33, 512, seed=6)
+        ids = torch.tensor([0, 32, 17])
+        assert torch.equal(portable.kquant_rows(ids, w.packed, w.type_id, 33, 512), w.rows(ids))
+        for rows in (1, 4, 32, 512):
+            x = _inputs(rows, 512, seed=rows)
+            assert torch.equal(portable.kquant_linear(x, w.packed, w.type_id, 33), w(x)), (kind, rows)
+
+
+def test_stacked_parts_in_different_formats(ops):
+    """A fused projection whose parts the file stores in different types: each part's product,
+    side by side; the same as each alone."""
+    q, _ = weight("Q4_K", 32, 256, seed=7)
+    v, _ = weight("Q6_K", 16, 256, seed=8)
+    from sluice.engine.models import quant
+
+    o = quant.BlockQLinear.from_float(torch.randn(24, 256), 8)
+    stacked = kquant.StackedLinear([q, v, o])
+    x = _inputs(3, 256, seed=9)
+    got = stacked(x)
+    assert got.shape == (3, 72)
+    assert torch.equal(got, torch.cat([q(x), v(x), o(x)], dim=1))
+    assert torch.equal(stacked.dequantize(), torch.cat([q.dequantize(), v.dequantize(), o.dequantize()]))
+    assert [p[0] for p in stacked.cpp_parts()] == [112, 114, 8]
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+def test_bad_parts_and_inputs_are_refused_by_name(ops):
+    w, _ = weight("Q4_K", 16, 256, seed=10)
+    u, d, dm, sc, mn = w.parts()
+    with pytest.raises(ValueError, match="Q4_K: K must be a multiple of 256, got 128"):
+        kquant.KQuantLinear("Q4_K", u[:, :128], d, dm, sc, mn)
+    with pytest.raises(ValueError, match="Q4_K: values must be uint8 in 0..15"):
+        kquant.KQuantLinear("Q4_K", u | 16, d, dm, sc, mn)
+    with pytest.raises(ValueError, match="6-bit"):
+        kquant.KQuantLinear("Q4_K", u, d, dm, sc | 64, mn)
+    with pytest.raises(ValueError, match="Q6_K: has no dm"):
+        kquant.KQuantLinear("Q6_K", u, d, dm, None, None)
+    with pytest.raises(ValueError, match="no K-quant format 'Q3_K'"):
+        kquant.KQuantLinear("Q3_K", u, d, dm, sc, mn)
+    with pytest.raises(RuntimeError, match="kquant: unknown format 11"):
+        ops.kquant_linear(torch.randn(1, 256), w.packed, 11, 16)
+    with pytest.raises(RuntimeError, match="kquant: packed weight does not match N = 32"):
+        ops.kquant_linear(torch.randn(1, 256), w.packed, 12, 32)
+    with pytest.raises(RuntimeError, match="kquant rows: id 16 is outside 0..15"):
+        w.rows(torch.tensor([16]))
+    with pytest.raises(ValueError, match="expected 256"):
+        w(torch.randn(2, 3, 128))
+    assert w(torch.randn(2, 3, 256)).shape == (2, 3, 16)
