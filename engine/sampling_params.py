@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 from sluice.engine.structured.spec import GrammarSpec
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -60,6 +63,9 @@ class SamplingParams:
         _num("repetition_penalty", self.repetition_penalty)
         if self.repetition_penalty <= 0.0:
             raise ValueError(f"repetition_penalty: must be > 0, got {self.repetition_penalty}")
+        # The penalty divides or multiplies float32 logits: a value float32 rounds to 0 (5e-324)
+        # or to infinity made them inf / NaN and failed the step.
+        _num("repetition_penalty", self.repetition_penalty, lo=1e-6, hi=1e6)
         if not isinstance(self.logit_bias, dict):
             raise ValueError("logit_bias: must be a mapping of token id to bias")
         for tok, bias in self.logit_bias.items():
@@ -96,7 +102,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # A temperature below GREEDY_BELOW is greedy too: dividing float32 logits by it would
+        # overflow them to inf (5e-324 is 0 in float32), and the draw is the argmax anyway.
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids in the parameters must exist in the model's vocabulary."""

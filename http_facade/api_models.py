@@ -27,11 +27,29 @@ Number = Union[StrictInt, StrictFloat]
 TokenIds = list[StrictInt]
 
 
+def inline(schema: dict) -> dict:
+    """``schema`` with its ``$defs`` substituted where they are referenced (a schema embedded in
+    another document cannot keep refs to its own root; none of these is recursive)."""
+    defs = schema.get("$defs", {})
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return walk(defs[ref[len("#/$defs/"):]])
+            return {k: walk(v) for k, v in node.items() if k != "$defs"}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    return walk(schema)
+
+
 def shaped(annotation: Any) -> Any:
     """A field documented as ``annotation`` but checked by the route's parser, whose message for
     a wrong shape is more precise than a union's ("prompt[1]: must be a non-empty list of token
     ids")."""
-    return Annotated[Any, WithJsonSchema(TypeAdapter(annotation).json_schema())]
+    return Annotated[Any, WithJsonSchema(inline(TypeAdapter(annotation).json_schema()))]
 
 
 class _Open(BaseModel):
@@ -117,7 +135,7 @@ class ChatMessage(_Open):
     content: shaped(Union[StrictStr, list[TextPart], None]) = None
     name: StrictStr | None = None
     tool_call_id: StrictStr | None = None
-    tool_calls: Annotated[Any, WithJsonSchema({"type": "array", "items": ToolCall.model_json_schema()})] = None
+    tool_calls: Annotated[Any, WithJsonSchema({"type": "array", "items": inline(ToolCall.model_json_schema())})] = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -207,7 +225,7 @@ class FunctionCallOutputItem(_Open):
 
 
 _INPUT_ITEMS = {"type": "array", "minItems": 1, "items": {"anyOf": [
-    InputMessage.model_json_schema(), FunctionCallItem.model_json_schema(), FunctionCallOutputItem.model_json_schema()]}}
+    inline(m.model_json_schema()) for m in (InputMessage, FunctionCallItem, FunctionCallOutputItem)]}}
 _RESPONSE_TOOLS = {"type": "array", "items": {"type": "object", "required": ["type", "name"], "properties": {
     "type": {"const": "function"}, "name": {"type": "string"}, "description": {"type": "string"},
     "parameters": {"type": "object"}, "strict": {"type": "boolean"}}}}

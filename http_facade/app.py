@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 
 import grpc
 from aiohttp import web
@@ -139,8 +140,25 @@ async def docs(request: web.Request) -> web.Response:
     return web.Response(text=docs_page(), content_type="text/html")
 
 
+_STATIC = Path(__file__).parent / "static"
+_ASSETS = {"/docs/swagger-ui-bundle.js": ("swagger-ui/swagger-ui-bundle.js", "text/javascript"),
+           "/docs/swagger-ui.css": ("swagger-ui/swagger-ui.css", "text/css")}
+
+
+async def asset(request: web.Request) -> web.Response:
+    """A file shipped in the package (``static/``), cached by the browser for a day."""
+    name, kind = _ASSETS[request.path]
+    return web.Response(body=(_STATIC / name).read_bytes(), content_type=kind,
+                        headers={"Cache-Control": "public, max-age=86400"})
+
+
 async def openapi_json(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
+    """The examples name the first served model; without an engine answering, they are left out."""
+    try:
+        models = await state_of(request).link.list_models()
+    except grpc.aio.AioRpcError:
+        models = ()
+    return web.json_response(openapi_document(model=models[0].name if models else None))
 
 
 async def dump_event_trace(request: web.Request) -> web.Response:
@@ -174,6 +192,8 @@ _HANDLERS = {
     ("GET", "/ready"): ready,
     ("GET", "/metrics"): metrics,
     ("GET", "/docs"): docs,
+    ("GET", "/docs/swagger-ui-bundle.js"): asset,
+    ("GET", "/docs/swagger-ui.css"): asset,
     ("GET", "/openapi.json"): openapi_json,
     ("POST", "/debug/dump_event_trace"): dump_event_trace,
 }

@@ -14,11 +14,13 @@ from typing import Callable, Iterable
 from aiohttp import web
 
 from sluice.http_facade.errors import ApiError
+from sluice.http_facade.openapi import PUBLIC_PATHS as OPENAPI_PUBLIC_PATHS
 
 KeyExtractor = Callable[[web.Request], "str | None"]
 ENV_KEYS = "SLUICE_API_KEYS"
 # Routes that never need a key: liveness and readiness probes.
-PUBLIC_PATHS = frozenset({"/health", "/ready"})
+# (openapi.ENDPOINTS marks them): liveness and readiness probes, and the API's documentation.
+PUBLIC_PATHS = OPENAPI_PUBLIC_PATHS
 
 
 def bearer_key(request: web.Request) -> str | None:

@@ -1,74 +1,28 @@
-"""The OpenAPI document (``/openapi.json``) and the ``/docs`` page that lists the endpoints.
+"""The OpenAPI document (``/openapi.json``) and the ``/docs`` page (Swagger UI, shipped in the
+package under ``static/swagger-ui``; no CDN).
 
-Both are built from ``ENDPOINTS``, the same table ``app.py`` registers routes from, so that the
-documentation cannot drift from what is served.
+Both are built from ``ENDPOINTS``, the same table ``app.py`` registers routes from. The OpenAI
+dialect and the endpoints beside it are described by their pydantic models (``api_models``): the
+request bodies the routes check against and the response bodies they send, whole and, for
+streams, per server-sent event (``text/event-stream``, with the event's schema under
+``itemSchema``). The AFS dialect's request schemas are still written here by hand, and its
+responses are not described yet.
 """
 from __future__ import annotations
 
 import html
+import json
 from dataclasses import dataclass
+from typing import Any
 
-_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
-    "message": {"type": "string"}, "type": {"type": "string"},
-    "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 
-_SAMPLING = {
-    "max_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number", "minimum": 0},
-    "top_p": {"type": "number"}, "top_k": {"type": "integer"}, "min_p": {"type": "number"},
-    "n": {"type": "integer", "minimum": 1}, "seed": {"type": "integer"},
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]},
-    "presence_penalty": {"type": "number"}, "frequency_penalty": {"type": "number"},
-    "repetition_penalty": {"type": "number"},
-    "logit_bias": {"type": "object", "additionalProperties": {"type": "number"}},
-    "stream": {"type": "boolean"},
-    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
-    "user": {"type": "string"}, "ignore_eos": {"type": "boolean"}, "min_tokens": {"type": "integer"},
-}
-_CHAT = {"type": "object", "required": ["model", "messages"], "properties": {
-    "model": {"type": "string"},
-    "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": ["system", "developer", "user", "assistant", "tool"]},
-        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
-        "name": {"type": "string"}, "tool_call_id": {"type": "string"}}}},
-    "max_completion_tokens": {"type": "integer"}, "logprobs": {"type": "boolean"},
-    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20}, **_SAMPLING}}
-_COMPLETION = {"type": "object", "required": ["model", "prompt"], "properties": {
-    "model": {"type": "string"},
-    "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                         {"type": "array", "items": {"type": "integer"}},
-                         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]},
-    "logprobs": {"type": "integer", "minimum": 0, "maximum": 5}, "echo": {"type": "boolean"}, **_SAMPLING}}
+from sluice.http_facade import api_models as am
+
 _EMBED_INPUT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
                           {"type": "array", "items": {"type": "integer"}},
                           {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
-_EMBED = {"type": "object", "required": ["model", "input"], "properties": {
-    "model": {"type": "string"}, "input": _EMBED_INPUT,
-    "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer", "minimum": 1}}}
-
-_TEXTS = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
-_RERANK = {"type": "object", "required": ["model", "query", "documents"], "properties": {
-    "model": {"type": "string"}, "query": {"type": "string"},
-    "documents": {"type": "array", "items": {"oneOf": [
-        {"type": "string"}, {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}]}},
-    "top_n": {"type": "integer", "minimum": 1}, "return_documents": {"type": "boolean"}}}
-_SCORE = {"type": "object", "required": ["model", "text_1", "text_2"], "properties": {
-    "model": {"type": "string"}, "text_1": _TEXTS, "text_2": _TEXTS}}
-_TOKENIZE = {"type": "object", "properties": {
-    "model": {"type": "string"}, "prompt": {"type": "string"}, "content": {"type": "string"},
-    "messages": _CHAT["properties"]["messages"], "add_special_tokens": {"type": "boolean"},
-    "add_special": {"type": "boolean"}, "add_generation_prompt": {"type": "boolean"}}}
-_DETOKENIZE = {"type": "object", "required": ["tokens"], "properties": {
-    "model": {"type": "string"}, "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
-    "skip_special_tokens": {"type": "boolean"}}}
-_RESPONSES = {"type": "object", "required": ["model", "input"], "properties": {
-    "model": {"type": "string"}, "instructions": {"type": "string"},
-    "input": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]},
-    "previous_response_id": {"type": "string"}, "tools": {"type": "array", "items": {"type": "object"}},
-    "tool_choice": {"oneOf": [{"enum": ["auto", "none", "required"]}, {"type": "object"}]},
-    "parallel_tool_calls": {"type": "boolean"}, "text": {"type": "object"},
-    "max_output_tokens": {"type": "integer", "minimum": 1}, "temperature": {"type": "number"},
-    "top_p": {"type": "number"}, "stream": {"type": "boolean"}, "store": {"type": "boolean"},
-    "metadata": {"type": "object", "additionalProperties": {"type": "string"}}, "user": {"type": "string"}}}
 
 # ---- AFS (/models/...): see http_facade/routes_afs.py and afs_errors.py
 _AFS_ERROR = {"type": "object", "properties": {
@@ -112,82 +66,163 @@ class Endpoint:
     method: str
     path: str
     summary: str
-    public: bool = False              # no API key needed
-    schema: dict | None = None        # the JSON request body, for POST
-    dialect: str = "openai"           # "afs": X-API-KEY security and the AFS error body
+    public: bool = False                       # no API key needed
+    schema: type[BaseModel] | dict | None = None   # the JSON request body
+    dialect: str = "openai"                    # "afs": X-API-KEY security and the AFS error body
+    response: type[BaseModel] | dict | None = None  # the 200 JSON body
+    stream: type[BaseModel] | None = None      # one SSE event's data, when the body asks to stream
+    content_type: str = "application/json"     # of the 200 body when it is not described by a model
+    example: dict | None = None                # a request body that works ("$MODEL": a served model)
 
+
+_HEALTH = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("GET", "/v1/models", "List the served models"),
-    Endpoint("GET", "/v1/models/{model}", "Describe one served model"),
-    Endpoint("POST", "/v1/chat/completions", "Chat completion, streaming (SSE) or not", schema=_CHAT),
-    Endpoint("POST", "/v1/completions", "Text completion, streaming (SSE) or not", schema=_COMPLETION),
-    Endpoint("POST", "/v1/embeddings", "Embeddings (models with the embeddings capability)", schema=_EMBED),
+    Endpoint("GET", "/v1/models", "List the served models", response=am.ModelList),
+    Endpoint("GET", "/v1/models/{model}", "Describe one served model", response=am.ModelCard),
+    Endpoint("POST", "/v1/chat/completions", "Chat completion, streaming (SSE) or not",
+             schema=am.ChatCompletionRequest, response=am.ChatCompletion, stream=am.ChatCompletionChunk,
+             example={"model": "$MODEL", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}),
+    Endpoint("POST", "/v1/completions", "Text completion (suffix: fill in the middle), streaming (SSE) or not",
+             schema=am.CompletionRequest, response=am.Completion, stream=am.Completion,
+             example={"model": "$MODEL", "prompt": "Once upon a time", "max_tokens": 8}),
+    Endpoint("POST", "/v1/embeddings", "Embeddings (models with the embeddings capability)",
+             schema=am.EmbeddingRequest, response=am.EmbeddingList),
     Endpoint("POST", "/v1/responses", "OpenAI Responses API: create a response, streaming (SSE events) or not",
-             schema=_RESPONSES),
-    Endpoint("GET", "/v1/responses/{response_id}", "Retrieve a stored response"),
-    Endpoint("DELETE", "/v1/responses/{response_id}", "Delete a stored response"),
-    Endpoint("POST", "/v1/rerank", "Rerank documents against a query (Jina / Cohere shape)", schema=_RERANK),
-    Endpoint("POST", "/rerank", "Rerank documents against a query (Jina / Cohere shape)", schema=_RERANK),
-    Endpoint("POST", "/v1/score", "Score text pairs (vLLM shape: text_1 against text_2)", schema=_SCORE),
-    Endpoint("POST", "/tokenize", "Tokenize a text or chat messages (vLLM / llama.cpp shape)", schema=_TOKENIZE),
-    Endpoint("POST", "/detokenize", "Token ids back to text (vLLM / llama.cpp shape)", schema=_DETOKENIZE),
+             schema=am.ResponseCreateRequest, response=am.ResponseObject, stream=am.ResponseStreamEvent,
+             example={"model": "$MODEL", "input": "Hello!", "instructions": "Be brief.", "max_output_tokens": 8}),
+    Endpoint("GET", "/v1/responses/{response_id}", "Retrieve a stored response", response=am.ResponseObject),
+    Endpoint("DELETE", "/v1/responses/{response_id}", "Delete a stored response", response=am.ResponseDeleted),
+    Endpoint("POST", "/v1/rerank", "Rerank documents against a query (Jina / Cohere shape)",
+             schema=am.RerankRequest, response=am.RerankResponse),
+    Endpoint("POST", "/rerank", "Rerank documents against a query (Jina / Cohere shape)",
+             schema=am.RerankRequest, response=am.RerankResponse),
+    Endpoint("POST", "/v1/score", "Score text pairs (vLLM shape: text_1 against text_2)",
+             schema=am.ScoreRequest, response=am.ScoreResponse),
+    Endpoint("POST", "/tokenize", "Tokenize a text or chat messages (vLLM / llama.cpp shape)",
+             schema=am.TokenizeRequest, response=am.TokenizeResponse,
+             example={"model": "$MODEL", "prompt": "Hello world"}),
+    Endpoint("POST", "/detokenize", "Token ids back to text (vLLM / llama.cpp shape)",
+             schema=am.DetokenizeRequest, response=am.DetokenizeResponse,
+             example={"model": "$MODEL", "tokens": [1, 2, 3]}),
     Endpoint("POST", "/models/conversation", "AFS: chat (human/assistant/system/function), streaming or not",
              schema=_AFS_CONVERSATION, dialect="afs"),
     Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=_AFS_GENERATE,
-             dialect="afs"),
+             dialect="afs", example={"model": "$MODEL", "inputs": "Once upon a time",
+                                     "parameters": {"max_new_tokens": 8}}),
     Endpoint("POST", "/models/text_infilling", "AFS: fill the one <FILL_ME> (models with FIM tokens)",
              schema=_AFS_GENERATE, dialect="afs"),
     Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)", schema=_AFS_EMBED,
              dialect="afs"),
     Endpoint("POST", "/models/rerank", "AFS: rerank [query, document] pairs or query + documents",
              schema=_AFS_RERANK, dialect="afs"),
-    Endpoint("GET", "/health", "Liveness: the facade process is up", public=True),
-    Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True),
-    Endpoint("GET", "/metrics", "Prometheus metrics"),
-    Endpoint("GET", "/docs", "This page"),
-    Endpoint("GET", "/openapi.json", "The OpenAPI document"),
-    Endpoint("POST", "/debug/dump_event_trace", "Per-request event trace (needs --enable-tracing)"),
+    Endpoint("GET", "/health", "Liveness: the facade process is up", public=True, response=_HEALTH),
+    Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True, response=_HEALTH),
+    Endpoint("GET", "/metrics", "Prometheus metrics (public with --public-metrics)", content_type="text/plain"),
+    Endpoint("GET", "/docs", "This API's documentation (Swagger UI)", public=True, content_type="text/html"),
+    Endpoint("GET", "/docs/swagger-ui-bundle.js", "Swagger UI's script (shipped in the package)", public=True,
+             content_type="text/javascript"),
+    Endpoint("GET", "/docs/swagger-ui.css", "Swagger UI's style sheet (shipped in the package)", public=True,
+             content_type="text/css"),
+    Endpoint("GET", "/openapi.json", "The OpenAPI document", public=True, response={"type": "object"}),
+    Endpoint("POST", "/debug/dump_event_trace", "Per-request event trace (needs --enable-tracing)",
+             response={"type": "object", "required": ["object", "data"], "properties": {
+                 "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}),
 )
+PUBLIC_PATHS = frozenset(ep.path for ep in ENDPOINTS if ep.public)
 
 
-def openapi_document(title: str = "sluice", version: str = "0.1.0") -> dict:
+def _models() -> list[type[BaseModel]]:
+    seen: list[type[BaseModel]] = [am.ErrorResponse]
+    for ep in ENDPOINTS:
+        for m in (ep.schema, ep.response, ep.stream):
+            if isinstance(m, type) and m not in seen:
+                seen.append(m)
+    return seen
+
+
+def _schemas() -> tuple[dict, dict]:
+    """(model → its $ref, the components' schemas). One mode for every model: a model's request
+    and response shapes are the same here."""
+    refs, defs = models_json_schema([(m, "validation") for m in _models()],
+                                    ref_template="#/components/schemas/{model}")
+    return {m: ref for (m, _), ref in refs.items()}, defs.get("$defs", {})
+
+
+def _body(spec: Any, refs: dict) -> dict:
+    return refs[spec] if isinstance(spec, type) else spec
+
+
+def _operation(ep: Endpoint, refs: dict, model: str | None) -> dict:
+    error = _AFS_ERROR if ep.dialect == "afs" else refs[am.ErrorResponse]
+    ok: dict = {"description": "OK"}
+    if ep.response is not None:
+        ok["content"] = {"application/json": {"schema": _body(ep.response, refs)}}
+    elif ep.dialect != "afs":
+        ok["content"] = {ep.content_type: {"schema": {"type": "string"}}}
+    if ep.stream is not None:
+        # One event (OpenAPI 3.2's itemSchema): its data is the JSON of the event's schema, or
+        # "[DONE]" at the end of an OpenAI chat or completion stream.
+        data = {"type": "string", "contentMediaType": "application/json", "contentSchema": refs[ep.stream]}
+        event = {"type": "object", "required": ["data"], "properties": {
+            "data": {"anyOf": [{"const": "[DONE]"}, data]}, "event": {"type": "string"}}}
+        ok["content"]["text/event-stream"] = {"itemSchema": event}
+    op: dict = {"summary": ep.summary, "operationId": _operation_id(ep), "responses": {
+        "200": ok, "default": {"description": "Error", "content": {"application/json": {"schema": error}}}}}
+    if not ep.public:
+        op["security"] = [{"bearer": []}, {"x_api_key": []}]
+    if ep.schema is not None:
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": _body(ep.schema, refs)}}}
+        if ep.example is not None and model is not None:
+            value = json.loads(json.dumps(ep.example).replace('"$MODEL"', json.dumps(model)))
+            op["requestBody"]["content"]["application/json"]["examples"] = {"basic": {"value": value}}
+    for name in ("model", "response_id"):
+        if "{" + name + "}" in ep.path:
+            param = {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+            if name == "model" and model is not None:
+                param["examples"] = {"served": {"value": model}}
+            op["parameters"] = [param]
+    return op
+
+
+def _operation_id(ep: Endpoint) -> str:
+    words = ep.path.strip("/").replace("{", "").replace("}", "").replace(".", "_").replace("-", "_")
+    return ep.method.lower() + "_" + (words.replace("/", "_") or "root")
+
+
+def openapi_document(title: str = "sluice", version: str = "0.1.0", model: str | None = None) -> dict:
+    """``model``: a served model's name, which the request examples use (none without it)."""
+    refs, defs = _schemas()
     paths: dict[str, dict] = {}
     for ep in ENDPOINTS:
-        error = _AFS_ERROR if ep.dialect == "afs" else _ERROR
-        op: dict = {"summary": ep.summary, "responses": {
-            "200": {"description": "OK"},
-            "default": {"description": "Error", "content": {"application/json": {"schema": error}}}}}
-        if not ep.public:
-            op["security"] = [{"bearer": []}, {"x_api_key": []}]
-        if ep.schema is not None:
-            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ep.schema}}}
-        for name in ("model", "response_id"):
-            if "{" + name + "}" in ep.path:
-                op["parameters"] = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}]
-        paths.setdefault(ep.path, {})[ep.method.lower()] = op
+        paths.setdefault(ep.path, {})[ep.method.lower()] = _operation(ep, refs, model)
     return {"openapi": "3.1.0", "info": {"title": title, "version": version,
                                          "description": "OpenAI-, MLC- and AFS-compatible REST API of sluice"},
             "paths": paths,
-            "components": {"securitySchemes": {
+            "components": {"schemas": defs, "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "x_api_key": {"type": "apiKey", "in": "header", "name": "X-API-KEY"}}}}
 
 
 def docs_page() -> str:
+    """Swagger UI over /openapi.json, and the endpoint table for readers without JavaScript."""
     rows = "\n".join(
         f"<tr><td><code>{ep.method}</code></td><td><code>{html.escape(ep.path)}</code></td>"
         f"<td>{html.escape(ep.summary)}</td><td>{'no' if ep.public else 'if keys are set'}</td></tr>"
         for ep in ENDPOINTS)
+    config = json.dumps({"url": "/openapi.json", "dom_id": "#swagger-ui", "deepLinking": True})
     return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>sluice API</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:4px 12px;text-align:left}}</style></head>
-<body><h1>sluice REST API</h1>
+<html lang="en"><head><meta charset="utf-8"><title>sluice API</title>
+<link rel="stylesheet" href="/docs/swagger-ui.css"></head>
+<body><div id="swagger-ui"></div>
+<noscript><h1>sluice REST API</h1>
 <p>OpenAI-compatible endpoints under <code>/v1</code>; the AFS (Formosa Foundation Model) API under
 <code>/models</code>. Machine-readable: <a href="/openapi.json">/openapi.json</a>. Keys go in
-<code>Authorization: Bearer &lt;key&gt;</code> or <code>X-API-KEY: &lt;key&gt;</code> (<code>X-API-HOST</code>
-is ignored). AFS errors are <code>{"status_code", "error", "detail", "param"}</code>.</p>
+<code>Authorization: Bearer &lt;key&gt;</code> or <code>X-API-KEY: &lt;key&gt;</code>.</p>
 <table><tr><th>method</th><th>path</th><th>what</th><th>API key</th></tr>
 {rows}
-</table></body></html>
+</table></noscript>
+<script src="/docs/swagger-ui-bundle.js"></script>
+<script>window.ui = SwaggerUIBundle({config});</script>
+</body></html>
 """

@@ -202,7 +202,7 @@ def parse_request(body: dict, previous: list[dict] | None) -> ResponsesRequest:
             "previous_response_id": body.get("previous_response_id"),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
-            "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "metadata": _metadata(body.get("metadata")), "user": body.get("user"), "truncation": "disabled"}
     return ResponsesRequest(chat, conversation, echo, chat["stream"], protocol.get_bool(body, "store", True))

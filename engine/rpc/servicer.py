@@ -20,6 +20,7 @@ from sluice.engine.rpc import engine_pb2_grpc as pb_grpc
 from sluice.engine.rpc.tracing import Tracing
 from sluice.engine.sampling_params import SamplingParams
 
+_INPUT_ERROR = "ValueError: "
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineService"].full_name   # "sluice.v1.EngineService"
 
 
@@ -65,6 +66,10 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
                 errors += [d.error or "engine fault" for d in out.deltas if d.finish_reason == "error"]
         if errors:
             # The final records already carry finish_reason ERROR; the call's status says it too.
+            # A ValueError met while running is the request's own input proving impossible (a
+            # grammar this tokenizer cannot spell): the client's error, not the server's.
+            if errors[0].startswith(_INPUT_ERROR):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, errors[0][len(_INPUT_ERROR):])
             await context.abort(grpc.StatusCode.INTERNAL, f"request {request_id} failed: {errors[0]}")
 
     async def _prompt(self, request: pb.GenerateRequest) -> tuple[str | list[int], bool]:

@@ -33,7 +33,7 @@ def test_schemathesis_finds_no_server_error(tmp_path):
     s = Serve(write_tiny_folder(tmp_path / "tiny"), tmp_path / "serve.log", api_key="st-key").wait_ready()
     try:
         run = subprocess.run(
-            [*_schemathesis(), "run", s.url + "/openapi.json", "--checks", "not_a_server_error",
+            [*_schemathesis(), "run", s.url + "/openapi.json", "--checks", "not_a_server_error,response_schema_conformance",
              "--max-examples", str(MAX_EXAMPLES), "--seed", str(SEED), "--phases", "examples,coverage,fuzzing",
              "--workers", "1", "--request-timeout", "60", "-H", "Authorization: Bearer st-key"],
             cwd=REPO, capture_output=True, text=True, timeout=540)
