@@ -171,6 +171,8 @@ class AsyncEngine:
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join, 30.0)
         self._embed_pool.shutdown(wait=False, cancel_futures=True)
+        if self._core is not None and not (self._thread is not None and self._thread.is_alive()):
+            self._core.close()
         for stream in self._streams.values():
             stream.put_nowait(EngineUnavailableError("engine unavailable: the engine has stopped"))
 

@@ -49,6 +49,9 @@ def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="weights in memory: none (float32) | bf16 | int8 | int4 | w8a8 | w4a8 (CPU only) | "
                         "auto: the fastest that keeps the file's weights (default: auto, or the override)")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                   help="split the model across N ranks (torch.distributed, gloo on CPU); the override "
+                        "tensor_parallel_shards (default: 1)")
     p.add_argument("--speculative-mode", default="disable", metavar="MODE",
                    help="disable | ngram | small_draft | eagle | medusa; small_draft, eagle and medusa "
                         "need --additional-models (default: disable)")
@@ -128,14 +131,21 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags that stand for an override key (each must agree with the override when both are given).
+_FLAG_KEYS = (("quantization", "--quantization", "quantization"),
+              ("tensor_parallel_size", "--tensor-parallel-size", "tensor_parallel_shards"))
+
+
 def with_quantization(args: argparse.Namespace) -> dict:
-    """The parsed overrides with ``--quantization`` folded in (it and the override must agree)."""
+    """The parsed overrides with ``--quantization`` and ``--tensor-parallel-size`` folded in (a
+    flag and its override must agree)."""
     given = parse_overrides(args.overrides)
-    flag = getattr(args, "quantization", None)
-    if flag is not None:
-        if given.get("quantization", flag) != flag:
-            raise ValueError(f"--quantization {flag} disagrees with the override quantization={given['quantization']}")
-        given["quantization"] = flag
+    for attr, flag, key in _FLAG_KEYS:
+        value = getattr(args, attr, None)
+        if value is not None:
+            if given.get(key, value) != value:
+                raise ValueError(f"{flag} {value} disagrees with the override {key}={given[key]}")
+            given[key] = value
     return given
 
 

@@ -74,9 +74,12 @@ class DeviceConfig:
     # | auto: the fastest format that keeps the file's weights as stored (w4a8 for a Q4_0/Q4_1
     # GGUF on CPU, none for float checkpoints and on CUDA; engine.loaders.quantized).
     quantization: str = "auto"
+    # Ranks one model is split across (engine.parallel.tensor; MLC's tensor_parallel_shards).
+    tensor_parallel_shards: int = 1
 
     def __post_init__(self) -> None:
         d = self.device
+        _positive("tensor_parallel_shards", self.tensor_parallel_shards)
         if not (d in ("auto", "cpu", "cuda") or (d.startswith("cuda:") and d[5:].isdigit())):
             raise ValueError(f"device: must be auto, cpu, cuda or cuda:N, got {d!r}")
         if self.dtype not in _DTYPES:

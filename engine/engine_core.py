@@ -30,6 +30,7 @@ from sluice.engine.heap import release_freed_heap
 from sluice.engine.kv_cache import KVCacheManager, num_blocks_for_budget
 from sluice.engine.loaders import LoadedModel, load_model, resolve_dtype, resolve_kv_dtype
 from sluice.engine.model_runner import ModelRunner
+from sluice.engine.parallel.tensor import start_tensor_parallel
 from sluice.engine.outputs import (CompletionDelta, RequestMetrics, RequestOutput, RunnerOutput, Usage,
                                   shown_logprobs)
 from sluice.engine.request import Request, RequestStatus
@@ -159,6 +160,11 @@ class EngineCore:
         if loaded is not None and quantization not in ("auto", loaded.quantization):
             raise ValueError(f"quantization: the model given was loaded as {loaded.quantization}, "
                              f"the config asks for {quantization}")
+        self.tp = None
+        if config.device.tensor_parallel_shards > 1:
+            if loaded is not None:
+                raise ValueError("tensor_parallel_shards: the engine loads its own shards; give a model name")
+            self.tp, loaded = start_tensor_parallel(config, dtype, device, quantization, progress)
         self.loaded = loaded or self._load(config.model, dtype, device, progress, quantization)
         self.draft = load_draft(config.speculative, self.loaded,
                                 lambda name: self._load(name, dtype, device, progress, quantization), draft_loaded)
@@ -198,6 +204,8 @@ class EngineCore:
         for model in (self.loaded.model, None if self.draft is None else self.draft.model):
             if hasattr(model, "warm_up"):
                 model.warm_up(sched.max_num_batched_tokens, logit_rows)
+        if self.tp is not None:
+            self.tp.init_kv(num_blocks, block_size, kv_dtype, (sched.max_num_batched_tokens, logit_rows))
         _release_free_heap()
         caps = {"generate", "chat"} if getattr(self.tokenizer, "chat_template", None) else {"generate"}
         caps.add("structured_output")
@@ -214,6 +222,12 @@ class EngineCore:
         self._choice_of: dict[str, tuple[_Group, _Choice]] = {}   # scheduler request id -> its choice
         self._dirty: dict[str, None] = {}                          # client ids with news, in order
         self._check_each_step = envs.debug_invariants()
+
+    def close(self) -> None:
+        """Release what outlives the step loop: the grammar compile pool, tensor-parallel ranks."""
+        self.structured.close()
+        if self.tp is not None:
+            self.tp.close()
 
     # ---- set-up -------------------------------------------------------------------------
     @staticmethod

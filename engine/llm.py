@@ -52,6 +52,10 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what the engine started besides this thread (tensor-parallel ranks, grammar pool)."""
+        self.engine.close()
+
     # ---- batch API ----------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[GenerationResult]:

@@ -204,6 +204,9 @@ class ModelRunner:
             return
         src = torch.from_numpy(slots[[a for a, _b in moves]]).to(self.device)
         dst = torch.from_numpy(slots[[b for _a, b in moves]]).to(self.device)
+        tp = getattr(self.model, "tp", None)     # tensor parallelism: the other ranks move theirs
+        if tp is not None:
+            tp.move_kv(src, dst)
         if self._move_slots is not None:      # CPU: one C++ call for every layer's K and V
             self._move_slots([c for cache in self.kv_caches for c in cache], src, dst)
             return

@@ -78,6 +78,8 @@ KEYS: dict[str, _Key] = {
     "sampler_backend": _Key("sampler_backend", str, "auto | torch | triton"),
     "dtype": _Key("dtype", str, "auto | float32 | float16 | bfloat16"),
     "num_threads": _Key("num_threads", _int, "torch intra-op threads on CPU"),
+    "tensor_parallel_shards": _Key("tensor_parallel_shards", _int,
+                                   "ranks the model is split across (tensor parallelism over torch.distributed, CPU)"),
     "quantization": _Key("quantization", str, "weights in memory: none | bf16 | int8 | int4 | w8a8 | w4a8 | auto (CPU)"),
     "num_speculative_tokens": _Key("num_speculative_tokens", _int, "draft tokens per step"),
     # Speculative decoding (--speculative-mode); MLC's spec_draft_length, then sluice's own.
@@ -103,7 +105,7 @@ KEYS: dict[str, _Key] = {
     "max_tools_bytes": _Key("max_tools_bytes", _bytes, "JSON bytes of a chat's tools and tool calls"),
 }
 # MLC options with no sluice equivalent: named, so the error says so rather than "unknown".
-_UNSUPPORTED_MLC = ("tensor_parallel_shards", "pipeline_parallel_stages", "max_history_size",
+_UNSUPPORTED_MLC = ("pipeline_parallel_stages", "max_history_size",
                     "prefix_cache_max_num_recycling_seqs", "sliding_window_size",
                     "attention_sink_size", "max_single_sequence_length")
 

@@ -102,6 +102,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                              "(requests are routed by model name); small_draft: the draft model, with the "
                              "target's tokenizer vocabulary; eagle, medusa: the heads' folder (public "
                              "EAGLE-1 / Medusa layout)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="each engine splits the model across N ranks (the override tensor_parallel_shards)")
     parser.add_argument("--data-parallel", type=int, default=1, metavar="N",
                         help="N engines of the model, each with an equal share of the CPU cores (or one "
                              "GPU each), behind the one facade (default: 1)")

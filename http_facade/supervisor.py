@@ -290,6 +290,7 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
                             ("--speculative-mode", args.speculative_mode if i < replicas else None),
                             ("--additional-models", spec_extra),
                             ("--quantization", getattr(args, "quantization", None)),
+                            ("--tensor-parallel-size", _str_or_none(getattr(args, "tensor_parallel_size", None))),
                             ("--otlp-traces-endpoint", args.otlp_traces_endpoint)):
             if value is not None:   # unset: the engine's own default
                 cmd += (flag, value)
@@ -313,6 +314,10 @@ def build_plan(args: argparse.Namespace) -> ServePlan:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
     return ServePlan(tuple(engines), tuple(facade_cmd), f"http://{host}:{args.port}",
                      {ENV_KEYS: ",".join(config.auth.keys)}, args.ready_timeout, args.grace + 10.0)
+
+
+def _str_or_none(value) -> str | None:
+    return None if value is None else str(value)
 
 
 def _additional_models(args: argparse.Namespace) -> list[str]:

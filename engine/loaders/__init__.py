@@ -114,8 +114,11 @@ def load_model(
     progress=None,
     max_seq_len: int | None = None,
     quantization: str = "none",
+    transform=None,
 ) -> LoadedModel:
-    """``quantization``: none | bf16 | int8 | int4 | auto (``loaders.quantized`` says what auto picks)."""
+    """``quantization``: none | bf16 | int8 | int4 | auto (``loaders.quantized`` says what auto picks).
+    ``transform``: (arch, weights) -> (arch, weights) applied before the model is built (a
+    tensor-parallel rank's slice: ``engine.parallel.tensor.sharder``)."""
     from sluice.engine.loaders.quantized import check_quantization, resolve_quantization
 
     device = torch.device(device)
@@ -136,6 +139,8 @@ def load_model(
 
         arch, weights = load_hf_folder(path, report)
         tokenizer = Tokenizer.from_folder(path)
+    if transform is not None:
+        arch, weights = transform(arch, weights)
     fmt = resolve_quantization(quantization, weights, device)
     try:
         model = build_model(arch, weights, dtype, device, max_seq_len, quantization=fmt)

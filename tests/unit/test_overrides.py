@@ -28,7 +28,8 @@ def test_parse_types_each_key() -> None:
 
 @pytest.mark.parametrize("text, words", [
     ("max_num_seqs=4", ["unknown key 'max_num_seqs'", "max_num_sequence"]),
-    ("tensor_parallel_shards=2", ["tensor_parallel_shards", "does not support"]),
+    ("pipeline_parallel_stages=2", ["pipeline_parallel_stages", "does not support"]),
+    ("tensor_parallel_shards=two", ["tensor_parallel_shards", "not valid"]),
     ("max_num_sequence=abc", ["max_num_sequence='abc'", "not valid"]),
     ("enable_prefix_caching=maybe", ["enable_prefix_caching", "true or false"]),
     ("kv_cache_memory_bytes=lots", ["kv_cache_memory_bytes", "byte count"]),

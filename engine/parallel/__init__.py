@@ -1,0 +1,1 @@
+"""Parallelism inside one engine: ``tensor`` splits a model across ranks (torch.distributed)."""

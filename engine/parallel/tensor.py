@@ -1,0 +1,349 @@
+"""Tensor parallelism over ``torch.distributed``: one model split across N ranks (processes).
+
+Split (Megatron's column/row scheme, on the Llama decoder's own modules):
+  * attention: each rank holds a contiguous range of key/value heads and the query heads of
+    their groups (``q_proj``/``k_proj``/``v_proj`` rows, their biases, ``o_proj`` columns), and
+    its own KV cache for those heads only; when the heads do not divide evenly the first ranks
+    take one more (SmolLM2's 3 KV heads on 2 ranks: 2 and 1);
+  * MLP: each rank holds an equal slice of the intermediate features (``gate``/``up`` rows,
+    ``down`` columns);
+  * ``o_proj`` and ``down_proj`` outputs are partial sums, all-reduced (summed) across ranks
+    before the residual add: two all-reduces per layer and step;
+  * the embedding, the norms and the LM head are whole on every rank (only rank 0 computes
+    logits).
+Weights are sliced as they are read (``ShardedWeights`` over the loader's lazy mapping: one full
+tensor at a time is ever resident), block formats (Q4_0, Q4_1, Q8_0, ...) included, cut between
+whole blocks (a cut inside a block is refused with the tensor's name).
+
+Processes: rank 0 is the engine (scheduler, KV manager, sampler, speculative decoding, grammars:
+all unchanged); it starts ranks 1..N-1 (``python -m sluice.engine.parallel.worker``) unless the
+standard rendezvous variables (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``) say a
+launcher started them, on this host or others. Every forward call on rank 0 first broadcasts the
+step's inputs (token ids, positions, attention metadata) to the workers, which run the same
+forward on their shard and cache; a draft tree's accepted K/V moves are broadcast the same way.
+So everything above the model (paged KV, continuous batching, prefix caching, speculation) is the
+single-rank engine's. Backend: gloo on CPU. A worker that dies ends the engine at once with a
+message naming it (``watch_workers``), never a hang.
+
+Layers run in Python here (the C++ one-call layer stack has no collectives), so a sharded CPU
+step is slower than an unsharded one on the same cores: tensor parallelism is for models that do
+not fit one device, or for spreading one model over several hosts.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sluice.engine.errors import ModelLoadError
+from sluice.engine.models.config import ModelArchConfig
+
+log = logging.getLogger("sluice.parallel")
+
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK")
+# The command channel waits between steps for as long as the engine is idle: no collective
+# timeout (a dead peer is found by the process watch, or by gloo's closed connection).
+_IDLE_TIMEOUT = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int
+    world: int
+    kv_start: int
+    kv_heads: int
+    q_start: int
+    q_heads: int
+    inter_start: int
+    inter: int
+
+
+def plan_shard(arch: ModelArchConfig, rank: int, world: int) -> Shard:
+    """Which heads and intermediate features ``rank`` of ``world`` holds; ValueError naming
+    ``tensor_parallel_shards`` when the model cannot be split that way."""
+    kv = arch.num_key_value_heads
+    if world > kv:
+        raise ValueError(f"tensor_parallel_shards: {world} ranks need at least {world} key/value heads; "
+                         f"the model has {kv}")
+    if arch.intermediate_size % world:
+        raise ValueError(f"tensor_parallel_shards: the MLP's {arch.intermediate_size} features do not split "
+                         f"evenly over {world} ranks")
+    group = arch.num_attention_heads // kv
+    base, extra = divmod(kv, world)
+    kv_heads = base + (rank < extra)
+    kv_start = rank * base + min(rank, extra)
+    inter = arch.intermediate_size // world
+    return Shard(rank, world, kv_start, kv_heads, kv_start * group, kv_heads * group, rank * inter, inter)
+
+
+def shard_arch(arch: ModelArchConfig, shard: Shard) -> ModelArchConfig:
+    return dataclasses.replace(arch, num_attention_heads=shard.q_heads, num_key_value_heads=shard.kv_heads,
+                               intermediate_size=shard.inter)
+
+
+class ShardedWeights(Mapping):
+    """One rank's view of a loader's HF-named weights: projections sliced, the rest whole."""
+
+    def __init__(self, weights: Mapping, arch: ModelArchConfig, shard: Shard) -> None:
+        self._w, self._arch, self._s = weights, arch, shard
+        if hasattr(weights, "blocks"):
+            self.blocks = self._blocks
+        for name in ("tensor_type",):
+            if hasattr(weights, name):
+                setattr(self, name, getattr(weights, name))
+
+    def _cut(self, name: str) -> tuple[int, int, int] | None:
+        """(dim, start, stop) of this rank's slice of ``name``, None for a whole tensor."""
+        s, d = self._s, self._arch.head_dim
+        if ".self_attn." in name:
+            kind = name.rsplit(".", 2)[-2]
+            if kind == "q_proj":
+                return 0, s.q_start * d, (s.q_start + s.q_heads) * d
+            if kind in ("k_proj", "v_proj"):
+                return 0, s.kv_start * d, (s.kv_start + s.kv_heads) * d
+            if kind == "o_proj" and name.endswith(".weight"):
+                return 1, s.q_start * d, (s.q_start + s.q_heads) * d
+        if ".mlp." in name:
+            kind = name.rsplit(".", 2)[-2]
+            if kind in ("gate_proj", "up_proj"):
+                return 0, s.inter_start, s.inter_start + s.inter
+            if kind == "down_proj":
+                return 1, s.inter_start, s.inter_start + s.inter
+        return None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._w[name]
+        cut = self._cut(name)
+        return t if cut is None else t.narrow(cut[0], cut[1], cut[2] - cut[1]).contiguous()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        full = list(self._w.shape(name))
+        cut = self._cut(name)
+        if cut is not None:
+            full[cut[0]] = cut[2] - cut[1]
+        return tuple(full)
+
+    def _blocks(self, name: str):
+        got = self._w.blocks(name)
+        cut = self._cut(name)
+        if got is None or cut is None:
+            return got
+        kind, raw = got                                   # raw [rows, bytes per row] uint8
+        dim, start, stop = cut
+        if dim == 0:
+            return kind, raw[start:stop].contiguous()
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        if start % per_block or stop % per_block:
+            raise ModelLoadError(f"tensor_parallel_shards: tensor {name!r} ({kind}, blocks of {per_block}) "
+                                 f"cannot be split at column {start if start % per_block else stop}")
+        return kind, raw[:, start // per_block * nbytes:stop // per_block * nbytes].contiguous()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._w
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._w)
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+
+class _AllReduce(torch.nn.Module):
+    """A row-parallel projection: this rank's partial product, summed over the ranks."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x)
+        dist.all_reduce(y)
+        return y
+
+
+def install(model: torch.nn.Module) -> None:
+    """Make a shard's model sum its row-parallel outputs across ranks; the Python layers run
+    (the C++ layer stack has no collectives)."""
+    for layer in model.layers:
+        layer.self_attn.o_proj = _AllReduce(layer.self_attn.o_proj)
+        layer.mlp.down_proj = _AllReduce(layer.mlp.down_proj)
+    model._decoder = False
+
+
+def sharder(rank: int, world: int):
+    """The loader's ``transform`` for ``rank``: (arch, weights) -> that rank's (arch, weights)."""
+    def transform(arch: ModelArchConfig, weights: Mapping):
+        shard = plan_shard(arch, rank, world)
+        return shard_arch(arch, shard), ShardedWeights(weights, arch, shard)
+    return transform
+
+
+def start_tensor_parallel(config, dtype: torch.dtype, device: torch.device, quantization: str, progress=None):
+    """Rank 0 of ``config.device.tensor_parallel_shards``: the group started and joined, and this
+    rank's shard loaded and wrapped (``TensorParallel.wrap``). Returns ``(TensorParallel, LoadedModel)``."""
+    world = config.device.tensor_parallel_shards
+    if not (config.device.num_threads or os.environ.get("OMP_NUM_THREADS")):
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))   # the ranks share this host's cores
+    tp = TensorParallel.launch(world, config.model, str(dtype).removeprefix("torch."), str(device), quantization)
+    try:
+        loaded = load_shard(config.model, 0, world, dtype, device, quantization)
+        tp.wrap(loaded.model)
+    except BaseException:
+        tp.close()
+        raise
+    return tp, loaded
+
+
+def load_shard(model: str, rank: int, world: int, dtype, device, quantization: str, progress=None):
+    """This rank's ``LoadedModel``: the loader reads only its slices (``ShardedWeights``)."""
+    from sluice.engine.loaders import load_model
+
+    loaded = load_model(model, dtype=dtype, device=device, quantization=quantization, progress=progress,
+                        transform=sharder(rank, world))
+    return loaded
+
+
+# ---- rank 0: the engine's side -------------------------------------------------------------------
+class TensorParallel:
+    """Rank 0's handle: the process group, the workers it started, the step broadcasts."""
+
+    def __init__(self, world: int, workers: list[subprocess.Popen]) -> None:
+        self.world = world
+        self.workers = workers
+        self._closed = False
+
+    @classmethod
+    def launch(cls, world: int, model: str, dtype: str, device: str, quantization: str) -> TensorParallel:
+        """Start ranks 1..world-1 here (unless a launcher set RANK / WORLD_SIZE) and join the group."""
+        if device.startswith("cuda"):
+            raise ValueError("tensor_parallel_shards: not available on CUDA yet (the CPU path over gloo is the "
+                             "tested one)")
+        env = {k: os.environ[k] for k in RENDEZVOUS if k in os.environ}
+        workers: list[subprocess.Popen] = []
+        if "RANK" in env:
+            if int(env["RANK"]) != 0 or int(env.get("WORLD_SIZE", "0")) != world:
+                raise ValueError(f"tensor_parallel_shards: {world} does not match WORLD_SIZE={env.get('WORLD_SIZE')} "
+                                 f"/ RANK={env['RANK']} of the launcher (rank 0 is the engine)")
+            addr = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+        else:
+            addr = f"127.0.0.1:{_free_port()}"
+            host, port = addr.split(":")
+            threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // world))
+            for rank in range(1, world):
+                cmd = (sys.executable, "-m", "sluice.engine.parallel.worker", model, "--dtype", dtype,
+                       "--device", device, "--quantization", quantization)
+                rendezvous = {"MASTER_ADDR": host, "MASTER_PORT": port, "WORLD_SIZE": str(world),
+                              "RANK": str(rank), "OMP_NUM_THREADS": threads}
+                workers.append(subprocess.Popen(cmd, env={**os.environ, **rendezvous}, preexec_fn=_die_with_parent))
+        _join(addr, world, workers)
+        tp = cls(world, workers)
+        tp.watch_workers()
+        return tp
+
+    def wrap(self, model: torch.nn.Module) -> None:
+        """Rank 0's shard: every forward is broadcast to the workers first."""
+        install(model)
+        local = model.forward
+
+        def forward(input_ids, positions, kv_caches, meta, attn):
+            self.send("forward", (input_ids, positions, meta))
+            return local(input_ids, positions, kv_caches, meta, attn)
+
+        model.forward = forward
+        model.tp = self
+
+    def init_kv(self, num_blocks: int, block_size: int, dtype: torch.dtype, warm: tuple[int, int]) -> None:
+        self.send("kv", (num_blocks, block_size, dtype, warm))
+
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.send("move", (src, dst))
+
+    def send(self, op: str, payload) -> None:
+        dist.broadcast_object_list([(op, payload)], src=0)
+
+    def watch_workers(self) -> None:
+        """Threads that end this process, naming the worker and its exit code, when one dies."""
+        for rank, proc in enumerate(self.workers, start=1):
+            threading.Thread(target=_wait_for, args=(rank, proc, self), daemon=True,
+                             name=f"sluice-tp-watch-{rank}").start()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.send("stop", None)
+        except Exception:  # noqa: BLE001 - a worker already gone: nothing to tell
+            pass
+        for proc in self.workers:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _join(addr: str, world: int, workers: list[subprocess.Popen]) -> None:
+    """Rank 0 joins the group; a worker that exits first (a model it cannot load) is an error
+    naming it, not a wait for ever."""
+    failure: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://{addr}", rank=0, world_size=world,
+                                    timeout=_IDLE_TIMEOUT)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failure.append(exc)
+
+    joiner = threading.Thread(target=init, daemon=True, name="sluice-tp-join")
+    joiner.start()
+    while joiner.is_alive():
+        joiner.join(0.1)
+        for rank, proc in enumerate(workers, start=1):
+            if proc.poll() is not None:
+                for other in workers:
+                    other.kill()
+                raise RuntimeError(f"tensor_parallel_shards: rank {rank} exited with code {proc.returncode} "
+                                   "while starting (its output says why)")
+    if failure:
+        raise failure[0]
+
+
+def _wait_for(rank: int, proc: subprocess.Popen, tp: TensorParallel) -> None:
+    rc = proc.wait()
+    if tp._closed:
+        return
+    msg = (f"sluice engine: tensor-parallel rank {rank} (pid {proc.pid}) exited with code {rc}; "
+           "the engine cannot go on without it and stops")
+    log.error(msg)
+    print(msg, file=sys.stderr, flush=True)
+    os._exit(3)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
