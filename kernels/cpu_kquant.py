@@ -105,10 +105,25 @@ def _halves_per_tile(h: torch.Tensor) -> torch.Tensor:
     return p.view(tiles, TILE, nsb).transpose(1, 2).contiguous().view(torch.uint8)
 
 
+_PACK_ROWS = 1024     # rows packed at a time (a multiple of TILE): bounds the load's temporaries
+
+
 def pack(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) -> torch.Tensor:
-    """The parts (this module's doc) -> the kernel's layout (flat uint8; ``cpu_kquant.cpp``)."""
-    spec = FORMATS[fmt]
+    """The parts (this module's doc) -> the kernel's layout (flat uint8; ``cpu_kquant.cpp``).
+    Tiles are independent, so rows are packed a slice at a time and the slices joined."""
     n, k = _check_parts(fmt, u, d, dm, sc, mn)
+    pieces = [_pack_rows(fmt, *(None if t is None else t[r:r + _PACK_ROWS] for t in (u, d, dm, sc, mn)))
+              for r in range(0, n, _PACK_ROWS)]
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    if cpu_ext.available():
+        assert out.numel() == -(-n // TILE) * (k // FORMATS[fmt].super_block) * cpu_ext.module().kquant_chunk_bytes(
+            FORMATS[fmt].type_id)
+    return out
+
+
+def _pack_rows(fmt: str, u, d, dm, sc, mn) -> torch.Tensor:
+    spec = FORMATS[fmt]
+    n, k = u.shape
     nsb, blocks = k // spec.super_block, spec.super_block // 32
     header = [_halves_per_tile(d)]
     if spec.offset:
@@ -122,16 +137,14 @@ def pack(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) 
     v = q.view(tiles, TILE, nsb, blocks, 4, 2, 4).permute(0, 2, 3, 4, 5, 1, 6)       # [t, sb, b, p, h, r, j]
     nib = ((v[:, :, :, :, 0] & 15) | ((v[:, :, :, :, 1] & 15) << 4)).reshape(tiles, nsb, blocks, 256)
     body = [nib]
-    g = q.view(tiles, TILE, nsb, blocks, 8, 4).permute(0, 2, 3, 1, 5, 4).to(torch.int32)   # [t, sb, b, r, j, g]
-    weights = (1 << torch.arange(8, dtype=torch.int32))
+    g = q.view(tiles, TILE, nsb, blocks, 8, 4).permute(0, 2, 3, 1, 5, 4)              # [t, sb, b, r, j, g]
     for bit in range(4, spec.bits):
-        plane = (((g >> bit) & 1) * weights).sum(-1).to(torch.uint8)                    # [t, sb, b, r, j]
+        plane = torch.zeros(g.shape[:-1], dtype=torch.uint8)                            # [t, sb, b, r, j]
+        for i in range(8):
+            plane |= ((g[..., i] >> bit) & 1) << i
         body.append(plane.reshape(tiles, nsb, blocks, 64))
     body = torch.cat(body, -1).reshape(tiles, nsb, -1)
-    out = torch.cat([*header, body], -1).reshape(-1).contiguous()
-    if cpu_ext.available():
-        assert out.numel() == tiles * nsb * cpu_ext.module().kquant_chunk_bytes(spec.type_id)
-    return out
+    return torch.cat([*header, body], -1).reshape(-1).contiguous()
 
 
 def unpack(fmt: str, packed: torch.Tensor, n: int, k: int) -> Parts:

@@ -706,16 +706,42 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
-// A projection: block-quantized (bits 4 or 8; d and m its block scales and offsets) or float32
-// packed by oneDNN (bits 32; d and m unused), with a float32 bias (Qwen2's q/k/v) or none (an
-// empty tensor). The bias is added as the Python layers add it: after the block product, inside
-// oneDNN's.
+// One product: kind 4 or 8 (cpu_blockq.cpp's blocks of that many bits; d and m their scales and
+// offsets), 100 + a GGML type id (cpu_kquant.cpp's K-quant and 5-bit formats; d and m unused),
+// or 32 (float32 packed by oneDNN, with the projection's bias inside).
+struct Part {
+  torch::Tensor packed, d, m;
+  int64_t kind = 0, n = 0;
+};
+
+bool known_kind(int64_t kind) {
+  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 112 && kind <= 114);
+}
+
+// A projection: its parts' products side by side (a fused q/k/v or gate/up whose parts the
+// file stores in different types), plus a float32 bias (Qwen2's q/k/v) or none (an empty
+// tensor). The bias is added as the Python layers add it: after the block products, inside
+// oneDNN's (a float32 projection is one part).
 struct Projection {
-  torch::Tensor packed, d, m, bias;
-  int64_t bits = 0, n = 0;
+  std::vector<Part> parts;
+  torch::Tensor bias;
+  Projection() = default;
+  Projection(torch::Tensor packed, torch::Tensor d, torch::Tensor m, torch::Tensor b, int64_t kind, int64_t n)
+      : parts{Part{packed, d, m, kind, n}}, bias(b) {}
+  static torch::Tensor one(const Part& p, const torch::Tensor& x) {
+    if (p.kind == 4 || p.kind == 8) return blockq_linear(x, p.packed, p.d, p.m, p.kind, p.n);
+    return kquant_linear(x, p.packed, p.kind - 100, p.n);
+  }
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (bits == 32) return onednn_linear(x, packed, bias);
-    torch::Tensor out = blockq_linear(x, packed, d, m, bits, n);
+    if (parts.size() == 1 && parts[0].kind == 32) return onednn_linear(x, parts[0].packed, bias);
+    torch::Tensor out;
+    if (parts.size() == 1) {
+      out = one(parts[0], x);
+    } else {
+      std::vector<torch::Tensor> outs;
+      for (const Part& p : parts) outs.push_back(one(p, x));
+      out = torch::cat(outs, 1);
+    }
     return bias.numel() ? out.add_(bias) : out;
   }
 };
@@ -728,8 +754,9 @@ struct Layer {
 }  // namespace
 
 // The layers of a Llama-family model whose projections are all either block-quantized or float32
-// packed by oneDNN. Per layer: the two norm weights, (packed, d, m) for qkv, o, gate_up and down,
-// then their four biases (empty: none).
+// packed by oneDNN. Per layer, tensors: the two norm weights, the four biases of qkv, o, gate_up
+// and down (empty: none), then (packed, d, m) for each part of each projection in order; sizes:
+// per projection its part count, then (kind, out) for each part.
 // forward() is LlamaForCausalLM.forward for a step where every sequence has one new token:
 // embeddings in, the final norm's output out.
 class LlamaDecoder {
@@ -742,21 +769,33 @@ class LlamaDecoder {
     for (size_t i = 0; i < tensors.size(); ++i) {
       const auto& t = tensors[i];
       const auto& s = shapes[i];
-      TORCH_CHECK(t.size() == 18 && s.size() == 8, "LlamaDecoder: layer ", i, " needs 18 tensors and 8 sizes");
+      TORCH_CHECK(t.size() >= 6, "LlamaDecoder: layer ", i, " needs two norms and four biases first");
       Layer layer;
       layer.input_norm = t[0];
       layer.post_norm = t[1];
       Projection* w[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
+      size_t at = 6, si = 0;
       for (int j = 0; j < 4; ++j) {
-        const int64_t bits = s[2 * j];
-        TORCH_CHECK(bits == 4 || bits == 8 || bits == 32, "LlamaDecoder: layer ", i, ": bits must be 4, 8 or 32 "
-                    "(float32 packed by oneDNN), got ", bits);
-        const torch::Tensor& bias = t[14 + j];
+        TORCH_CHECK(si < s.size() && s[si] >= 1, "LlamaDecoder: layer ", i, ": each projection needs a part count");
+        const int64_t count = s[si++];
+        int64_t total = 0;
+        for (int64_t p = 0; p < count; ++p) {
+          TORCH_CHECK(si + 2 <= s.size() && at + 3 <= t.size(), "LlamaDecoder: layer ", i, ": too few parts given");
+          const int64_t kind = s[si], n = s[si + 1];
+          si += 2;
+          TORCH_CHECK(known_kind(kind) && (kind != 32 || count == 1), "LlamaDecoder: layer ", i, ": kind must be 4 or 8 "
+                      "(block bits), 100 + a K-quant type id or 32 (float32 packed by oneDNN, alone), got ", kind);
+          w[j]->parts.push_back(Part{t[at], t[at + 1], t[at + 2], kind, n});
+          at += 3;
+          total += n;
+        }
+        const torch::Tensor& bias = t[2 + j];
         TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
-                                          bias.numel() == s[2 * j + 1]),
+                                          bias.numel() == total),
                     "LlamaDecoder: layer ", i, ": a bias must be a contiguous float32 [out] or empty");
-        *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bias, bits, s[2 * j + 1]};
+        w[j]->bias = bias;
       }
+      TORCH_CHECK(at == t.size() && si == s.size(), "LlamaDecoder: layer ", i, ": more tensors or sizes than its parts");
       layers_.push_back(layer);
     }
   }
@@ -814,7 +853,7 @@ class EagleLayer {
     Projection* w[5] = {&fc_, &qkv_, &o_, &gate_up_, &down_};
     for (int j = 0; j < 5; ++j) {
       const int64_t bits = s[2 * j];
-      TORCH_CHECK(bits == 4 || bits == 8 || bits == 32, "EagleLayer: bits must be 4, 8 or 32, got ", bits);
+      TORCH_CHECK(known_kind(bits), "EagleLayer: bits must be 4, 8, 32 or 100 + a K-quant type id, got ", bits);
       const torch::Tensor& bias = t[17 + j];
       TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
                                         bias.numel() == s[2 * j + 1]),

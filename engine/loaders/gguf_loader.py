@@ -255,8 +255,8 @@ def _dequantized(tensor, arch: ModelArchConfig, path: Path) -> np.ndarray:
     return w if w.flags.writeable else w.copy()
 
 
-# GGUF block types that models.quant reads as stored (no float32 round trip).
-RAW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+# GGUF block types that models.quant and models.kquant read as stored (no float32 round trip).
+RAW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _raw_blocks(tensor, arch: ModelArchConfig) -> torch.Tensor:

@@ -1,8 +1,12 @@
 """A checkpoint's tensors into one of ``models.quant``'s weight formats, at load time.
 
 GGUF Q4_0 / Q4_1 / Q8_0 projections go straight from their blocks into the w4a8 / w8a8 / int4
-layouts, and a Q8_0 embedding is kept as stored; every other tensor is read one at a time as float32 (dequantized by
-gguf, or from safetensors) and quantized, so the load never holds a float32 copy of the model.
+layouts, and a Q8_0 embedding is kept as stored. In w8a8 the K-quants (Q4_K, Q5_K, Q6_K) and
+5-bit blocks (Q5_0, Q5_1) are kept as stored too (``models.kquant``), projections, LM head and
+embedding alike, tensor by tensor in a file that mixes them (a fused q/k/v or gate/up whose parts
+differ in type is a ``kquant.StackedLinear``); w4a8 keeps Q4_K as stored. Every other tensor is
+read one at a time as float32 (dequantized by gguf, or from safetensors) and quantized, so the
+load never holds a float32 copy of the model.
 
 ``auto`` (``resolve_quantization``) picks the fastest format that keeps the precision the file
 has, judged by the types of its projection weights:
@@ -10,16 +14,18 @@ has, judged by the types of its projection weights:
 * not on CPU: ``none`` (these formats have CPU kernels only);
 * with sluice's C++ kernels built (``kernels.cpu_ext``) and vectorized for this CPU (AVX512-VNNI
   or AVX2; ``cpu_blockq.isa()``): every projection Q4_0 / Q4_1: ``w4a8``,
-  every projection Q4_0 / Q4_1 / Q8_0: ``w8a8``. Both keep the file's blocks as stored (values and
-  float16 scales), the LM head's Q8_0 too, and round activations to int8 per block of 32 as
-  llama.cpp does (perplexity +0.2-0.3% on SmolLM2, bench/README.md); they are 4-7x float32's
-  decode rate here;
+  every projection Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q4_K / Q5_K / Q6_K (any mix: the files
+  llama.cpp's ``_K_M`` / ``_K_S`` presets write): ``w8a8``. Both keep the file's blocks as stored
+  (values and float16 scales), the LM head's too, and round activations to int8 per block of 32
+  (llama.cpp rounds them per 32 for these, and per 256, Q8_K, for K-quants: ours is finer;
+  perplexity +0.2-0.3% on SmolLM2, bench/README.md); they are 4-7x float32's decode rate here;
 * without them (or with only their portable C++ loop, slower than float32: 1.2 ms against
   0.37 ms for a 3072x576 product at one row on an AVX2 CPU), every projection Q4_0 / Q4_1:
   ``int4`` (the file's own 4-bit values and its float16 scales rounded to bfloat16). Its LM
   head is int8 whatever the file (torch has no kernel for per-block scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured
   int4 error, which is still under int8's (mean |logit change| 0.07, perplexity -0.2%);
-* anything else (the K-quants, float16, bfloat16, float32; and Q8_0 without the kernels): ``none``. int8 re-rounds each
+* anything else (Q2_K, Q3_K, the IQ types, float16, bfloat16, float32; and any block type but
+  Q4_0 / Q4_1 without the kernels): ``none``, dequantized to float32 at load. int8 re-rounds each
   weight to a per-row scale (coarser than Q8_0's per-32 blocks), and measured on SmolLM2-135M
   that is not negligible: mean |logit change| 0.19 against 0.05 for the bfloat16 rounding of
   activations alone (bf16), and the top token changed on 5% of positions (bench/README.md).
@@ -32,12 +38,13 @@ from __future__ import annotations
 import torch
 
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.models import quant
+from sluice.engine.models import kquant, quant
 from sluice.engine.models.llama import _take
 
 QUANTIZED = ("bf16", "int8", "int4", "w8a8", "w4a8")
 _LOSSLESS_INT4 = frozenset({"Q4_0", "Q4_1"})
-_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0"})         # held unrounded by w8a8 (and the 4-bit ones by w4a8)
+# Held as stored by w8a8 (the 4-bit ones, and Q4_K, by w4a8 too).
+_BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", *kquant.KQUANT_TYPES})
 _PROJECTIONS = ("_proj.weight",)
 
 
@@ -95,9 +102,7 @@ class Quantizer:
     def linear(self, weights, parts: list[tuple[str, tuple[int, int]]]):
         """One projection from its HF parts, stacked by rows (fused q/k/v, gate/up)."""
         if self.fmt in quant.BLOCK_FORMATS:
-            bits = quant.BLOCK_FORMATS[self.fmt]
-            pieces = [self._block(weights, name, shape, bits) for name, shape in parts]
-            return quant.BlockQLinear(*(torch.cat(p) for p in zip(*pieces)), bits)
+            return _stack([self._block(weights, name, shape, quant.BLOCK_FORMATS[self.fmt]) for name, shape in parts])
         if self.fmt == "int4":
             pieces = [self._int4(weights, name, shape) for name, shape in parts]
             return quant.Int4Linear(*(torch.cat(p) for p in zip(*pieces)))
@@ -109,26 +114,62 @@ class Quantizer:
 
     def head(self, weights, name: str, shape: tuple[int, int]):
         if self.fmt in quant.BLOCK_FORMATS:
-            return quant.BlockQLinear(*self._block(weights, name, shape, 8), 8)
+            return _stack([self._block(weights, name, shape, 8)])
         return quant.HEAD_CLASSES[self.fmt].from_float(_float(weights, name, shape))
 
-    def embedding(self, weights, name: str, shape: tuple[int, int]):
-        """The token embedding as stored when the file holds it as Q8_0; None: keep float32 rows."""
-        raw = _raw(weights, name, shape)
-        if raw is None or raw[0] != "Q8_0":
-            return None
-        return quant.embedding_from_q8_0(raw[1], shape)
+    def embedding(self, weights, name: str, shape: tuple[int, int], tied_head=None):
+        """The token embedding as stored, or None (keep float32 rows): a tied block head that holds
+        the file's table as stored serves the lookups from its blocks (``TiedBlockEmbedding``); else a
+        Q8_0 table is kept as int8 blocks, and, in the block formats, a K-quant or 5-bit one as stored."""
+        kind = _stored_type(weights, name)
+        held = tied_head is not None and self.fmt in quant.BLOCK_FORMATS
+        if held and (kind == "Q8_0" or kind in kquant.KQUANT_TYPES) and isinstance(tied_head, (quant.BlockQLinear, kquant.KQuantLinear)):
+            return quant.TiedBlockEmbedding(tied_head)
+        if kind == "Q8_0":
+            return quant.embedding_from_q8_0(_raw(weights, name, shape)[1], shape)
+        if kind in kquant.KQUANT_TYPES and self.fmt in quant.BLOCK_FORMATS:
+            return quant.TiedBlockEmbedding(kquant.KQuantLinear.from_gguf(*_raw(weights, name, shape), shape))
+        return None
 
-    def _block(self, weights, name: str, shape: tuple[int, int], bits: int) -> quant.BlockParts:
-        raw = _raw(weights, name, shape)
-        parts = None if raw is None else quant.block_parts(raw[0], raw[1], shape, bits)
-        return parts if parts is not None else quant.float_to_block(_float(weights, name, shape), bits)
+    def _block(self, weights, name: str, shape: tuple[int, int], bits: int):
+        """(format, parts) of one tensor in a block format: K-quants and 5-bit blocks as stored
+        (w4a8: Q4_K only), Q4_0 / Q4_1 / Q8_0 as stored in ``bits``-bit blocks where they fit,
+        anything else rounded to ``bits``-bit blocks from float32."""
+        kind = _stored_type(weights, name)
+        if kind in kquant.KQUANT_TYPES and (bits == 8 or kind == "Q4_K"):
+            raw = _raw(weights, name, shape)
+            return kind, kquant.gguf_parts(kind, raw[1], shape)
+        if kind in quant.BLOCK_BITS and quant.BLOCK_BITS[kind] <= bits:
+            raw = _raw(weights, name, shape)
+            return bits, quant.block_parts(raw[0], raw[1], shape, bits)
+        return bits, quant.float_to_block(_float(weights, name, shape), bits)
 
     def _int4(self, weights, name: str, shape: tuple[int, int]) -> quant.Int4Parts:
         raw = _raw(weights, name, shape)
         if raw is not None and raw[0] in quant.RAW_INT4:
             return quant.RAW_INT4[raw[0]](raw[1], shape)
         return quant.float_to_int4(_float(weights, name, shape))
+
+
+def _stack(pieces: list):
+    """Block weights from (format, parts) per HF part, stacked by rows: parts in the same format
+    are one weight, a projection whose parts differ in format a ``kquant.StackedLinear``."""
+    groups: list[tuple[object, list]] = []
+    for fmt, parts in pieces:
+        if groups and groups[-1][0] == fmt:
+            groups[-1][1].append(parts)
+        else:
+            groups.append((fmt, [parts]))
+    made = []
+    for fmt, group in groups:
+        cat = [None if p[0] is None else torch.cat(p) for p in zip(*group)]
+        made.append(quant.BlockQLinear(*cat, fmt) if isinstance(fmt, int) else kquant.KQuantLinear(fmt, *cat))
+    return made[0] if len(made) == 1 else kquant.StackedLinear(made)
+
+
+def _stored_type(weights, name: str) -> str | None:
+    kind = getattr(weights, "tensor_type", None)
+    return kind(name) if kind is not None and name in weights else None
 
 
 def _float(weights, name: str, shape) -> torch.Tensor:

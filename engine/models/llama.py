@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from sluice.engine import envs
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache, row_prefixes
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.models import quant
+from sluice.engine.models import kquant, quant
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
 
@@ -255,7 +255,7 @@ class LlamaForCausalLM(torch.nn.Module):
         if self._decoder is None:
             self._decoder = False
             linears = [m for m in self.modules() if isinstance(m, _Linear)]
-            blockq = all(isinstance(m.quantized, quant.BlockQLinear) for m in linears)
+            blockq = all(isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in linears)
             packed = self._float32_packed()
             if linears and (blockq or packed):
                 from sluice.kernels import cpu_ext
@@ -269,13 +269,12 @@ class LlamaForCausalLM(torch.nn.Module):
                     projs = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
                     norms = [layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()]
                     biases = [none if p.bias is None else p.bias.detach().float().contiguous() for p in projs]
-                    if blockq:
-                        ws = [p.quantized for p in projs]
-                        tensors.append(norms + [t for w in ws for t in (w.packed, w.d, w.m)] + biases)
-                        shapes.append([v for w in ws for v in (w.bits, w.out_features)])
-                    else:
-                        tensors.append(norms + [t for p in projs for t in (p.packed, none, none)] + biases)
-                        shapes.append([v for p in projs for v in (32, p.out_features)])
+                    # Per projection its parts (kind, packed, d, m, out): several where a fused
+                    # projection's parts are stored in different block formats (kquant.StackedLinear).
+                    parts = [kquant.block_cpp_parts(p.quantized) if blockq else [(32, p.packed, none, none, p.out_features)]
+                             for p in projs]
+                    tensors.append(norms + biases + [t for ps in parts for (_, w, d, m, _) in ps for t in (w, d, m)])
+                    shapes.append([v for ps in parts for v in (len(ps), *[x for (kind, *_, n) in ps for x in (kind, n)])])
                 arch, ops = self.arch, cpu_ext.module()
                 self._decoder = ops.LlamaDecoder(
                     tensors, shapes, self.norm.weight.detach(), arch.num_attention_heads,
@@ -292,7 +291,7 @@ class LlamaForCausalLM(torch.nn.Module):
         their weights once for a few rows (SmolLM2 on 2 cores: 8 rows 25 ms, 1 row 22 ms), where
         the block formats' integer products are compute-bound from a few rows up (w4a8: 8 ms
         against 4). Speculation's draft trees pay only in the first case (bench/spec_decode.py)."""
-        return not any(isinstance(m, _Linear) and isinstance(m.quantized, quant.BlockQLinear) for m in self.modules())
+        return not any(isinstance(m, _Linear) and isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in self.modules())
 
     def rows_at_one_row_cost(self) -> int | None:
         """The most rows a step runs for about the cost of one, where measured: 6 with every
@@ -369,11 +368,9 @@ class LlamaForCausalLM(torch.nn.Module):
             if quantizer is not None:
                 head = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
                 self.quant_lm_head = quantizer.head(weights, head, tuple(vocab_shape))
-                self.quant_embedding = quantizer.embedding(weights, "model.embed_tokens.weight", tuple(vocab_shape))
-                if (self.quant_embedding is not None and self.lm_head is None
-                        and isinstance(self.quant_lm_head, quant.BlockQLinear)):
-                    # A tied Q8_0 table: the block head holds it as stored, so lookups read the head.
-                    self.quant_embedding = quant.TiedBlockEmbedding(self.quant_lm_head)
+                # A tied table kept as stored by a block head: lookups read the head's blocks.
+                self.quant_embedding = quantizer.embedding(weights, "model.embed_tokens.weight", tuple(vocab_shape),
+                                                           tied_head=self.quant_lm_head if self.lm_head is None else None)
                 self.lm_head = None
             if self.quant_embedding is None:
                 self.embed_tokens.weight.copy_(_take(weights, "model.embed_tokens.weight", vocab_shape))

@@ -15,7 +15,9 @@ attention and the KV cache stay float32, and each projection's input is rounded 
 * ``w4a8`` / ``w8a8`` (``BlockQLinear``): GGUF-style blocks of 32 with a float32 scale and
   offset each (Q4_0 / Q4_1 / Q8_0 exactly as stored), multiplied by sluice's own C++ kernel
   (``kernels/cpu_blockq.cpp``) with the input rounded to int8 per block of 32 instead of to
-  bfloat16: integer dot products, fast at every row count. The LM head is 8-bit blocks.
+  bfloat16: integer dot products, fast at every row count. The LM head is 8-bit blocks. GGUF
+  K-quants and 5-bit blocks are held as stored by ``models.kquant`` in these formats (w8a8: all
+  of them; w4a8: Q4_K), with the same input rounding (``kernels/cpu_kquant.cpp``).
 
 The int8 and int4 kernels compute every row on its own: a row's bits are the same alone and
 among any number of rows (tests/unit/test_quant_kernels.py), so one kernel serves every row

@@ -173,3 +173,12 @@ def test_bad_parts_and_inputs_are_refused_by_name(ops):
     with pytest.raises(ValueError, match="expected 256"):
         w(torch.randn(2, 3, 128))
     assert w(torch.randn(2, 3, 256)).shape == (2, 3, 16)
+
+
+def test_packing_a_slice_of_rows_at_a_time_gives_the_same_layout(ops, monkeypatch):
+    for kind in FORMATS:
+        w, _ = weight(kind, 70, 256, seed=11)
+        parts = w.parts()
+        monkeypatch.setattr(cpu_kquant, "_PACK_ROWS", 32)
+        assert torch.equal(cpu_kquant.pack(kind, *parts), w.packed), kind
+        monkeypatch.undo()

@@ -95,7 +95,10 @@ class _Typed(dict):
 @pytest.mark.parametrize("types, picked, without_kernels", [
     ({"a.q_proj.weight": "Q4_0", "a.down_proj.weight": "Q4_1", "norm.weight": "F32"}, "w4a8", "int4"),
     ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
-    ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q6_K"}, "none", "none"),
+    ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q6_K"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "Q4_K", "a.v_proj.weight": "Q6_K", "a.up_proj.weight": "Q5_0",
+      "a.o_proj.weight": "Q5_K", "a.down_proj.weight": "Q8_0", "b.q_proj.weight": "Q5_1"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "Q4_K", "a.down_proj.weight": "Q3_K"}, "none", "none"),
     ({"a.q_proj.weight": "Q8_0", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
     ({"a.q_proj.weight": "BF16"}, "none", "none"),
 ])

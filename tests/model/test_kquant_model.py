@@ -1,0 +1,181 @@
+"""A GGUF that mixes block types per tensor, as llama.cpp's Q4_K_M / Q5_K_M files do (Q4_K, Q5_K,
+Q6_K, Q5_0, Q5_1 and Q8_0 here, with a fused q/k/v whose parts differ in type), on a tiny
+random-weight Llama written by the test (tests/helpers/kquant_encode.py's encoder; gguf's own
+for Q5_0 / Q5_1 / Q8_0).
+
+* ``auto`` keeps every tensor as stored (w8a8): no block tensor is read as float32, each
+  projection multiplies by exactly the file's values (gguf's ``dequantize``), the tied Q6_K
+  table is held once, by the LM head, and lookups are the file's values.
+* Against the same file in float32 (``quantization=none``, dequantized by gguf), with the same
+  measures as tests/model/test_quantization.py: teacher-forced top-1 agreement and the logit
+  change, never greedy-prefix agreement.
+* Through the engine (the C++ layer stack): a request's greedy tokens are the same alone and in
+  a batch with chunked prefill, and with n-gram speculation (verification rows) as without.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from sluice.engine.llm import LLM
+from sluice.engine.loaders import load_model
+from sluice.engine.loaders import gguf_loader
+from sluice.engine.models import kquant, quant
+from sluice.engine.models.llama import _Linear
+from sluice.engine.sampling_params import SamplingParams
+from tests.helpers.kquant_encode import encode
+from tests.model.test_logits import _prefill_logits
+
+H, HEADS, KV_HEADS, INTER, LAYERS = 256, 4, 2, 512, 2
+D = H // HEADS
+TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd", *[f"z{i}" for i in range(243)]]   # 256
+# Per layer, each projection's type (llama.cpp's Q4_K_M keeps attn_v and ffn_down in Q6_K on some
+# layers); the tied embedding / LM head is Q6_K.
+TYPES = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
+          "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
+         {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_K",
+          "ffn_gate": "Q5_K", "ffn_up": "Q6_K", "ffn_down": "Q4_K"}]
+HEAD_TYPE = "Q6_K"
+MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE, AGREEMENT = 2.5, 0.23, 0.9   # test_quantization's w8a8 bounds
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter permutation of Q/K rows (rotate-half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_mixed_gguf(path) -> None:
+    import gguf
+
+    rng = np.random.default_rng(0)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(LAYERS)
+    writer.add_context_length(256)
+    writer.add_embedding_length(H)
+    writer.add_feed_forward_length(INTER)
+    writer.add_head_count(HEADS)
+    writer.add_head_count_kv(KV_HEADS)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TOKENS)
+    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
+    writer.add_token_merges(["a b", "c d"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+    def add(name: str, w: np.ndarray, kind: str | None) -> None:
+        w = w.astype(np.float32)
+        if kind is None:
+            writer.add_tensor(name, w)
+        else:
+            writer.add_tensor(name, encode(w, kind), raw_dtype=T[kind])
+
+    # Scaled so that the residual stream and the logits are of a trained model's size (logits of
+    # several units, a clear best token at most positions).
+    add("token_embd.weight", rng.standard_normal((len(TOKENS), H)) * 0.6, HEAD_TYPE)
+    add("output_norm.weight", 1 + 0.1 * rng.standard_normal(H), None)
+    shapes = {"attn_q": (H, H), "attn_k": (KV_HEADS * D, H), "attn_v": (KV_HEADS * D, H), "attn_output": (H, H),
+              "ffn_gate": (INTER, H), "ffn_up": (INTER, H), "ffn_down": (H, INTER)}
+    for i, types in enumerate(TYPES):
+        add(f"blk.{i}.attn_norm.weight", 1 + 0.1 * rng.standard_normal(H), None)
+        add(f"blk.{i}.ffn_norm.weight", 1 + 0.1 * rng.standard_normal(H), None)
+        for name, shape in shapes.items():
+            w = rng.standard_normal(shape) / np.sqrt(shape[1])
+            if name in ("attn_q", "attn_k"):
+                w = _permute(w, HEADS if name == "attn_q" else KV_HEADS)
+            add(f"blk.{i}.{name}.weight", w, types[name])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """(path, the model kept as stored with what it read as float32, the float32 model)."""
+    path = tmp_path_factory.mktemp("kquant") / "mixed.gguf"
+    write_mixed_gguf(path)
+    read = []
+    getitem = gguf_loader.GGUFWeights.__getitem__
+
+    def spy(self, name):
+        read.append((name, self.tensor_type(name)))
+        return getitem(self, name)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_loader.GGUFWeights, "__getitem__", spy)
+        stored = load_model(path, dtype="float32", quantization="auto")
+    return path, stored, read, load_model(path, dtype="float32", quantization="none")
+
+
+def test_auto_keeps_every_tensor_as_stored(mixed):
+    path, stored, read, _ = mixed
+    assert stored.quantization == "w8a8"
+    assert all(kind == "F32" for _name, kind in read), f"read as float32: {read}"
+    model = stored.model
+    layer0, layer1 = model.layers
+    qkv0 = layer0.self_attn.qkv_proj.quantized
+    assert isinstance(qkv0, kquant.StackedLinear)
+    assert [(type(p).__name__, getattr(p, "fmt", None)) for p in qkv0.parts_] == [
+        ("KQuantLinear", "Q4_K"), ("KQuantLinear", "Q6_K")]
+    assert isinstance(layer0.mlp.gate_up_proj.quantized, kquant.KQuantLinear)      # Q4_K + Q4_K: one weight
+    assert [getattr(p, "fmt", getattr(p, "bits", None)) for p in layer1.self_attn.qkv_proj.quantized.parts_] == [
+        "Q5_0", "Q5_1", 8]
+    assert isinstance(model.quant_lm_head, kquant.KQuantLinear) and model.quant_lm_head.fmt == "Q6_K"
+    assert isinstance(model.quant_embedding, quant.TiedBlockEmbedding)
+    assert model.quant_embedding.head is model.quant_lm_head and model.embed_tokens.weight is None
+    assert model._cpu_decoder() is not None                                            # the C++ layer stack
+
+
+def test_weights_are_the_files_values_bit_for_bit(mixed):
+    _path, stored, _read, floats = mixed
+    for i in range(LAYERS):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            got = stored.model.layers[i].get_submodule(name).dense_weight()
+            assert torch.equal(got, floats.model.layers[i].get_submodule(name).dense_weight()), (i, name)
+    table = floats.model.embed_tokens.weight
+    assert torch.equal(stored.model.quant_lm_head.dequantize(), table)
+    ids = torch.tensor([0, 5, 255, 5, 17])
+    assert torch.equal(stored.model.embed(ids), table[ids])
+    held = sum(m.quantized.nbytes for m in stored.model.modules() if isinstance(m, _Linear))
+    held += stored.model.quant_lm_head.nbytes
+    file_blocks = sum(int(t.n_bytes) for t in gguf_loader.open_gguf(_path).tensors if t.tensor_type.name != "F32")
+    assert held <= 1.05 * file_blocks, (held, file_blocks)
+
+
+def test_logits_close_to_float32_teacher_forced(mixed):
+    _path, stored, _read, floats = mixed
+    rng = np.random.default_rng(1)
+    agree = total = 0
+    for length in (9, 40, 120):
+        ids = [1, *rng.integers(3, len(TOKENS), length).tolist()]
+        ref = _prefill_logits(floats.model, ids)
+        ours = _prefill_logits(stored.model, ids)
+        change = (ours - ref).abs()
+        assert change.max() <= MAX_LOGIT_CHANGE, f"max logit change {change.max():.3f}"
+        assert change.mean() <= MEAN_LOGIT_CHANGE, f"mean logit change {change.mean():.3f}"
+        assert float(ref.std()) > 1.0                       # logits of a useful size, not all near 0
+        agree += int((ours.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(ids)
+    assert agree / total >= AGREEMENT, f"top-1 agreement {agree / total:.3f}"
+
+
+def test_greedy_tokens_alone_in_a_batch_and_with_speculation(mixed):
+    _path, stored, _read, _floats = mixed
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    target = [1, *range(20, 60)]
+    others = [[1, *range(3, 200)], [1, 7, 8], [1, *range(100, 140)]]
+    options = dict(quantization="w8a8", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=48)
+    alone = LLM(loaded=stored, **options).generate([target], greedy)[0].outputs[0].token_ids
+    batch = LLM(loaded=stored, **options).generate([others[0], target, *others[1:]], greedy)
+    assert batch[1].outputs[0].token_ids == alone
+    spec = LLM(loaded=stored, speculative_mode="ngram", spec_draft_length=4, **options)
+    repetitive = [1, *([30, 31, 32, 33] * 6)]
+    plain = LLM(loaded=stored, **options).generate([repetitive, target], greedy)
+    drafted = spec.generate([repetitive, target], greedy)
+    assert [r.outputs[0].token_ids for r in drafted] == [r.outputs[0].token_ids for r in plain]
+    assert spec.engine.spec.stats.num_accepted_tokens > 0      # verification rows ran and were kept
