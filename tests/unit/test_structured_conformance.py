@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 import jsonschema
 import openai
@@ -22,8 +21,9 @@ from sluice.engine.rpc.convert import structured_from_proto
 from sluice.engine.structured import GrammarSpec
 from sluice.engine.structured.bitmask import unpack_bitmask
 from sluice.engine.structured.json_keys import KeyTracker
-from sluice.engine.structured.manager import StructuredOutputManager, json_schema_grammar
+from sluice.engine.structured.manager import json_schema_grammar
 from sluice.http_facade import protocol
+from tests.unit.test_structured_output import _Req, manager  # noqa: F401 - the manager fixture
 
 
 class Item(BaseModel):
@@ -42,18 +42,6 @@ TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": 
 GOOD_CALL = {"name": "Order", "arguments": {"items": [{"sku": "a-1", "qty": 2}], "note": None}}
 BAD_CALLS = [{"name": "Order", "arguments": {"items": [{"sku": "a-1", "qty": "two"}], "note": None}},
              {"name": "Order", "arguments": {"items": [{"sku": "a-1", "qty": 2, "x": 1}], "note": None}}]
-
-
-@dataclass
-class _Req:
-    request_id: str
-
-
-@pytest.fixture(scope="module")
-def manager(smollm2_tokenizer):
-    m = StructuredOutputManager(smollm2_tokenizer, smollm2_tokenizer.vocab_size)
-    yield m
-    m.close()
 
 
 def _spec(body: dict) -> GrammarSpec:
