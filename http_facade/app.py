@@ -142,14 +142,18 @@ async def docs(request: web.Request) -> web.Response:
 
 _STATIC = Path(__file__).parent / "static"
 _ASSETS = {"/docs/swagger-ui-bundle.js": ("swagger-ui/swagger-ui-bundle.js", "text/javascript"),
-           "/docs/swagger-ui.css": ("swagger-ui/swagger-ui.css", "text/css")}
+           "/docs/swagger-ui.css": ("swagger-ui/swagger-ui.css", "text/css"),
+           "/": ("chat/index.html", "text/html"),
+           "/ui/chat.js": ("chat/chat.js", "text/javascript"),
+           "/ui/chat.css": ("chat/chat.css", "text/css")}
 
 
 async def asset(request: web.Request) -> web.Response:
-    """A file shipped in the package (``static/``), cached by the browser for a day."""
+    """A file shipped in the package (``static/``)."""
     name, kind = _ASSETS[request.path]
-    return web.Response(body=(_STATIC / name).read_bytes(), content_type=kind,
-                        headers={"Cache-Control": "public, max-age=86400"})
+    # Swagger UI changes only with the package; the chat page's files are checked each load.
+    cache = "public, max-age=86400" if name.startswith("swagger-ui/") else "no-cache"
+    return web.Response(body=(_STATIC / name).read_bytes(), content_type=kind, headers={"Cache-Control": cache})
 
 
 async def openapi_json(request: web.Request) -> web.Response:
@@ -194,6 +198,9 @@ _HANDLERS = {
     ("GET", "/docs"): docs,
     ("GET", "/docs/swagger-ui-bundle.js"): asset,
     ("GET", "/docs/swagger-ui.css"): asset,
+    ("GET", "/"): asset,
+    ("GET", "/ui/chat.js"): asset,
+    ("GET", "/ui/chat.css"): asset,
     ("GET", "/openapi.json"): openapi_json,
     ("POST", "/debug/dump_event_trace"): dump_event_trace,
 }

@@ -125,6 +125,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint("GET", "/docs/swagger-ui.css", "Swagger UI's style sheet (shipped in the package)", public=True,
              content_type="text/css"),
     Endpoint("GET", "/openapi.json", "The OpenAPI document", public=True, response={"type": "object"}),
+    Endpoint("GET", "/", "The chat page (the API key, when one is needed, is typed into it)", public=True,
+             content_type="text/html"),
+    Endpoint("GET", "/ui/chat.js", "The chat page's script", public=True, content_type="text/javascript"),
+    Endpoint("GET", "/ui/chat.css", "The chat page's style sheet", public=True, content_type="text/css"),
     Endpoint("POST", "/debug/dump_event_trace", "Per-request event trace (needs --enable-tracing)",
              response={"type": "object", "required": ["object", "data"], "properties": {
                  "object": {"const": "list"}, "data": {"type": "array", "items": {"type": "object"}}}}),

@@ -116,7 +116,7 @@ async def test_real_answers_validate_against_the_declared_schemas(http):  # noqa
         doc.validate("/v1/chat/completions", "post", events[0])
 
 
-async def test_docs_is_swagger_ui_from_the_package_and_public():
+async def test_docs_and_the_chat_page_come_from_the_package_and_are_public():
     # No engine behind it: the documentation does not need one (the examples are then left out).
     keyed = TestClient(TestServer(build_app(FacadeConfig(engine_addr="127.0.0.1:9", auth=AuthPolicy(keys=(KEY,))))))
     await keyed.start_server()
@@ -133,5 +133,11 @@ async def test_docs_is_swagger_ui_from_the_package_and_public():
         assert (await keyed.get("/openapi.json")).status == 200
         assert (await keyed.get("/v1/models")).status == 401
         assert (await keyed.get("/docs/other.js")).status == 401          # not a public asset
+        for path, kind in (("/", "text/html"), ("/ui/chat.js", "text/javascript"), ("/ui/chat.css", "text/css")):
+            resp = await keyed.get(path)                                   # the chat page: public, no CDN
+            body = await resp.text()
+            assert resp.status == 200 and resp.headers["Content-Type"].startswith(kind), path
+            assert "https://" not in body and "http://" not in body, path
+        assert 'src="/ui/chat.js"' in await (await keyed.get("/")).text()
     finally:
         await keyed.close()
