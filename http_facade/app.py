@@ -124,9 +124,12 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
+    """200 while some engine serves and the facade is not draining (Kubernetes' readiness: send
+    traffic here); the body lists each engine. /health is liveness: the facade process answers."""
     state = state_of(request)
     if not state.draining and await state.link.serving():
-        return web.json_response({"status": "ready"})
+        engines = [{"engine": e.address, "serving": e.up, "reason": e.reason} for e in state.link.engines]
+        return web.json_response({"status": "ready", "engines": engines})
     raise unavailable("the engine is not serving (loading, draining or down)")
 
 

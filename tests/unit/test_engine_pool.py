@@ -127,7 +127,10 @@ async def test_a_stopped_engine_ends_its_streams_and_the_rest_is_served(engines)
         errors = [r for r in results if any("error" in e for e in r if isinstance(e, dict))]
         finished = [r for r in results if r[-1] == "[DONE]" and not any("error" in e for e in r if isinstance(e, dict))]
         assert len(errors) == on_victim and len(finished) == 6 - on_victim
-        assert (await client.get("/ready")).status == 200
+        ready = await client.get("/ready")
+        assert ready.status == 200
+        states = {e["engine"]: e["serving"] for e in (await ready.json())["engines"]}
+        assert states[f"127.0.0.1:{victim_port}"] is False and sum(states.values()) == 2
         # Routed before the watch noticed, or after: every new request is served by the others.
         for i in range(6):
             resp = await client.post("/v1/chat/completions", json=_chat(f"after {i}", system=None))
