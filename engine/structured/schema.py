@@ -128,13 +128,14 @@ def normalize(schema, strict: bool, field: str):
 
 
 def keyword_table() -> str:
-    """README.md's keyword table (Markdown), from ``KEYWORDS``."""
-    rows = ["| keyword | | notes |", "| --- | --- | --- |"]
-    for how in ("enforced", "refused", "annotation"):
-        for kw, (h, note) in KEYWORDS.items():
-            if h == how:
-                rows.append(f"| `{kw}` | {how} | {note} |")
-    return "\n".join(rows)
+    """README.md's keyword table (Markdown), from ``KEYWORDS``: the keywords by how they are
+    treated, then what holds for those with a condition."""
+    heads = {"enforced": "enforced", "refused": "refused (a 400 naming it)", "annotation": "annotation (no effect)"}
+    rows = ["| | keywords |", "| --- | --- |"]
+    for how, head in heads.items():
+        rows.append(f"| {head} | {', '.join(f'`{k}`' for k, (h, _) in KEYWORDS.items() if h == how)} |")
+    notes = [f"- `{k}`: {note}" for k, (_, note) in KEYWORDS.items() if note]
+    return "\n".join(rows + [""] + notes)
 
 
 class _Normalizer:
