@@ -8,7 +8,10 @@ the quality of the words), with the packaged MiniLM as its encoder.
 * a FIM request (``prompt`` + ``suffix``) through ``client.completions.create``;
 * ``/tokenize`` and ``/detokenize`` as vLLM's and llama.cpp's clients send them, checked against
   the engine's own gRPC Tokenize;
-* ``/v1/rerank`` (Jina / Cohere) and ``/v1/score`` (vLLM), checked against the engine's Rerank.
+* ``/v1/rerank`` (Jina / Cohere) and ``/v1/score`` (vLLM), checked against the engine's Rerank;
+* ``sluice serve --served-model-name fim-coder fim --request-log json``: both aliases listed and
+  answered, the folder's own name refused, metrics labelled by alias, ``X-Request-Id`` returned
+  and in the request's JSON log line.
 """
 from __future__ import annotations
 
@@ -57,7 +60,8 @@ def serve(tmp_path_factory):
     root = tmp_path_factory.mktemp("rest_surface")
     s = Serve(write_fim_model(root / "fim"), root / "serve.log", api_key=KEY,
               overrides="max_total_seq_length=4096;max_num_sequence=4",
-              extra=("--embedding-model", str(minilm_folder()))).wait_ready(timeout=240)
+              extra=("--embedding-model", str(minilm_folder()), "--served-model-name", "fim-coder", "fim",
+                     "--request-log", "json")).wait_ready(timeout=240)
     yield s
     s.stop()
 
@@ -162,3 +166,19 @@ def test_rerank_and_score_shapes(serve):
     by_index = {h.index: h.score for h in ref.results}
     assert [d["score"] for d in score["data"]] == pytest.approx([by_index[i] for i in range(3)])
     assert requests.post(serve.url + "/v1/score", json={}, timeout=10).status_code == 401
+
+
+def test_served_names_request_ids_and_the_json_log(serve):
+    assert serve.model == "fim-coder"
+    assert [m["id"] for m in serve.get("/v1/models").json()["data"]] == ["fim-coder", "fim"]
+    resp = serve.post("/v1/completions", json={"model": "fim", "prompt": "def", "max_tokens": 2},
+                      headers={"X-Request-Id": "rest-surface-1"})
+    assert resp.status_code == 200 and resp.json()["model"] == "fim"
+    assert resp.headers["X-Request-Id"] == "rest-surface-1"
+    own = serve.post("/v1/completions", json={"model": "fim_model", "prompt": "def", "max_tokens": 2})
+    assert own.status_code == 404 and "fim-coder, fim" in own.json()["error"]["message"]
+    assert 'sluice_generation_tokens_total{model="fim"} 2.0' in serve.get("/metrics").text
+    lines = [json.loads(line) for line in serve.log.read_text().splitlines() if line.startswith('{"ts"')]
+    (mine,) = [line for line in lines if line["request_id"] == "rest-surface-1"]
+    assert mine["model"] == "fim" and mine["status"] == 200 and mine["completion_tokens"] == 2
+    assert mine["route"] == "/v1/completions" and mine["duration_s"] >= mine["ttft_s"] > 0
