@@ -241,10 +241,14 @@ class EngineCore:
             return load_model(model, dtype=dtype, device=device, progress=bar, quantization=quantization)
 
     def _max_model_len(self, arch) -> int:
-        own = arch.max_position_embeddings
+        own = min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
+        why = "" if own == arch.max_position_embeddings else \
+            ": its sliding window; sluice attends over whole contexts, so sequences stop at the window"
         asked = self.config.max_model_len
         if asked is not None and asked > own:
-            raise ValueError(f"max_model_len: {asked} exceeds the model's context window ({own})")
+            raise ValueError(f"max_model_len: {asked} exceeds the model's context window ({own}{why})")
+        if why:
+            log.warning("model %s: context window capped at its sliding window of %d tokens", self.config.model, own)
         return asked or own
 
     def _num_blocks(self, arch, dtype: torch.dtype, device: torch.device) -> int:

@@ -61,6 +61,16 @@ def _validate_rope_scaling(rs: dict | None) -> None:
             _positive_float("rope_scaling.factor", rs.get("factor"))
 
 
+def _sliding_window(cfg: dict, model_type: str) -> int | None:
+    """The window config.json puts in force (Mistral's ``sliding_window``; Qwen2's only with
+    ``use_sliding_window``), None when none is or it spans the whole context."""
+    window = cfg.get("sliding_window")
+    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window")) or model_type == "llama":
+        return None
+    _positive_int("sliding_window", window)
+    return window if window < cfg.get("max_position_embeddings", 2048) else None
+
+
 # config.json fields that must be positive integers when present (a string "64" would fail later,
 # deep in the model's construction, with a TypeError that names nothing).
 _HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -83,6 +93,10 @@ class ModelArchConfig:
     rope_scaling: dict | None = None        # HF semantics, see module docstring
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # Qwen2: q/k/v projections carry a bias
+    # Sliding-window attention (Mistral, Qwen2 with use_sliding_window): each token attends to the
+    # last ``sliding_window`` positions. Not implemented: the engine caps the context window at it,
+    # where full attention is the same thing, and refuses longer sequences.
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -149,6 +163,7 @@ class ModelArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 # Qwen2 always has a QKV bias; Llama/Mistral say so with attention_bias.
                 attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                sliding_window=_sliding_window(cfg, model_type),
             )
         except KeyError as exc:
             raise ValueError(f"{exc.args[0]}: missing from config.json") from None
