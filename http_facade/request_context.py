@@ -17,6 +17,7 @@ included) gets its id, its log line and its span.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -74,9 +75,8 @@ async def request_context_middleware(request: web.Request, handler) -> web.Strea
             response = await handler(request)
             status, outcome = response.status, "ok" if response.status < 400 else "error"
             return response
-        except BaseException as exc:
-            outcome = "cancelled" if isinstance(exc, (ConnectionError, OSError)) or not isinstance(exc, Exception) \
-                else "error"
+        except (asyncio.CancelledError, ConnectionError):
+            outcome = "cancelled"      # the client left
             raise
         finally:
             if span is not None:

@@ -161,6 +161,12 @@ def test_flags_set_the_operations_config():
     assert "/metrics" not in plain.auth.public_paths and plain.served_model_names == ()
     serve = parser.parse_args(["serve", "m", "--served-model-name", "x", "--request-log", "json"])
     assert operations_flags(serve) == ["--served-model-name", "x", "--request-log", "json"]
+    from sluice.http_facade.supervisor import build_plan
+    traced = build_plan(parser.parse_args(["serve", "m", "--otlp-traces-endpoint", "http://c:4318/v1/traces",
+                                           "--public-metrics"]))
+    for cmd in (traced.engines[0].cmd, traced.facade_cmd):      # both sides export their spans
+        assert cmd[cmd.index("--otlp-traces-endpoint") + 1] == "http://c:4318/v1/traces"
+    assert "--public-metrics" in traced.facade_cmd and "--public-metrics" not in traced.engines[0].cmd
 
 
 def test_bad_operations_flags_name_the_flag(monkeypatch, capsys):
