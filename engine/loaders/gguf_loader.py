@@ -175,14 +175,22 @@ def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
     raise ModelLoadError(f"{path}: unsupported rope scaling type {kind!r} (supported: none, linear, yarn)")
 
 
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freqs(reader, path: Path) -> dict | None:
+    """Llama 3.1/3.2 files carry their RoPE scaling as per-frequency divisors (``rope_freqs``)."""
+    tensor = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if tensor is None:
+        return None
+    if tensor.tensor_type.name != "F32":
+        raise ModelLoadError(f"{path}: {ROPE_FREQS} is {tensor.tensor_type.name}, expected F32")
+    return {"rope_type": "factors", "factors": tuple(float(f) for f in np.asarray(tensor.data).reshape(-1))}
+
+
 def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
     arch = gguf_architecture(reader, path)
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ModelLoadError(
-            f"{path}: per-frequency RoPE factors (rope_freqs.weight, Llama 3.1 style) are not supported "
-            "in GGUF files; load the Hugging Face folder instead"
-        )
 
     def req(key: str):
         value = gguf_metadata(reader, f"{arch}.{key}")
@@ -209,7 +217,7 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
             rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
             rope_theta=float(gguf_metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
             max_position_embeddings=int(req("context_length")),
-            rope_scaling=_rope_scaling(reader, arch, path),
+            rope_scaling=_rope_freqs(reader, path) or _rope_scaling(reader, arch, path),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
         )
@@ -290,6 +298,8 @@ class GGUFWeights(Mapping):
         self._tensors = {}
         for tensor in reader.tensors:
             _check_size(tensor, path)
+            if tensor.name == ROPE_FREQS:        # part of the architecture (_rope_freqs), not a weight
+                continue
             self._tensors[hf_name(tensor.name, path)] = tensor
         self._done = 0
 

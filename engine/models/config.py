@@ -11,7 +11,9 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# "factors": per-frequency divisors of the base frequencies, as GGUF files carry Llama 3.1/3.2's
+# scaling (a ``rope_freqs.weight`` tensor, llama.cpp's precomputed llama3 factors).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "factors")
 
 # Keys each rope type must carry besides "rope_type" (HF validation, less the optional ones).
 _ROPE_REQUIRED = {
@@ -20,6 +22,7 @@ _ROPE_REQUIRED = {
     "dynamic": ("factor",),
     "yarn": (),  # factor, or original_max_position_embeddings to derive it
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "factors": ("factors",),
 }
 
 
@@ -56,6 +59,10 @@ def _validate_rope_scaling(rs: dict | None) -> None:
         if key not in rs:
             raise ValueError(f"rope_scaling: {kind} scaling needs {key!r}, got keys {sorted(rs)}")
     # YaRN alone may leave factor None: it is then max_position_embeddings / original (HF).
+    if kind == "factors":
+        if not rs["factors"] or not all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in rs["factors"]):
+            raise ValueError("rope_scaling.factors: must be positive finite numbers")
+        return
     if not (kind == "yarn" and rs.get("factor") is None and "original_max_position_embeddings" in rs):
         if kind != "default":
             _positive_float("rope_scaling.factor", rs.get("factor"))

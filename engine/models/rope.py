@@ -95,7 +95,17 @@ def _llama3(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch
     return torch.where(is_medium, smoothed, scaled), 1.0
 
 
-_SCALED = {"linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+def _factors(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    """GGUF's ``rope_freqs``: the base frequencies divided by one factor each (llama.cpp's form of
+    Llama 3's scaling: the factors are base / llama3 frequencies)."""
+    factors = torch.tensor(rs["factors"], dtype=torch.float32)
+    if factors.numel() != arch.head_dim // 2:
+        raise ValueError(f"rope_scaling.factors: {factors.numel()} factors for head_dim {arch.head_dim} "
+                         f"(expected {arch.head_dim // 2})")
+    return _base_inv_freq(arch.rope_theta, arch.head_dim) / factors, 1.0
+
+
+_SCALED = {"linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3, "factors": _factors}
 
 
 def compute_inv_freq(arch: ModelArchConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:

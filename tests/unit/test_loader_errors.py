@@ -65,10 +65,13 @@ def _gguf_name(hf: str) -> str:
 
 
 def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], arch: str = "llama", drop: str | None = None,
-                    reshape: dict[str, tuple] | None = None, rope_linear: float | None = None) -> Path:
+                    reshape: dict[str, tuple] | None = None, rope_linear: float | None = None,
+                    rope_freqs: np.ndarray | None = None) -> Path:
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
+    if rope_freqs is not None:                      # Llama 3.1/3.2's per-frequency divisors
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     if rope_linear is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_linear)
