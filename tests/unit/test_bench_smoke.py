@@ -177,3 +177,18 @@ def test_step_bench_splits_a_step_into_phases_that_add_up(tmp_path, tiny_smollm2
     # The phases are disjoint: what is left of the step is small, never negative beyond timer noise.
     assert -0.05 * ms["step"] < ms["other"] < 0.5 * ms["step"], ms
     assert "| layers |" in r.stdout and "KV cache torch.float16" in r.stdout
+
+
+def test_replicas_bench_compares_routing_policies_and_times_tp_communication(tmp_path, tiny_smollm2):
+    out = tmp_path / "replicas.json"
+    r = _run(["bench/replicas.py", "--model", str(tiny_smollm2), "--replicas", "1,2", "--groups", "2",
+              "--questions", "2", "--prefix-words", "40", "--kv-tokens", "512", "--concurrency", "2",
+              "--threads", "1", "--json", str(out)], timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    points = json.loads(out.read_text())
+    assert [(p["replicas"], p["policy"]) for p in points] == [(1, "prefix"), (2, "prefix"), (2, "round_robin")]
+    assert all(p["requests"] == 4 and 0 <= p["cached_share"] <= 1 and p["req_per_s"] > 0 for p in points)
+    assert "replicas 2: prefix-aware / round robin: throughput" in r.stdout
+    r = _run(["bench/replicas.py", "--tp-bench", "--model", str(tiny_smollm2), "--rows", "1,4", "--steps", "3"],
+             timeout=300)
+    assert r.returncode == 0 and r.stdout.count("tensor parallel, 2 ranks") == 2, r.stderr[-3000:]
