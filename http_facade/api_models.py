@@ -537,6 +537,56 @@ class ResponseDeleted(_Out):
     deleted: Literal[True]
 
 
+# ---------------------------------------------------------------------- AFS (/models/...)
+class AfsError(_Out):
+    status_code: int
+    error: str
+    detail: str
+    param: str | None
+
+
+class AfsRecord(_Out):
+    """An AFS generation answer, and every record of its stream (null / 0 until the last one)."""
+    generated_text: str | None
+    function_call: dict[str, Any] | None = None
+    details: Any = None
+    total_time_taken: str | None
+    prompt_tokens: int | None
+    generated_tokens: int | None
+    total_tokens: int | None
+    finish_reason: Literal["eos_token", "stop_sequence", "length", "function_call"] | None
+
+
+class AfsUsage(_Out):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class AfsEmbedding(_Out):
+    embedding: list[float] | str
+    index: int
+    object: Literal["embedding"]
+
+
+class AfsEmbeddings(_Out):
+    data: list[AfsEmbedding]
+    total_time_taken: str
+    usage: AfsUsage
+
+
+class AfsRerankResult(_Out):
+    score: float
+    index: int
+
+
+class AfsRerank(_Out):
+    """``scores`` (input order) for ``inputs`` pairs; ``results`` (best first) for query + documents."""
+    scores: list[float] | None = None
+    results: list[AfsRerankResult] | None = None
+    total_time_taken: str
+    usage: AfsUsage
+
+
 # ---------------------------------------------------------------------------- validation
 # Pydantic's error types → the facade's phrasing ("must be a number").
 _PHRASES = {

@@ -5,8 +5,8 @@ Both are built from ``ENDPOINTS``, the same table ``app.py`` registers routes fr
 dialect and the endpoints beside it are described by their pydantic models (``api_models``): the
 request bodies the routes check against and the response bodies they send, whole and, for
 streams, per server-sent event (``text/event-stream``, with the event's schema under
-``itemSchema``). The AFS dialect's request schemas are still written here by hand, and its
-responses are not described yet.
+``itemSchema``). The AFS dialect's responses are models too; its request schemas are still
+written here by hand (its parsers, ``afs_protocol``, validate them).
 """
 from __future__ import annotations
 
@@ -25,9 +25,6 @@ _EMBED_INPUT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type"
                           {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
 
 # ---- AFS (/models/...): see http_facade/routes_afs.py and afs_errors.py
-_AFS_ERROR = {"type": "object", "properties": {
-    "status_code": {"type": "integer"}, "error": {"type": "string"}, "detail": {"type": "string"},
-    "param": {"type": ["string", "null"]}}}
 _AFS_PARAMS = {"type": "object", "properties": {
     "max_new_tokens": {"type": "integer", "minimum": 1, "default": 350},
     "temperature": {"type": "number", "exclusiveMinimum": 0, "default": 1.0},
@@ -106,16 +103,16 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              schema=am.DetokenizeRequest, response=am.DetokenizeResponse,
              example={"model": "$MODEL", "tokens": [1, 2, 3]}),
     Endpoint("POST", "/models/conversation", "AFS: chat (human/assistant/system/function), streaming or not",
-             schema=_AFS_CONVERSATION, dialect="afs"),
+             schema=_AFS_CONVERSATION, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
     Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=_AFS_GENERATE,
-             dialect="afs", example={"model": "$MODEL", "inputs": "Once upon a time",
-                                     "parameters": {"max_new_tokens": 8}}),
+             dialect="afs", response=am.AfsRecord, stream=am.AfsRecord,
+             example={"model": "$MODEL", "inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}),
     Endpoint("POST", "/models/text_infilling", "AFS: fill the one <FILL_ME> (models with FIM tokens)",
-             schema=_AFS_GENERATE, dialect="afs"),
+             schema=_AFS_GENERATE, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
     Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)", schema=_AFS_EMBED,
-             dialect="afs"),
+             dialect="afs", response=am.AfsEmbeddings),
     Endpoint("POST", "/models/rerank", "AFS: rerank [query, document] pairs or query + documents",
-             schema=_AFS_RERANK, dialect="afs"),
+             schema=_AFS_RERANK, dialect="afs", response=am.AfsRerank),
     Endpoint("GET", "/health", "Liveness: the facade process is up", public=True, response=_HEALTH),
     Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True, response=_HEALTH),
     Endpoint("GET", "/metrics", "Prometheus metrics (public with --public-metrics)", content_type="text/plain"),
@@ -137,7 +134,7 @@ PUBLIC_PATHS = frozenset(ep.path for ep in ENDPOINTS if ep.public)
 
 
 def _models() -> list[type[BaseModel]]:
-    seen: list[type[BaseModel]] = [am.ErrorResponse]
+    seen: list[type[BaseModel]] = [am.ErrorResponse, am.AfsError]
     for ep in ENDPOINTS:
         for m in (ep.schema, ep.response, ep.stream):
             if isinstance(m, type) and m not in seen:
@@ -158,18 +155,21 @@ def _body(spec: Any, refs: dict) -> dict:
 
 
 def _operation(ep: Endpoint, refs: dict, model: str | None) -> dict:
-    error = _AFS_ERROR if ep.dialect == "afs" else refs[am.ErrorResponse]
+    error = refs[am.AfsError] if ep.dialect == "afs" else refs[am.ErrorResponse]
     ok: dict = {"description": "OK"}
     if ep.response is not None:
         ok["content"] = {"application/json": {"schema": _body(ep.response, refs)}}
-    elif ep.dialect != "afs":
+    else:
         ok["content"] = {ep.content_type: {"schema": {"type": "string"}}}
     if ep.stream is not None:
         # One event (OpenAPI 3.2's itemSchema): its data is the JSON of the event's schema, or
-        # "[DONE]" at the end of an OpenAI chat or completion stream.
-        data = {"type": "string", "contentMediaType": "application/json", "contentSchema": refs[ep.stream]}
+        # "[DONE]" at the end of an OpenAI chat or completion stream, or the dialect's error body
+        # (an error after the stream began), or for AFS a ping's UTC time.
+        data = [{"type": "string", "contentMediaType": "application/json", "contentSchema": refs[s]}
+                for s in (ep.stream, am.AfsError if ep.dialect == "afs" else am.ErrorResponse)]
+        last = {"type": "string", "pattern": r"^\d{4}-\d\d-\d\d"} if ep.dialect == "afs" else {"const": "[DONE]"}
         event = {"type": "object", "required": ["data"], "properties": {
-            "data": {"anyOf": [{"const": "[DONE]"}, data]}, "event": {"type": "string"}}}
+            "data": {"anyOf": [last, *data]}, "event": {"type": "string"}}}
         ok["content"]["text/event-stream"] = {"itemSchema": event}
     op: dict = {"summary": ep.summary, "operationId": _operation_id(ep), "responses": {
         "200": ok, "default": {"description": "Error", "content": {"application/json": {"schema": error}}}}}

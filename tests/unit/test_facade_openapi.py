@@ -112,6 +112,13 @@ async def test_real_answers_validate_against_the_declared_schemas(http):  # noqa
         "model": MODEL, "text_1": "q", "text_2": ["a"]})).json())
     doc.validate("/tokenize", "post", await (await client.post("/tokenize", json={"prompt": "a b"})).json())
     doc.validate("/detokenize", "post", await (await client.post("/detokenize", json={"tokens": [1]})).json())
+    afs = {"model": MODEL, "inputs": "hi", "parameters": {"max_new_tokens": 2}}
+    doc.validate("/models/generate", "post", await (await client.post("/models/generate", json=afs)).json())
+    for event in await _events(await client.post("/models/generate", json={**afs, "stream": True})):
+        doc.validate("/models/generate", "post", event, "text/event-stream")
+    for body in ({"model": MODEL, "inputs": [["q", "a"], ["q", "bb"]]}, {"model": MODEL, "query": "q",
+                                                                         "documents": ["a", "bb"]}):
+        doc.validate("/models/rerank", "post", await (await client.post("/models/rerank", json=body)).json())
     with pytest.raises(jsonschema.ValidationError):     # the check can fail: a chunk is not a completion
         doc.validate("/v1/chat/completions", "post", events[0])
 
