@@ -58,6 +58,7 @@ _FIELD_RENAMES: tuple[tuple[str, str], ...] = (
     ("token_ids", "prompt"),
     ("text", "prompt"),
     ("input", "prompt"),
+    ("request_id", "X-Request-Id"),     # the facade's engine ids are the client's X-Request-Id
 )
 _FIELD_RE = re.compile(r"^([A-Za-z_][\w.\[\]]*):\s")
 

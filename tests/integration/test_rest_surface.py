@@ -178,6 +178,12 @@ def test_served_names_request_ids_and_the_json_log(serve):
     own = serve.post("/v1/completions", json={"model": "fim_model", "prompt": "def", "max_tokens": 2})
     assert own.status_code == 404 and "fim-coder, fim" in own.json()["error"]["message"]
     assert 'sluice_generation_tokens_total{model="fim"} 2.0' in serve.get("/metrics").text
+    long = {"model": "fim", "prompt": "def", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    with serve.post("/v1/completions", json=long, headers={"X-Request-Id": "twice"}, stream=True) as first:
+        assert first.status_code == 200
+        again = serve.post("/v1/completions", json={**long, "stream": False}, headers={"X-Request-Id": "twice"})
+        assert again.status_code == 400 and again.json()["error"]["param"] == "X-Request-Id"
+        assert "already in flight" in again.json()["error"]["message"]
     lines = [json.loads(line) for line in serve.log.read_text().splitlines() if line.startswith('{"ts"')]
     (mine,) = [line for line in lines if line["request_id"] == "rest-surface-1"]
     assert mine["model"] == "fim" and mine["status"] == 200 and mine["completion_tokens"] == 2
