@@ -4,8 +4,13 @@ Two sources:
   * GGUF metadata (``tokenizer.ggml.*``): ``model == "gpt2"`` is byte-level BPE; the vocabulary,
     merges and token types (3 = control → special, 4 = user-defined → added) are in the file,
     the pre-tokenizer is named by ``tokenizer.ggml.pre`` and rebuilt here (llama.cpp's
-    ``llama-vocab.cpp`` lists the regexes per name). SentencePiece (``"llama"``) vocabularies
-    are refused with a clear error: use the model's Hugging Face folder for those.
+    ``llama-vocab.cpp`` lists the regexes per name). ``model == "llama"`` is a SentencePiece BPE
+    vocabulary (Llama 2, Mistral 7B, TinyLlama, CodeLlama...): pieces with ``▁`` for a space,
+    ``<0xNN>`` byte-fallback pieces and a score each, no merges; the merges are rebuilt from the
+    scores (a pair merges with its piece's score as priority, as SentencePiece's BPE does and as
+    transformers rebuilds them), ``▁`` is prepended to the text's start when
+    ``tokenizer.ggml.add_space_prefix`` (the default) says so, and BOS is added unless the file
+    says not to.
   * a folder with ``tokenizer.json`` (+ ``tokenizer_config.json`` for the chat template and the
     special tokens, ``generation_config.json`` for extra stop ids).
 
@@ -120,21 +125,28 @@ class Tokenizer:
             return gguf_metadata(reader, f"tokenizer.{key}", default)
 
         kind = meta("ggml.model")
-        if kind != "gpt2":
-            raise ModelLoadError(
-                f"{path}: tokenizer.ggml.model {kind!r} is not supported from GGUF (only byte-level BPE "
-                "'gpt2'); load the model's Hugging Face folder (tokenizer.json) instead")
-        pre = meta("ggml.pre", "default")
-        if pre not in _GGUF_PRE:
-            raise ModelLoadError(
-                f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_GGUF_PRE))}")
         tokens, types = meta("ggml.tokens"), meta("ggml.token_type") or []
-        backend = _gguf_bpe(tokens, meta("ggml.merges") or [], types, _GGUF_PRE[pre]())
+        if kind == "llama":
+            scores = meta("ggml.scores")
+            if scores is None or len(scores) != len(tokens):
+                raise ModelLoadError(f"{path}: a SentencePiece vocabulary needs tokenizer.ggml.scores, one per token")
+            backend = _gguf_spm(tokens, [float(s) for s in scores], types, bool(meta("ggml.add_space_prefix", True)))
+        elif kind == "gpt2":
+            pre = meta("ggml.pre", "default")
+            if pre not in _GGUF_PRE:
+                raise ModelLoadError(
+                    f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported: {', '.join(sorted(_GGUF_PRE))}")
+            backend = _gguf_bpe(tokens, meta("ggml.merges") or [], types, _GGUF_PRE[pre]())
+        else:
+            raise ModelLoadError(
+                f"{path}: tokenizer.ggml.model {kind!r} is not supported from GGUF (byte-level BPE 'gpt2' and "
+                "SentencePiece BPE 'llama' are); load the model's Hugging Face folder (tokenizer.json) instead")
         tok_at = lambda key: tokens[meta(key)] if meta(key) is not None else None  # noqa: E731
         fim = tuple(meta(f"ggml.fim_{k}_token_id") for k in ("pre", "suf", "mid"))
         specials = _Specials(
             bos=tok_at("ggml.bos_token_id"), eos=tok_at("ggml.eos_token_id"),
-            add_bos=bool(meta("ggml.add_bos_token", False)), add_eos=bool(meta("ggml.add_eos_token", False)),
+            add_bos=bool(meta("ggml.add_bos_token", kind == "llama")),   # SentencePiece files: BOS unless said
+            add_eos=bool(meta("ggml.add_eos_token", False)),
             chat_template=meta("chat_template"),
             extra_eos_ids=tuple(i for i in (meta("ggml.eot_token_id"), meta("ggml.eom_token_id")) if i is not None),
             fim_ids=fim if None not in fim else None,
@@ -264,6 +276,42 @@ def _gguf_bpe(tokens: list[str], merges: list[str], types: list[int], pre) -> HF
     backend.add_special_tokens(special)
     backend.add_tokens(user)
     return backend
+
+
+def _gguf_spm(tokens: list[str], scores: list[float], types: list[int], space_prefix: bool) -> HFTokenizer:
+    """A SentencePiece BPE vocabulary (GGUF ``llama``) as a ``tokenizers`` BPE with byte fallback."""
+    vocab = {}
+    for i, t in enumerate(tokens):
+        vocab.setdefault(t, i)
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, vocab), fuse_unk=True,
+                                     byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="\u2581", prepend_scheme="first" if space_prefix else "never", split=False)
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence(steps + ([decoders.Strip(content=" ", left=1)] if space_prefix else []))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types)
+                        if k == _USER_DEFINED])
+    return backend
+
+
+def spm_merges(tokens: list[str], scores: list[float], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges a SentencePiece BPE vocabulary implies: every split of a piece into two pieces of
+    the vocabulary, ranked by the whole piece's score (best first), then by longer left and right
+    parts, then by the order of the pieces and their parts' ids."""
+    ranked = []
+    seen = set()
+    for piece, score in zip(tokens, scores):
+        if piece in seen:
+            continue
+        seen.add(piece)
+        splits = [(vocab[piece[:i]], vocab[piece[i:]], i) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        for left_id, right_id, i in sorted(splits):
+            ranked.append((-score, -i, -(len(piece) - i), len(ranked), piece[:i], piece[i:]))
+    ranked.sort()
+    return [(left, right) for *_key, left, right in ranked]
 
 
 def _read_json(path: Path) -> dict:
