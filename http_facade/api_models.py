@@ -538,6 +538,76 @@ class ResponseDeleted(_Out):
 
 
 # ---------------------------------------------------------------------- AFS (/models/...)
+# The requests document what afs_protocol / routes_afs validate, in AFS's own messages and 422s:
+# they are the source of /openapi.json for the dialect, not a check of their own.
+class AfsParameters(_Open):
+    max_new_tokens: int = Field(350, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(50, ge=1, le=100)
+    frequence_penalty: float = Field(1.0, gt=0)
+    stop_sequences: list[str] = Field(default_factory=list, max_length=4)
+    show_probabilities: bool = False
+    seed: int | None = Field(42, ge=0)
+
+
+class AfsMessage(_Open):
+    role: Literal["system", "human", "user", "assistant", "function"]
+    content: str | None = None
+    name: str | None = None
+    function_call: dict[str, Any] | None = None
+
+
+class AfsFunction(_Open):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class AfsConversationRequest(_Open):
+    model: str
+    messages: list[AfsMessage]
+    functions: list[AfsFunction] | None = None
+    parameters: AfsParameters | None = None
+    stream: bool = False
+
+
+class AfsGenerateRequest(_Open):
+    """``/models/generate``; ``/models/text_infilling`` too, its ``inputs`` holding one ``<FILL_ME>``."""
+    model: str
+    inputs: str
+    parameters: AfsParameters | None = None
+    stream: bool = False
+
+
+class AfsEmbedParameters(_Open):
+    input_type: Literal["query", "document"] = "document"
+    normalize: bool = True
+
+
+class AfsEmbeddingsRequest(_Open):
+    """V1 ``inputs`` (strings) or V2 / OpenAI-style ``input``: exactly one."""
+    model: str
+    inputs: list[str] | None = None
+    input: shaped(Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]) = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int = Field(0, ge=0)
+    parameters: AfsEmbedParameters | None = None
+
+
+class AfsRerankParameters(_Open):
+    top_n: int = Field(3, ge=1)
+
+
+class AfsRerankRequest(_Open):
+    """``inputs`` as [query, document] pairs, or ``query`` + ``documents``."""
+    model: str
+    inputs: list[Annotated[list[str], Field(min_length=2, max_length=2)]] | None = None
+    query: str | None = None
+    documents: list[str] | None = None
+    parameters: AfsRerankParameters | None = None
+
+
 class AfsError(_Out):
     status_code: int
     error: str

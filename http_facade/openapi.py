@@ -5,8 +5,8 @@ Both are built from ``ENDPOINTS``, the same table ``app.py`` registers routes fr
 dialect and the endpoints beside it are described by their pydantic models (``api_models``): the
 request bodies the routes check against and the response bodies they send, whole and, for
 streams, per server-sent event (``text/event-stream``, with the event's schema under
-``itemSchema``). The AFS dialect's responses are models too; its request schemas are still
-written here by hand (its parsers, ``afs_protocol``, validate them).
+``itemSchema``). The AFS dialect's requests and responses are models too; its requests are
+validated by its own parsers (``afs_protocol``), in AFS's error shape.
 """
 from __future__ import annotations
 
@@ -19,44 +19,6 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from sluice.http_facade import api_models as am
-
-_EMBED_INPUT = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
-                          {"type": "array", "items": {"type": "integer"}},
-                          {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
-
-# ---- AFS (/models/...): see http_facade/routes_afs.py and afs_errors.py
-_AFS_PARAMS = {"type": "object", "properties": {
-    "max_new_tokens": {"type": "integer", "minimum": 1, "default": 350},
-    "temperature": {"type": "number", "exclusiveMinimum": 0, "default": 1.0},
-    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1, "default": 1.0},
-    "top_k": {"type": "integer", "minimum": 1, "maximum": 100, "default": 50},
-    "frequence_penalty": {"type": "number", "exclusiveMinimum": 0, "default": 1.0},
-    "stop_sequences": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
-    "show_probabilities": {"type": "boolean", "default": False},
-    "seed": {"type": ["integer", "null"], "minimum": 0, "default": 42}}}
-_AFS_CONVERSATION = {"type": "object", "required": ["model", "messages"], "properties": {
-    "model": {"type": "string"},
-    "messages": {"type": "array", "items": {"type": "object", "required": ["role"], "properties": {
-        "role": {"enum": ["system", "human", "user", "assistant", "function"]},
-        "content": {"type": ["string", "null"]}, "name": {"type": "string"},
-        "function_call": {"type": "object"}}}},
-    "functions": {"type": "array", "items": {"type": "object", "required": ["name"]}},
-    "parameters": _AFS_PARAMS, "stream": {"type": "boolean"}}}
-_AFS_GENERATE = {"type": "object", "required": ["model", "inputs"], "properties": {
-    "model": {"type": "string"}, "inputs": {"type": "string"}, "parameters": _AFS_PARAMS,
-    "stream": {"type": "boolean"}}}
-_AFS_EMBED = {"type": "object", "required": ["model"], "properties": {
-    "model": {"type": "string"}, "inputs": {"type": "array", "items": {"type": "string"}}, "input": _EMBED_INPUT,
-    "encoding_format": {"enum": ["float", "base64"]}, "dimensions": {"type": "integer", "minimum": 0},
-    "parameters": {"type": "object", "properties": {"input_type": {"enum": ["query", "document"]},
-                                                    "normalize": {"type": "boolean", "default": True}}}}}
-_AFS_RERANK = {"type": "object", "required": ["model"], "properties": {
-    "model": {"type": "string"},
-    "inputs": {"type": "array", "items": {"type": "array", "items": {"type": "string"}, "minItems": 2,
-                                          "maxItems": 2}},
-    "query": {"type": "string"}, "documents": {"type": "array", "items": {"type": "string"}},
-    "parameters": {"type": "object", "properties": {"top_n": {"type": "integer", "minimum": 1, "default": 3}}}}}
-
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -103,16 +65,16 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              schema=am.DetokenizeRequest, response=am.DetokenizeResponse,
              example={"model": "$MODEL", "tokens": [1, 2, 3]}),
     Endpoint("POST", "/models/conversation", "AFS: chat (human/assistant/system/function), streaming or not",
-             schema=_AFS_CONVERSATION, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
-    Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=_AFS_GENERATE,
+             schema=am.AfsConversationRequest, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
+    Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=am.AfsGenerateRequest,
              dialect="afs", response=am.AfsRecord, stream=am.AfsRecord,
              example={"model": "$MODEL", "inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}),
     Endpoint("POST", "/models/text_infilling", "AFS: fill the one <FILL_ME> (models with FIM tokens)",
-             schema=_AFS_GENERATE, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
-    Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)", schema=_AFS_EMBED,
+             schema=am.AfsGenerateRequest, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
+    Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)", schema=am.AfsEmbeddingsRequest,
              dialect="afs", response=am.AfsEmbeddings),
     Endpoint("POST", "/models/rerank", "AFS: rerank [query, document] pairs or query + documents",
-             schema=_AFS_RERANK, dialect="afs", response=am.AfsRerank),
+             schema=am.AfsRerankRequest, dialect="afs", response=am.AfsRerank),
     Endpoint("GET", "/health", "Liveness: the facade process is up", public=True, response=_HEALTH),
     Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True, response=_HEALTH),
     Endpoint("GET", "/metrics", "Prometheus metrics (public with --public-metrics)", content_type="text/plain"),

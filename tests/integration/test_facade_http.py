@@ -182,14 +182,15 @@ def test_disconnect_before_a_non_streaming_answer_returns_the_engine_to_idle(fac
 # ------------------------------------------------------------------------ errors / auth
 def test_auth_cors_and_body_limit(facade, auth):
     routes = [("GET", "/v1/models"), ("GET", f"/v1/models/{MODEL}"), ("POST", "/v1/chat/completions"),
-              ("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/metrics"), ("GET", "/docs"),
-              ("GET", "/openapi.json")]
+              ("POST", "/v1/completions"), ("POST", "/v1/embeddings"), ("GET", "/metrics"), ("POST", "/v1/responses"),
+              ("POST", "/tokenize")]
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             r = requests.request(method, facade.url + path, headers=headers, json={})
             assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (method, path)
         assert requests.request(method, facade.url + path, headers=auth, json={}).status_code != 401
-    for path in ("/health", "/ready"):
+    # probes, and the documentation and chat page (a browser loads them before any key is typed)
+    for path in ("/health", "/ready", "/docs", "/openapi.json", "/"):
         assert requests.get(facade.url + path).status_code == 200
     pre = requests.options(facade.url + "/v1/chat/completions", headers={
         "Origin": "http://app.example", "Access-Control-Request-Method": "POST",

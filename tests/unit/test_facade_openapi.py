@@ -70,6 +70,21 @@ class _Doc:
         jsonschema.Draft202012Validator(schema, registry=self.registry).validate(value)
 
 
+def test_every_request_example_fits_its_own_schema():
+    doc = _Doc(openapi_document(model="m"))
+    examples = 0
+    for path, ops in doc.doc["paths"].items():
+        for op in ops.values():
+            body = op.get("requestBody", {}).get("content", {}).get("application/json", {})
+            for example in body.get("examples", {}).values():
+                schema = json.loads(json.dumps(body["schema"]).replace('"#/components', '"urn:doc#/components'))
+                jsonschema.Draft202012Validator(schema, registry=doc.registry).validate(example["value"])
+                examples += 1
+    assert examples == 6
+    afs = doc.doc["components"]["schemas"]["AfsParameters"]["properties"]
+    assert afs["top_k"] == {"default": 50, "maximum": 100, "minimum": 1, "title": "Top K", "type": "integer"}
+
+
 async def _events(resp) -> list[dict]:
     out = []
     for block in (await resp.text()).split("\n\n"):
