@@ -93,7 +93,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="local", choices=_MODES, help="engine preset (default: local)")
     parser.add_argument("--overrides", default="", help='engine options "key=value;..." as mlc_llm serve')
     parser.add_argument("--quantization", default=None, choices=("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto"),
-                        help="the engine's weights in memory (default: auto; see sluice serve --help)")
+                        help="the engine's weights in memory (default: auto; see sluice engine --help)")
     parser.add_argument("--speculative-mode", default=None, metavar="MODE",
                         help="the engine's speculative decoding: disable | ngram | small_draft | eagle | medusa "
                              "(the last three need --additional-models; default: disable)")

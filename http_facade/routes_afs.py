@@ -1,4 +1,4 @@
-"""AFS / Formosa Foundation Model API routes (``/models/...``), as in ``shared/seeds/afs-api.md``.
+"""AFS / Formosa Foundation Model API routes (``/models/...``), as that API documents them.
 
 * ``POST /models/conversation``: ``messages`` (system / human (= user) / assistant / function)
   and optional ``functions`` (see ``afs_functions``), ``parameters`` (see ``afs_protocol``),

@@ -9,7 +9,7 @@ valid arguments, and ends with "tool_calls"; a conversation with the assistant's
 ``role: "tool"`` result renders and gets an answer. tool_choice "auto" (the default): a question
 no tool answers gets text; a call the model starts (here it copies a call with wrong arguments
 from the prompt) is held to a tool's schema and returned as ``tool_calls``, streamed and not
-alike; MLC's two function-calling examples (``../shared/seeds/mlc-llm-rest-api.rst``) run as
+alike; MLC's two function-calling examples (from MLC-LLM's REST API documentation) run as
 written, with the model's name and our port, and answer well-formed (the 135M model answers them
 in text, so they are also run with tool_choice "required", which must give valid calls).
 """
@@ -135,7 +135,7 @@ def test_auto_holds_a_started_call_to_the_schema_streamed_and_not(sdk):
         [(x.function.name, json.loads(x.function.arguments)) for x in choice.message.tool_calls]
 
 
-# MLC's function-calling examples (../shared/seeds/mlc-llm-rest-api.rst), as written but for the
+# MLC's function-calling examples (MLC-LLM's REST API documentation), as written but for the
 # model's name and the URL.
 MLC_TOOLS = [{"type": "function", "function": {
     "name": "get_current_weather", "description": "Get the current weather in a given location",
