@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one prepared run for a session that is lent a GPU machine: the kernel tests on CUDA (the
 # interpreter cases compiled for real, plus the `gpu`-marked ones), then bench/triton_kernels.py, whose
-# table and goals go to $OUT/kernels.md for the README. It installs nothing: it needs torch,
+# table and goals go to $OUT/kernels.md for bench/README.md. It installs nothing: it needs torch,
 # triton (>= 3.4), pytest, numpy, jinja2 and tokenizers, which the lent machine's python3 has.
 #
 #   from the device tool:  run(command="bash bench/gpu_check.sh", timeout_s=560)

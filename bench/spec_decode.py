@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     p.add_argument("--model", default="smollm2")
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantization", default="none",
-                   help="the target's weight format (none: float32, the figures in the README; w4a8...)")
+                   help="the target's weight format (none: float32, the figures in bench/README.md; w4a8...)")
     p.add_argument("--sections", default=",".join(SECTIONS))
     p.add_argument("--k", type=int, default=5, help="spec_draft_length")
     p.add_argument("--max-tokens", type=int, default=160)

@@ -91,8 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
         """query [Lq, Hq, D] at positions seq_len-Lq .. seq_len-1 of one sequence, Lq small.
 
         On CPU a masked SDPA for a few query tokens, or one decode row per token (each with its
-        own gather of the sequence), cost 3-4x this for 5 tokens over 300 (bench figures in
-        the README): the sequence is gathered once, the query heads of each KV head are stacked
+        own gather of the sequence), cost 3-4x this for 5 tokens over 300 (bench/README.md,
+        History): the sequence is gathered once, the query heads of each KV head are stacked
         as rows of one matmul, and the causal mask is an additive bias. ``seen`` [Lq, seq_len]
         bool replaces the causal mask (a draft tree's sequence: ``tree_seen``)."""
         key_cache, value_cache = kv_cache

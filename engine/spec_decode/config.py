@@ -14,16 +14,16 @@ NEEDS_MODEL = {"small_draft": "a draft model", "eagle": "EAGLE heads", "medusa":
 MAX_DRAFT_LENGTH = 16
 # Above this many running requests no drafts are proposed. Measured with bench/spec_decode.py
 # (sweep, SmolLM2 on 2 CPU cores, K=5): ngram over no drafts 2.55-2.81x at batch 1, 1.48x at 2,
-# 1.29x at 3, 0.95x at 4, 0.76x at 8; forced on at 32 streams 0.50x. See README.
+# 1.29x at 3, 0.95x at 4, 0.76x at 8; forced on at 32 streams 0.50x. See bench/README.md.
 DEFAULT_MAX_BATCH_SIZE = 3
 # eagle / medusa chains: a request's draft ends before the first token its head gives less than
 # this probability (EAGLE-2's observation: a head's confidence tracks how often the target
 # agrees), so steps stop paying for drafts that will be rejected. Measured with
-# bench/spec_decode.py (batch1, self-distilled SmolLM2 heads, K=4, 2 CPU cores): see README.
+# bench/spec_decode.py (batch1, self-distilled SmolLM2 heads, K=4, 2 CPU cores): see bench/README.md.
 DEFAULT_MIN_DRAFT_PROB = 0.35
 # eagle / medusa draft trees: a node is kept while the product of the head's probabilities along
 # its path is at least this, with each node's DEFAULT_TREE_WIDTH likeliest children. Measured the
-# same way (widths 2-4, thresholds 0.05-0.2 within noise of each other; see README).
+# same way (widths 2-4, thresholds 0.05-0.2 within noise of each other; see bench/README.md).
 DEFAULT_TREE_MIN_SCORE = 0.1
 DEFAULT_TREE_WIDTH = 3
 # eagle/medusa: the weights drafting reads (heads.resolve_head_format)

@@ -56,8 +56,8 @@ def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeCon
     medusa where the step can attend through a draft tree (``supports_draft_trees``: the C++
     layer stack and the torch, Triton and flash-attn backends) and a tree's extra rows cost
     little (``extra_rows_are_cheap``: projections not in a block format), else 1. Measured on
-    SmolLM2, open-ended prompts: eagle 1.55x with trees and 1.32x with chains in float32, 0.80x
-    and 0.93x in w4a8 (README). A width above 1 asked for where a step cannot attend through it
+    SmolLM2, open-ended prompts: eagle 1.55x with trees and 1.32x with chains in float32, 0.73x
+    and 0.80x in w4a8 (bench/README.md). A width above 1 asked for where a step cannot attend through it
     is refused. ``spec_tree_nodes`` auto (None) with trees: the nodes that fit the rows the
     model runs at one row's cost (``rows_at_one_row_cost``), else K * W."""
     width = config.spec_tree_width

@@ -4,7 +4,7 @@ sending invalid bodies, with completions of 1-12 tokens (the bench's default is 
 requests make more requests a second, and a leak grows with requests, not seconds (alone on
 the machine, 12 s made 1838 requests with 1-40 tokens, 2709 with 1-12). Start figures are taken
 after a 6 s warm-up, both sets once the engine is idle. ``bench/soak.py --duration 3600`` is the
-hour-long run (README, Reliability).
+hour-long run (bench/README.md, Soak).
 
 Tolerances. KV: exactly back (0 blocks in use, the same total). fds and asyncio tasks: exactly what
 a leak adds one of per request, so a slack of 4 (a scrape's own connection, a gRPC channel
