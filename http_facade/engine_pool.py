@@ -165,7 +165,8 @@ class EnginePool:
         """(address, requests routed to it, streams open on it, up) per engine."""
         return [(e.address, e.routed, e.open_streams, e.up) for e in self.engines]
 
-    async def detokenize(self, token_ids: list[int], model: str | None = None, skip_special_tokens: bool = False) -> str:
+    async def detokenize(self, token_ids: list[int], model: str | None = None,
+                         skip_special_tokens: bool = False) -> str:
         return await self.route(model, b"").link.detokenize(token_ids, skip_special_tokens)
 
     async def tokenize(self, request: pb.TokenizeRequest, model: str | None = None) -> pb.TokenizeResponse:

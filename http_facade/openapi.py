@@ -2,8 +2,9 @@
 package under ``static/swagger-ui``; no CDN).
 
 Both are built from ``ENDPOINTS``, the same table ``app.py`` registers routes from. The OpenAI
-dialect and the endpoints beside it are described by their pydantic models (``api_models``): the
-request bodies the routes check against and the response bodies they send, whole and, for
+dialect and the endpoints beside it are described by their pydantic models (``api_models``,
+``api_responses``): the request bodies the routes check against and the response bodies they
+send, whole and, for
 streams, per server-sent event (``text/event-stream``, with the event's schema under
 ``itemSchema``). The AFS dialect's requests and responses are models too; its requests are
 validated by its own parsers (``afs_protocol``), in AFS's error shape.
@@ -19,6 +20,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from sluice.http_facade import api_models as am
+from sluice.http_facade import api_responses as ar
 
 @dataclass(frozen=True)
 class Endpoint:
@@ -37,44 +39,45 @@ class Endpoint:
 _HEALTH = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
 
 ENDPOINTS: tuple[Endpoint, ...] = (
-    Endpoint("GET", "/v1/models", "List the served models", response=am.ModelList),
-    Endpoint("GET", "/v1/models/{model}", "Describe one served model", response=am.ModelCard),
+    Endpoint("GET", "/v1/models", "List the served models", response=ar.ModelList),
+    Endpoint("GET", "/v1/models/{model}", "Describe one served model", response=ar.ModelCard),
     Endpoint("POST", "/v1/chat/completions", "Chat completion, streaming (SSE) or not",
-             schema=am.ChatCompletionRequest, response=am.ChatCompletion, stream=am.ChatCompletionChunk,
+             schema=am.ChatCompletionRequest, response=ar.ChatCompletion, stream=ar.ChatCompletionChunk,
              example={"model": "$MODEL", "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 8}),
     Endpoint("POST", "/v1/completions", "Text completion (suffix: fill in the middle), streaming (SSE) or not",
-             schema=am.CompletionRequest, response=am.Completion, stream=am.Completion,
+             schema=am.CompletionRequest, response=ar.Completion, stream=ar.Completion,
              example={"model": "$MODEL", "prompt": "Once upon a time", "max_tokens": 8}),
     Endpoint("POST", "/v1/embeddings", "Embeddings (models with the embeddings capability)",
-             schema=am.EmbeddingRequest, response=am.EmbeddingList),
+             schema=am.EmbeddingRequest, response=ar.EmbeddingList),
     Endpoint("POST", "/v1/responses", "OpenAI Responses API: create a response, streaming (SSE events) or not",
-             schema=am.ResponseCreateRequest, response=am.ResponseObject, stream=am.ResponseStreamEvent,
+             schema=am.ResponseCreateRequest, response=ar.ResponseObject, stream=ar.ResponseStreamEvent,
              example={"model": "$MODEL", "input": "Hello!", "instructions": "Be brief.", "max_output_tokens": 8}),
-    Endpoint("GET", "/v1/responses/{response_id}", "Retrieve a stored response", response=am.ResponseObject),
-    Endpoint("DELETE", "/v1/responses/{response_id}", "Delete a stored response", response=am.ResponseDeleted),
+    Endpoint("GET", "/v1/responses/{response_id}", "Retrieve a stored response", response=ar.ResponseObject),
+    Endpoint("DELETE", "/v1/responses/{response_id}", "Delete a stored response", response=ar.ResponseDeleted),
     Endpoint("POST", "/v1/rerank", "Rerank documents against a query (Jina / Cohere shape)",
-             schema=am.RerankRequest, response=am.RerankResponse),
+             schema=am.RerankRequest, response=ar.RerankResponse),
     Endpoint("POST", "/rerank", "Rerank documents against a query (Jina / Cohere shape)",
-             schema=am.RerankRequest, response=am.RerankResponse),
+             schema=am.RerankRequest, response=ar.RerankResponse),
     Endpoint("POST", "/v1/score", "Score text pairs (vLLM shape: text_1 against text_2)",
-             schema=am.ScoreRequest, response=am.ScoreResponse),
+             schema=am.ScoreRequest, response=ar.ScoreResponse),
     Endpoint("POST", "/tokenize", "Tokenize a text or chat messages (vLLM / llama.cpp shape)",
-             schema=am.TokenizeRequest, response=am.TokenizeResponse,
+             schema=am.TokenizeRequest, response=ar.TokenizeResponse,
              example={"model": "$MODEL", "prompt": "Hello world"}),
     Endpoint("POST", "/detokenize", "Token ids back to text (vLLM / llama.cpp shape)",
-             schema=am.DetokenizeRequest, response=am.DetokenizeResponse,
+             schema=am.DetokenizeRequest, response=ar.DetokenizeResponse,
              example={"model": "$MODEL", "tokens": [1, 2, 3]}),
     Endpoint("POST", "/models/conversation", "AFS: chat (human/assistant/system/function), streaming or not",
-             schema=am.AfsConversationRequest, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
+             schema=am.AfsConversationRequest, dialect="afs", response=ar.AfsRecord, stream=ar.AfsRecord),
     Endpoint("POST", "/models/generate", "AFS: text generation, streaming or not", schema=am.AfsGenerateRequest,
-             dialect="afs", response=am.AfsRecord, stream=am.AfsRecord,
+             dialect="afs", response=ar.AfsRecord, stream=ar.AfsRecord,
              example={"model": "$MODEL", "inputs": "Once upon a time", "parameters": {"max_new_tokens": 8}}),
     Endpoint("POST", "/models/text_infilling", "AFS: fill the one <FILL_ME> (models with FIM tokens)",
-             schema=am.AfsGenerateRequest, dialect="afs", response=am.AfsRecord, stream=am.AfsRecord),
-    Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)", schema=am.AfsEmbeddingsRequest,
-             dialect="afs", response=am.AfsEmbeddings),
+             schema=am.AfsGenerateRequest, dialect="afs", response=ar.AfsRecord, stream=ar.AfsRecord),
+    Endpoint("POST", "/models/embeddings", "AFS: embeddings (V1 inputs, V2 input/parameters)",
+             schema=am.AfsEmbeddingsRequest,
+             dialect="afs", response=ar.AfsEmbeddings),
     Endpoint("POST", "/models/rerank", "AFS: rerank [query, document] pairs or query + documents",
-             schema=am.AfsRerankRequest, dialect="afs", response=am.AfsRerank),
+             schema=am.AfsRerankRequest, dialect="afs", response=ar.AfsRerank),
     Endpoint("GET", "/health", "Liveness: the facade process is up", public=True, response=_HEALTH),
     Endpoint("GET", "/ready", "Readiness: the engine reports SERVING", public=True, response=_HEALTH),
     Endpoint("GET", "/metrics", "Prometheus metrics (public with --public-metrics)", content_type="text/plain"),
@@ -96,7 +99,7 @@ PUBLIC_PATHS = frozenset(ep.path for ep in ENDPOINTS if ep.public)
 
 
 def _models() -> list[type[BaseModel]]:
-    seen: list[type[BaseModel]] = [am.ErrorResponse, am.AfsError]
+    seen: list[type[BaseModel]] = [ar.ErrorResponse, ar.AfsError]
     for ep in ENDPOINTS:
         for m in (ep.schema, ep.response, ep.stream):
             if isinstance(m, type) and m not in seen:
@@ -117,7 +120,7 @@ def _body(spec: Any, refs: dict) -> dict:
 
 
 def _operation(ep: Endpoint, refs: dict, model: str | None) -> dict:
-    error = refs[am.AfsError] if ep.dialect == "afs" else refs[am.ErrorResponse]
+    error = refs[ar.AfsError] if ep.dialect == "afs" else refs[ar.ErrorResponse]
     ok: dict = {"description": "OK"}
     if ep.response is not None:
         ok["content"] = {"application/json": {"schema": _body(ep.response, refs)}}
@@ -128,7 +131,7 @@ def _operation(ep: Endpoint, refs: dict, model: str | None) -> dict:
         # "[DONE]" at the end of an OpenAI chat or completion stream, or the dialect's error body
         # (an error after the stream began), or for AFS a ping's UTC time.
         data = [{"type": "string", "contentMediaType": "application/json", "contentSchema": refs[s]}
-                for s in (ep.stream, am.AfsError if ep.dialect == "afs" else am.ErrorResponse)]
+                for s in (ep.stream, ar.AfsError if ep.dialect == "afs" else ar.ErrorResponse)]
         last = {"type": "string", "pattern": r"^\d{4}-\d\d-\d\d"} if ep.dialect == "afs" else {"const": "[DONE]"}
         event = {"type": "object", "required": ["data"], "properties": {
             "data": {"anyOf": [last, *data]}, "event": {"type": "string"}}}

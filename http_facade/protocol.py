@@ -265,14 +265,6 @@ def _stream_options(body: dict, stream: bool) -> bool:
     return get_bool(opts, "include_usage")
 
 
-def _refuse_unsupported(body: dict, names: tuple[str, ...]) -> None:
-    for name in names:
-        if body.get(name) not in (None, [], {}):
-            raise bad_request(f"{name}: not supported by this server yet", name)
-
-
-
-
 # ---------------------------------------------------------------------------------- chat
 def _content(value: Any, where: str) -> str:
     if value is None:

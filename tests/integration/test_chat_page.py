@@ -140,7 +140,8 @@ async def test_chat_page_streams_an_answer_and_stops_one(serve, page):
     shown = (await page.js(_text(".msg.assistant .body"))).strip()
     stats = await page.js(_text(".msg.assistant .stats"))
     assert "TTFT" in stats and "tokens/s" in stats and "8 tokens" in stats, stats
-    api = serve.post("/v1/chat/completions", json={"model": model, "messages": [{"role": "user", "content": "w1 w2 w3"}],
+    api = serve.post("/v1/chat/completions", json={"model": model,
+                                                   "messages": [{"role": "user", "content": "w1 w2 w3"}],
                                                    "temperature": 0, "top_p": 1, "max_tokens": 8,
                                                    "ignore_eos": True}).json()
     assert shown == api["choices"][0]["message"]["content"].strip() and shown

@@ -49,7 +49,8 @@ def test_the_document_describes_every_endpoint_and_its_refs_resolve():
         "$ref": "#/components/schemas/ChatCompletionRequest"}
     assert chat["requestBody"]["content"]["application/json"]["examples"]["basic"]["value"]["model"] == "m"
     sse = chat["responses"]["200"]["content"]["text/event-stream"]["itemSchema"]
-    assert sse["properties"]["data"]["anyOf"][1]["contentSchema"] == {"$ref": "#/components/schemas/ChatCompletionChunk"}
+    chunk = {"$ref": "#/components/schemas/ChatCompletionChunk"}
+    assert sse["properties"]["data"]["anyOf"][1]["contentSchema"] == chunk
     props = schemas["ChatCompletionRequest"]["properties"]
     assert {"model", "messages", "temperature", "tools", "response_format"} <= set(props)
     assert "examples" not in json.dumps(openapi_document()["paths"]["/v1/completions"])   # no model: none
