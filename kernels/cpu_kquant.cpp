@@ -55,6 +55,10 @@ void blockq_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, fl
 namespace {
 
 constexpr int64_t kTile = 16, kBlock = 32, kPanel = 128;
+#ifndef SLUICE_KQ_ROWS
+#define SLUICE_KQ_ROWS 3
+#endif
+constexpr int64_t kRowsAvx2 = SLUICE_KQ_ROWS;   // input rows per pass over a tile (bench/kquant.py)
 
 // GGML type ids.
 enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
@@ -291,14 +295,17 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
         const int64_t lanes = std::min(kTile, n - t * kTile);
         const uint8_t* wt = wp + t * wtile;
 #if SLUICE_KQ_AVX2
-        constexpr int64_t per = 2;
-        for (int64_t r0 = p0; r0 < p1; r0 += per) {
-          const int64_t mr = std::min<int64_t>(per, p1 - r0);
+        for (int64_t r0 = p0; r0 < p1; r0 += kRowsAvx2) {
+          const int64_t mr = std::min<int64_t>(kRowsAvx2, p1 - r0);
           float* o = op + r0 * n + t * kTile;
-          if (mr == 2) {
-            TileAvx2<FMT, 2>{ap + r0 * k, k}.run(wt, nsb, sp + r0 * nb, ssp + r0 * nb, asp + r0 * n16, o, n, lanes);
-          } else {
-            TileAvx2<FMT, 1>{ap + r0 * k, k}.run(wt, nsb, sp + r0 * nb, ssp + r0 * nb, asp + r0 * n16, o, n, lanes);
+          const int8_t* ar = ap + r0 * k;
+          const float *sr = sp + r0 * nb, *ssr = ssp + r0 * nb;
+          const int32_t* asr = asp + r0 * n16;
+          switch (mr) {
+            case 4: TileAvx2<FMT, 4>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 3: TileAvx2<FMT, 3>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 2: TileAvx2<FMT, 2>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            default: TileAvx2<FMT, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
           }
         }
 #else

@@ -1,0 +1,25 @@
+"""``bench/kquant.py`` runs end to end on a small shape: one row per row count, a cell per format
+(float32, Q4_1, Q8_0 and the five K-quant / 5-bit formats), each with its ratios. Nothing is
+measured here."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_kquant_bench_prints_one_row_per_shape_and_row_count():
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "bench/kquant.py", "--rows", "1,3", "--shapes", "48x512",
+                           "--budget", "0.01", "--threads", "1"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| 48×512 |")]
+    assert len(rows) == 2, proc.stdout
+    cells = [r.strip("|").split("|") for r in rows]
+    assert all(len(c) == 10 for c in cells), rows
+    assert all(c.count(",") == 1 for r in cells for c in r[3:]), rows      # (x float32, x Q4_1)
+    assert "K-quant path: avx2" in proc.stdout or "K-quant path: portable" in proc.stdout
