@@ -46,7 +46,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_mixed_gguf(path) -> None:
+def write_mixed_gguf(path, untied: bool = False) -> None:
+    """``untied``: a Q5_K token embedding and a separate Q8_0 output matrix."""
     import gguf
 
     rng = np.random.default_rng(0)
@@ -76,7 +77,9 @@ def write_mixed_gguf(path) -> None:
 
     # Scaled so that the residual stream and the logits are of a trained model's size (logits of
     # several units, a clear best token at most positions).
-    add("token_embd.weight", rng.standard_normal((len(TOKENS), H)) * 0.6, HEAD_TYPE)
+    add("token_embd.weight", rng.standard_normal((len(TOKENS), H)) * 0.6, "Q5_K" if untied else HEAD_TYPE)
+    if untied:
+        add("output.weight", rng.standard_normal((len(TOKENS), H)) * 0.6, "Q8_0")
     add("output_norm.weight", 1 + 0.1 * rng.standard_normal(H), None)
     shapes = {"attn_q": (H, H), "attn_k": (KV_HEADS * D, H), "attn_v": (KV_HEADS * D, H), "attn_output": (H, H),
               "ffn_gate": (INTER, H), "ffn_up": (INTER, H), "ffn_down": (H, INTER)}
@@ -179,3 +182,19 @@ def test_greedy_tokens_alone_in_a_batch_and_with_speculation(mixed):
     drafted = spec.generate([repetitive, target], greedy)
     assert [r.outputs[0].token_ids for r in drafted] == [r.outputs[0].token_ids for r in plain]
     assert spec.engine.spec.stats.num_accepted_tokens > 0      # verification rows ran and were kept
+
+
+def test_an_untied_k_quant_embedding_is_held_as_stored(tmp_path):
+    path = tmp_path / "untied.gguf"
+    write_mixed_gguf(path, untied=True)
+    stored = load_model(path, dtype="float32", quantization="auto")
+    floats = load_model(path, dtype="float32", quantization="none")
+    model = stored.model
+    assert isinstance(model.quant_lm_head, quant.BlockQLinear) and model.quant_lm_head.bits == 8
+    assert isinstance(model.quant_embedding, quant.TiedBlockEmbedding)
+    held = model.quant_embedding.head
+    assert isinstance(held, kquant.KQuantLinear) and held.fmt == "Q5_K" and held is not model.quant_lm_head
+    assert model.embed_tokens.weight is None
+    ids = torch.tensor([3, 0, 255, 3])
+    assert torch.equal(model.embed(ids), floats.model.embed_tokens.weight[ids])
+    assert torch.equal(model.quant_lm_head.dequantize(), floats.model.lm_head.dense_weight())
