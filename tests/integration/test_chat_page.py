@@ -146,17 +146,27 @@ async def test_chat_page_streams_an_answer_and_stops_one(serve, page):
                                                    "ignore_eos": True}).json()
     assert shown == api["choices"][0]["message"]["content"].strip() and shown
 
-    # a long answer, stopped once it has begun
+    # a long answer (900 tokens: about a second here), stopped as soon as its first words show: the
+    # page itself clicks Stop on that change, so no DevTools round trip can come too late
     await page.js("document.getElementById('max-tokens').value = '900'")
+    await page.js("""(() => {
+        const seen = new MutationObserver(() => {
+            const answers = document.querySelectorAll('.msg.assistant');
+            if (answers.length === 2 && answers[1].querySelector('.body').textContent.trim()) {
+                seen.disconnect();
+                window.stoppedAfter = answers[1].querySelector('.body').textContent;
+                document.getElementById('stop').click();
+            }
+        });
+        seen.observe(document.getElementById('messages'), {childList: true, subtree: true, characterData: true});
+    })()""")
     await page.type_into("prompt", "w4")
     await page.js("document.getElementById('send').click()")
-    await page.until("(m => m.length === 2 && m[1].querySelector('.body').textContent.split(' ').length > 3)"
-                     "(document.querySelectorAll('.msg.assistant'))", "the second answer streaming")
-    await page.js("document.getElementById('stop').click()")
     done = await page.until("document.querySelectorAll('.msg.assistant')[1].dataset.done", "the stop")
     assert done == "stopped"
     stats = await page.js("document.querySelectorAll('.msg.assistant')[1].querySelector('.stats').textContent")
     tokens = int(re.search(r"(\d+) tokens(?!/)", stats)[1])
     assert 0 < tokens < 900, stats
+    assert (await page.js("window.stoppedAfter")).strip()           # it had begun streaming
     assert await page.js("document.getElementById('send').disabled") is False
     await asyncio.to_thread(wait_idle, serve, 30)      # the engine request was aborted, nothing leaked
