@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from sluice.http_facade.supervisor import ServePlan, Supervisor
+from sluice.http_facade.supervisor import EngineSpec, ServePlan, Supervisor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,17 +41,18 @@ def _child(tmp_path, name: str, drain_s: float) -> subprocess.Popen:
 
 
 def _supervisor(stop_s: float) -> Supervisor:
-    return Supervisor(ServePlan((), (), "127.0.0.1:1", "http://127.0.0.1:1", {}, 1.0, stop_s))
+    return Supervisor(ServePlan((EngineSpec((), "127.0.0.1:1", {}, None, "engine"),), (), "http://127.0.0.1:1", {},
+                                1.0, stop_s))
 
 
 def test_both_children_drain_together_for_the_whole_grace(tmp_path):
     sup = _supervisor(stop_s=8.0)
     sup.facade = _child(tmp_path, "facade", 4.0)
-    sup.engine = _child(tmp_path, "engine", 4.0)
+    sup.engines[0] = _child(tmp_path, "engine", 4.0)
     t0 = time.monotonic()
     sup._stop_all()
     assert 4.0 <= time.monotonic() - t0 < 8.0
-    assert (sup.facade.returncode, sup.engine.returncode) == (0, 0)     # neither was killed
+    assert (sup.facade.returncode, sup.engines[0].returncode) == (0, 0)     # neither was killed
     got = [float((tmp_path / n).read_text()) for n in ("facade", "engine")]
     assert abs(got[0] - got[1]) < 1.0                                   # SIGTERM at once
 
@@ -59,11 +60,11 @@ def test_both_children_drain_together_for_the_whole_grace(tmp_path):
 def test_a_child_still_running_after_the_grace_is_killed(tmp_path):
     sup = _supervisor(stop_s=1.0)
     sup.facade = _child(tmp_path, "facade", 60)
-    sup.engine = _child(tmp_path, "engine", 0)
+    sup.engines[0] = _child(tmp_path, "engine", 0)
     t0 = time.monotonic()
     sup._stop_all()
     assert time.monotonic() - t0 < 5
-    assert sup.facade.returncode == -9 and sup.engine.returncode == 0
+    assert sup.facade.returncode == -9 and sup.engines[0].returncode == 0
 
 
 # ---- start-up: the engine says it is ready through a pipe (no gRPC client in the supervisor) ----
@@ -82,8 +83,8 @@ time.sleep(30)
 
 def _start_plan(mode: str, ready_timeout_s: float = 20.0) -> ServePlan:
     # The facade stand-in exits at once: the test looks only at the engine's start-up.
-    return ServePlan((sys.executable, "-c", ENGINE, mode), (sys.executable, "-c", "pass"), "127.0.0.1:1",
-                     "http://127.0.0.1:1", {}, ready_timeout_s, 1.0)
+    engine = EngineSpec((sys.executable, "-c", ENGINE, mode), "127.0.0.1:1", {}, None, "engine")
+    return ServePlan((engine,), (sys.executable, "-c", "pass"), "http://127.0.0.1:1", {}, ready_timeout_s, 1.0)
 
 
 def test_the_facade_starts_only_once_the_engine_wrote_ready(capsys):
@@ -91,7 +92,7 @@ def test_the_facade_starts_only_once_the_engine_wrote_ready(capsys):
     t0 = time.monotonic()
     assert sup.run() == 1                                   # the stand-in facade "died" at once
     assert time.monotonic() - t0 >= 1.5                     # ... but only after "ready"
-    assert sup.facade is not None and sup.engine.poll() is not None
+    assert sup.facade is not None and sup.engines[0].poll() is not None
     assert "the facade exited" in capsys.readouterr().err
 
 
