@@ -132,17 +132,18 @@ def _pack_rows(fmt: str, u, d, dm, sc, mn) -> torch.Tensor:
         header.append(_per_tile(sc, nsb))
         if spec.offset:
             header.append(_per_tile(mn, nsb))
-    q = _pad_rows(u)
+    # Bytes are formed in each row's own order (contiguous, fast), then moved into tiles once.
+    q = _pad_rows(u).view(-1, k // 32, 8, 4)                                         # [N, blocks, g, j]
     tiles = q.shape[0] // TILE
-    v = q.view(tiles, TILE, nsb, blocks, 4, 2, 4).permute(0, 2, 3, 4, 5, 1, 6)       # [t, sb, b, p, h, r, j]
-    nib = ((v[:, :, :, :, 0] & 15) | ((v[:, :, :, :, 1] & 15) << 4)).reshape(tiles, nsb, blocks, 256)
-    body = [nib]
-    g = q.view(tiles, TILE, nsb, blocks, 8, 4).permute(0, 2, 3, 1, 5, 4)              # [t, sb, b, r, j, g]
+    lo = q & 15
+    nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)                                      # [N, blocks, p, j]
+    body = [nib.view(tiles, TILE, nsb, blocks, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, nsb, blocks, 256)]
     for bit in range(4, spec.bits):
-        plane = torch.zeros(g.shape[:-1], dtype=torch.uint8)                            # [t, sb, b, r, j]
-        for i in range(8):
-            plane |= ((g[..., i] >> bit) & 1) << i
-        body.append(plane.reshape(tiles, nsb, blocks, 64))
+        hb = (q >> bit) & 1
+        plane = hb[:, :, 0].clone()
+        for i in range(1, 8):
+            plane |= hb[:, :, i] << i                                                   # [N, blocks, j]
+        body.append(plane.view(tiles, TILE, nsb, blocks, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nsb, blocks, 64))
     body = torch.cat(body, -1).reshape(tiles, nsb, -1)
     return torch.cat([*header, body], -1).reshape(-1).contiguous()
 
