@@ -137,8 +137,7 @@ class Quantizer:
         anything else rounded to ``bits``-bit blocks from float32."""
         kind = _stored_type(weights, name)
         if kind in kquant.KQUANT_TYPES and (bits == 8 or kind == "Q4_K"):
-            raw = _raw(weights, name, shape)
-            return kind, kquant.gguf_parts(kind, raw[1], shape)
+            return kind, _raw(weights, name, shape)[1]       # raw blocks: decoded a slice at a time
         if kind in quant.BLOCK_BITS and quant.BLOCK_BITS[kind] <= bits:
             raw = _raw(weights, name, shape)
             return bits, quant.block_parts(raw[0], raw[1], shape, bits)
@@ -152,7 +151,7 @@ class Quantizer:
 
 
 def _stack(pieces: list):
-    """Block weights from (format, parts) per HF part, stacked by rows: parts in the same format
+    """Block weights from (format, parts or raw K-quant blocks) per HF part, stacked by rows: parts in the same format
     are one weight, a projection whose parts differ in format a ``kquant.StackedLinear``."""
     groups: list[tuple[object, list]] = []
     for fmt, parts in pieces:
@@ -162,8 +161,12 @@ def _stack(pieces: list):
             groups.append((fmt, [parts]))
     made = []
     for fmt, group in groups:
-        cat = [None if p[0] is None else torch.cat(p) for p in zip(*group)]
-        made.append(quant.BlockQLinear(*cat, fmt) if isinstance(fmt, int) else kquant.KQuantLinear(fmt, *cat))
+        if isinstance(fmt, int):
+            made.append(quant.BlockQLinear(*[torch.cat(p) for p in zip(*group)], fmt))
+        else:   # K-quant blocks [rows, bytes per row]: the same bytes per row in one format
+            raw = group[0] if len(group) == 1 else torch.cat(group)
+            k = raw.shape[1] // kquant._BLOCK[fmt][1] * kquant._BLOCK[fmt][0]
+            made.append(kquant.KQuantLinear.from_gguf(fmt, raw, (raw.shape[0], k)))
     return made[0] if len(made) == 1 else kquant.StackedLinear(made)
 
 

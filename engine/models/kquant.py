@@ -93,16 +93,31 @@ class KQuantLinear:
 
         _check(fmt in cpu_kquant.FORMATS, f"block weight: no K-quant format {fmt!r}; one of {', '.join(KQUANT_TYPES)}")
         _check(u.dim() == 2, f"{fmt} weight: expected [N, K], got {tuple(u.shape)}")
-        self.fmt = fmt
-        self.out_features, self.in_features = u.shape
-        self.packed = cpu_kquant.pack(fmt, u, d, dm, sc, mn)
-        self.type_id = cpu_kquant.FORMATS[fmt].type_id
-        self.kind = KIND_OFFSET + self.type_id
-        self._kernel, self._rows_kernel = cpu_kquant.kernel(), cpu_kquant.rows_kernel()
+        self._setup(fmt, *u.shape, cpu_kquant.pack(fmt, u, d, dm, sc, mn))
 
     @classmethod
     def from_gguf(cls, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> "KQuantLinear":
-        return cls(kind, *gguf_parts(kind, blocks, shape))
+        """From a GGUF tensor's blocks ([rows, bytes per row] uint8), a slice of rows at a time, so
+        that the load's temporaries (a byte per weight, a few times over) stay a slice's, not the
+        tensor's (a 49152x2048 LM head: ~100 MiB each)."""
+        from sluice.kernels import cpu_kquant
+
+        n, k = shape
+        step = cpu_kquant._PACK_ROWS
+        rows = blocks.reshape(n, -1)
+        packed = [cpu_kquant.pack(kind, *gguf_parts(kind, rows[r:r + step], (min(step, n - r), k)))
+                  for r in range(0, n, step)]
+        self = cls.__new__(cls)
+        self._setup(kind, n, k, packed[0] if len(packed) == 1 else torch.cat(packed))
+        return self
+
+    def _setup(self, fmt: str, n: int, k: int, packed: torch.Tensor) -> None:
+        from sluice.kernels import cpu_kquant
+
+        self.fmt, self.out_features, self.in_features, self.packed = fmt, n, k, packed
+        self.type_id = cpu_kquant.FORMATS[fmt].type_id
+        self.kind = KIND_OFFSET + self.type_id
+        self._kernel, self._rows_kernel = cpu_kquant.kernel(), cpu_kquant.rows_kernel()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():

@@ -182,3 +182,13 @@ def test_packing_a_slice_of_rows_at_a_time_gives_the_same_layout(ops, monkeypatc
         monkeypatch.setattr(cpu_kquant, "_PACK_ROWS", 32)
         assert torch.equal(cpu_kquant.pack(kind, *parts), w.packed), kind
         monkeypatch.undo()
+
+
+def test_from_gguf_decodes_a_slice_of_rows_at_a_time(ops, monkeypatch):
+    for kind in FORMATS:
+        raw = torch.from_numpy(random_blocks(kind, 70, 256, seed=12))
+        whole = kquant.KQuantLinear(kind, *kquant.gguf_parts(kind, raw, (70, 256)))
+        monkeypatch.setattr(cpu_kquant, "_PACK_ROWS", 32)
+        sliced = kquant.KQuantLinear.from_gguf(kind, raw, (70, 256))
+        monkeypatch.undo()
+        assert torch.equal(sliced.packed, whole.packed) and sliced.kind == whole.kind, kind
