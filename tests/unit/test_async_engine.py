@@ -45,6 +45,11 @@ class FakeCore:
         self.add_error: Exception | None = None
         self.step_delay_s = step_delay_s
         self.model_info = "fake-model"
+        self.closed = False
+
+    def close(self) -> None:
+        """What outlives the step loop (EngineCore.close); shutdown calls it once the thread is gone."""
+        self.closed = True
 
     def prepare_prompt(self, prompt, params, add_special_tokens=True):
         return [1, 2, 3]
@@ -99,6 +104,7 @@ async def running(core: FakeCore):
         yield engine
     finally:
         await engine.shutdown()
+        assert core.closed                       # the core's pools and ranks are released
 
 
 async def _collect(engine: AsyncEngine, rid: str, max_tokens: int | None) -> list[RequestOutput]:
