@@ -36,7 +36,7 @@ from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade.afs_errors import afs_error_body
 from sluice.http_facade.afs_functions import find_call
 from sluice.http_facade.afs_protocol import AfsGeneration
-from sluice.http_facade.errors import ApiError, internal, unavailable
+from sluice.http_facade.errors import ApiError, engine_failure, unavailable
 from sluice.http_facade.generation import RequestTimer, run_plan
 from sluice.http_facade.request_context import TIMER
 from sluice.http_facade.protocol import GenerationPlan
@@ -68,7 +68,7 @@ def finish_reason(final: pb.ChoiceFinal) -> str:
         return "stop_sequence" if final.WhichOneof("matched_stop") == "stop_string" else "eos_token"
     if final.finish_reason == pb.FINISH_REASON_ABORT:
         raise unavailable("the request was aborted by the engine (it is shutting down or draining)")
-    raise internal(f"the engine failed this request: {final.error or 'unknown error'}")
+    raise engine_failure(final.error)
 
 
 def _token_details(items: list[pb.TokenLogprob]) -> list[dict]:

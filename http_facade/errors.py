@@ -47,6 +47,18 @@ def internal(message: str = "internal server error") -> ApiError:
     return ApiError(500, message, "server_error", None, "internal_error")
 
 
+_INPUT_ERROR = "ValueError: "
+
+
+def engine_failure(error: str) -> ApiError:
+    """A choice the engine ended with an error: a ValueError is the request's own input proving
+    impossible while it ran (a grammar this tokenizer cannot spell), a 400 as the gRPC status
+    says (INVALID_ARGUMENT); anything else a 500."""
+    if error.startswith(_INPUT_ERROR):
+        return bad_request(error[len(_INPUT_ERROR):])
+    return internal(f"the engine failed this request: {error or 'unknown error'}")
+
+
 # An engine field path (``sampling.top_p``, ``chat.messages[1].role``, ``token_ids``) → the
 # OpenAI parameter a client sent. Order matters: the first matching prefix wins.
 _FIELD_RENAMES: tuple[tuple[str, str], ...] = (

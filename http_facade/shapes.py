@@ -7,7 +7,7 @@ from typing import Any
 from dataclasses import dataclass, field
 
 from sluice.engine.rpc import engine_pb2 as pb
-from sluice.http_facade.errors import ApiError, internal, unavailable
+from sluice.http_facade.errors import ApiError, engine_failure, unavailable
 from sluice.http_facade.tools import split_calls
 
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length"}
@@ -26,7 +26,7 @@ def finish_reason(final: pb.ChoiceFinal) -> str:
         return reason
     if final.finish_reason == pb.FINISH_REASON_ABORT:
         raise unavailable("the request was aborted by the engine (it is shutting down or draining)")
-    raise internal(f"the engine failed this request: {final.error or 'unknown error'}")
+    raise engine_failure(final.error)
 
 
 def finish_error(final: pb.ChoiceFinal) -> ApiError | None:

@@ -306,3 +306,20 @@ def test_app_builds_without_an_event_loop():
     assert isinstance(app, web.Application)
     with pytest.raises(ValueError, match="engine_addr"):
         FacadeConfig(engine_addr="nohost")
+
+
+def test_a_choice_failed_by_its_own_input_is_a_400_and_any_other_failure_a_500():
+    from sluice.engine.rpc import engine_pb2 as pb
+    from sluice.http_facade import afs_generation, shapes
+    from sluice.http_facade.errors import ApiError
+
+    dead_end = pb.ChoiceFinal(finish_reason=pb.FINISH_REASON_ERROR,
+                              error="ValueError: grammar: no token of the model's vocabulary can continue")
+    fault = pb.ChoiceFinal(finish_reason=pb.FINISH_REASON_ERROR, error="RuntimeError: injected fault")
+    for finish in (shapes.finish_reason, afs_generation.finish_reason):
+        with pytest.raises(ApiError) as info:
+            finish(dead_end)
+        assert info.value.status == 400 and info.value.message.startswith("grammar: no token")
+        with pytest.raises(ApiError) as info:
+            finish(fault)
+        assert info.value.status == 500 and "RuntimeError: injected fault" in info.value.message
