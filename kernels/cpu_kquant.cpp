@@ -404,6 +404,72 @@ torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64
   return out;
 }
 
+namespace {
+
+// The parts (kernels/cpu_kquant.py's doc: u [N, K] values, d / dm [N, K/SBK] float16 bits,
+// sc [N, K/SUB] and mn [N, K/32] bytes) of rows [0, n) -> the layout above, tiles in parallel.
+template <int FMT>
+void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mn,
+                int64_t n, int64_t k, uint8_t* out) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const int64_t nsb = k / F::SBK, tiles = (n + kTile - 1) / kTile, nsub = k / F::SUB;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        uint8_t* chunk = out + (t * nsb + sb) * L::CHUNK;
+        std::memset(chunk, 0, L::CHUNK);
+        for (int64_t lane = 0; lane < kTile; ++lane) {
+          const int64_t row = t * kTile + lane;
+          if (row >= n) break;
+          std::memcpy(chunk + L::D + 2 * lane, d + row * nsb + sb, 2);
+          if (F::OFFSET) std::memcpy(chunk + L::DM + 2 * lane, dm + row * nsb + sb, 2);
+          for (int i = 0; i < L::NSUB && F::SUBSCALE; ++i) {
+            chunk[L::SC + kTile * i + lane] = sc[row * nsub + sb * L::NSUB + i];
+            if (F::OFFSET) chunk[L::MN + kTile * i + lane] = mn[row * (k / 32) + sb * L::NSUB + i];
+          }
+          for (int blk = 0; blk < L::NBLK; ++blk) {
+            uint8_t* body = chunk + L::BODY + blk * L::BLK;
+            const uint8_t* ur = u + row * k + sb * F::SBK + blk * kBlock;
+            for (int e = 0; e < kBlock; ++e) {
+              const int g = e / 4, j = e % 4;
+              body[64 * (g / 2) + lane * 4 + j] |= static_cast<uint8_t>((ur[e] & 0x0F) << (4 * (g % 2)));
+              for (int b = 0; b < F::VB - 4; ++b)
+                body[256 + 64 * b + lane * 4 + j] |= static_cast<uint8_t>(((ur[e] >> (4 + b)) & 1) << g);
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// The parts of a weight -> its packed layout, flat uint8 (kernels/cpu_kquant.py checks the parts
+// first; tests hold this to its own Python unpacking). Absent parts are empty tensors.
+torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, torch::Tensor sc, torch::Tensor mn,
+                          int64_t fmt) {
+  TORCH_CHECK(u.dim() == 2 && u.scalar_type() == torch::kUInt8 && u.is_contiguous(), "kquant pack: u must be uint8 [N, K]");
+  const int64_t n = u.size(0), k = u.size(1), chunk = chunk_bytes(fmt), sbk = super_block(fmt);
+  TORCH_CHECK(k % sbk == 0, "kquant pack: K must be a multiple of ", sbk);
+  for (const auto* t : {&d, &dm, &sc, &mn}) TORCH_CHECK(t->is_contiguous(), "kquant pack: parts must be contiguous");
+  auto out = torch::empty({(n + kTile - 1) / kTile * (k / sbk) * chunk}, u.options());
+  const uint8_t* up = u.data_ptr<uint8_t>();
+  const uint16_t* dp = reinterpret_cast<const uint16_t*>(d.data_ptr());
+  const uint16_t* dmp = dm.numel() ? reinterpret_cast<const uint16_t*>(dm.data_ptr()) : nullptr;
+  const uint8_t* scp = sc.numel() ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr;
+  const uint8_t* mnp = mn.numel() ? static_cast<const uint8_t*>(mn.data_ptr()) : nullptr;
+  uint8_t* op = out.data_ptr<uint8_t>();
+  switch (fmt) {
+    case kQ5_0: pack_tiles<kQ5_0>(up, dp, dmp, scp, mnp, n, k, op); break;
+    case kQ5_1: pack_tiles<kQ5_1>(up, dp, dmp, scp, mnp, n, k, op); break;
+    case kQ4_K: pack_tiles<kQ4_K>(up, dp, dmp, scp, mnp, n, k, op); break;
+    case kQ5_K: pack_tiles<kQ5_K>(up, dp, dmp, scp, mnp, n, k, op); break;
+    case kQ6_K: pack_tiles<kQ6_K>(up, dp, dmp, scp, mnp, n, k, op); break;
+  }
+  return out;
+}
+
 // Bytes of one (tile, super-block) chunk of format `fmt` (for the packing code's checks).
 int64_t kquant_chunk_bytes(int64_t fmt) { return chunk_bytes(fmt); }
 
