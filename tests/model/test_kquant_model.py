@@ -198,3 +198,15 @@ def test_an_untied_k_quant_embedding_is_held_as_stored(tmp_path):
     ids = torch.tensor([3, 0, 255, 3])
     assert torch.equal(model.embed(ids), floats.model.embed_tokens.weight[ids])
     assert torch.equal(model.quant_lm_head.dequantize(), floats.model.lm_head.dense_weight())
+
+
+def test_w4a8_keeps_q4_k_as_stored_and_rounds_the_wider_types_to_4_bits(mixed):
+    path, _stored, _read, floats = mixed
+    model = load_model(path, dtype="float32", quantization="w4a8").model
+    qkv0 = model.layers[0].self_attn.qkv_proj.quantized          # Q4_K q, k as stored; Q6_K v rounded
+    assert [getattr(p, "fmt", None) or p.bits for p in qkv0.parts_] == ["Q4_K", 4]
+    assert torch.equal(qkv0.parts_[0].dequantize(), floats.model.layers[0].self_attn.qkv_proj.dense_weight()[:H + KV_HEADS * D])
+    assert isinstance(model.quant_lm_head, kquant.KQuantLinear)   # the head keeps its Q6_K
+    ids = [1, *range(40, 80)]
+    change = (_prefill_logits(model, ids) - _prefill_logits(floats.model, ids)).abs()
+    assert change.mean() < 1.0, f"mean logit change {change.mean():.3f}"      # 4-bit re-rounding costs more
