@@ -12,10 +12,19 @@ says how each maps onto it):
   16 as their bytes); None for Q5_0 / Q5_1;
 * ``mn`` [N, K/32] uint8: Q4_K's and Q5_K's 6-bit sub-block minimums; None otherwise.
 
-They are repacked at load into the kernel's layout (``pack``), which keeps the file's float16
-scales and its 6-bit sub-block scales as bytes rather than as float32 products d * sc: memory
-stays at the file's size (Q4_K 4.625 bits a weight against the file's 4.5, the others equal),
-and the kernel forms the products, which are exact in float32, where it reads them.
+They are repacked at load into the kernel's layout (``pack``, in C++; ``pack_ref`` is the same
+in torch ops), which keeps the file's float16 scales and its 6-bit sub-block scales as bytes
+rather than as float32 products d * sc: memory stays at the file's size (Q4_K 4.625 bits a weight
+against the file's 4.5, the others equal; float32 products would make Q4_K 6 bits a weight), and
+the kernel forms the products, which are exact in float32, where it reads them. Q6_K's scales
+belong to sub-blocks of 16, so its kernel keeps one integer sum per 16 and applies each scale to
+its own sum (exact), under the block of 32's input scale.
+
+Paths (``isa()``): AVX2 intrinsics, which AVX-512 hosts compile and run too, and portable C++
+with the same integer sums and the same float operations in the same order: bit for bit the same
+results (tests/unit/test_kquant.py holds the portable build to the native one). There is no
+AVX-512 or VNNI variant: it could not be tested where this was written, and the AVX2 one is
+correct on every x86-64 CPU that has AVX2, FMA and F16C.
 
 The input is rounded to int8 per row and block of 32 (``cpu_blockq.quantize_input``, the same
 rounding as the Q4_0/Q4_1/Q8_0 products): finer than llama.cpp's Q8_K (one scale per 256), so the
