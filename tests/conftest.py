@@ -107,8 +107,9 @@ _UNIT_OF = {module: unit for unit, modules in SHARED_UNITS.items() for module in
 # alone on a long unit while the other waits; the rest follow in collection order.
 LONGEST_FIRST = {
     "real model, float32": 118, "real model, default format": 67, "engine process": 66,
+    "tests/unit/test_bench_smoke.py": 60, "tests/model/test_tensor_parallel.py": 55,
     "tests/model/test_spec_decode_distribution.py": 35, "tests/kernels/test_cuda_lowering.py": 30,
-    "tests/reliability/test_soak.py": 23, "tests/unit/test_bench_smoke.py": 22,
+    "tests/reliability/test_soak.py": 23, "tests/integration/test_replicas.py": 23,
     "tests/reliability/test_serve_tiny.py": 17, "tests/kernels/test_sampling.py": 15,
     "tests/integration/test_wheel_install.py": 12, "tests/reliability/test_serve_clients.py": 12,
     "tests/reliability/test_schemathesis.py": 12, "tests/integration/test_facade_serve.py": 12,
