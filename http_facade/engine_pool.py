@@ -13,9 +13,9 @@ Routing a generation request (``route``):
      hashes already routed names the engine that most likely holds that prefix in its KV cache,
      and the request goes there unless the engine is overloaded: its open streams exceed the
      least loaded candidate's by ``balance_abs`` and by a factor ``balance_rel``. Otherwise, and
-     for an unseen prefix, the least loaded candidate (open streams from this facade, then the
-     engine's own waiting + running counts, then a rotating tie-break) takes it, and every level
-     of its prefix is remembered for that engine (a bounded LRU map);
+     for an unseen prefix, the least loaded candidate (``EngineState.busy``: this facade's open
+     streams plus what the engine's last load report shows beyond them; ties taken in turn)
+     takes it, and every level of its prefix is remembered for that engine (a bounded LRU map);
   3. ``policy="round_robin"``: the candidates in turn (the baseline bench/replicas.py compares).
 A stream that fails with UNAVAILABLE before its first response is retried once per other
 candidate (nothing reached the client yet); one that fails later ends with that error.
@@ -27,6 +27,7 @@ import collections
 import hashlib
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
@@ -51,6 +52,8 @@ class EngineState:
     models: tuple[pb.ModelInfo, ...] = ()
     load: pb.GetLoadResponse | None = None
     open_streams: int = 0          # this facade's streams on it now
+    changed_at: float = 0.0        # when one of them last started or ended (monotonic)
+    load_at: float = 0.0           # when ``load`` was read
     routed: int = 0                # requests sent to it since start
     reason: str = "not checked yet"
 
@@ -62,9 +65,18 @@ class EngineState:
         """Unknown models (not listed yet) count as served: the engine answers for itself."""
         return model is None or not self.models or any(model in (m.name, m.path) for m in self.models)
 
-    def busy(self) -> tuple[int, int]:
-        queued = self.load.num_waiting + self.load.num_running if self.load is not None else 0
-        return self.open_streams, queued
+    def busy(self) -> int:
+        """This facade's open streams on it, plus the sequences others keep it busy with: its last
+        load report beyond our own streams, when that report is newer than our last stream's
+        start or end (an older one would count a stream of ours that has ended)."""
+        others = 0
+        if self.load is not None and self.load_at > self.changed_at:
+            others = max(0, self.load.num_waiting + self.load.num_running - self.open_streams)
+        return self.open_streams + others
+
+    def stream_opened(self, delta: int) -> None:
+        self.open_streams += delta
+        self.changed_at = time.monotonic()
 
 
 @dataclass
@@ -122,6 +134,7 @@ class EnginePool:
             log.info("engine %s is serving", e.address)
         try:
             e.load = await e.link.get_load()
+            e.load_at = time.monotonic()
         except grpc.aio.AioRpcError as err:
             log.debug("engine %s: %s on GetLoad", e.address, err.code().name)
 
@@ -188,7 +201,7 @@ class EnginePool:
             e = self.route(model, key, exclude=tried)
             tried.add(e.address)
             started = False
-            e.open_streams += 1
+            e.stream_opened(1)
             try:
                 async with e.link.open_stream(request) as call:
                     async for msg in call:
@@ -203,7 +216,7 @@ class EnginePool:
                     raise
                 log.warning("request %s: engine %s is unavailable; trying another", request.request_id, e.address)
             finally:
-                e.open_streams -= 1
+                e.stream_opened(-1)
 
     # ---- routing ------------------------------------------------------------------------------
     def _candidates(self, model: str | None, exclude: set[str] = frozenset()) -> list[EngineState]:
