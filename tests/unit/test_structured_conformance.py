@@ -1,6 +1,6 @@
 """Issue 38's conformance fixes at the engine's grammar layer (SmolLM2's tokenizer, no weights):
   * a tool whose parameters use ``$defs``/``$ref`` (what pydantic and
-    ``openai.pydantic_function_tool`` write for a nested model) compiles under every
+    ``openai.pydantic_function_tool`` write for a nested model, spelled out here) compiles under every
     ``tool_choice``, and its calls are held to the referenced schema;
   * a generated object never repeats a key: the bitmask forbids every token that would close a
     key already written in that object (``additionalProperties``, ``json_object``, tool
@@ -11,10 +11,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import openai
 import pytest
 import torch
-from pydantic import BaseModel
 from xgrammar.testing import _is_grammar_accept_string
 
 from sluice.engine.rpc.convert import structured_from_proto
@@ -26,17 +24,15 @@ from sluice.http_facade import protocol
 from tests.unit.test_structured_output import _Req, manager  # noqa: F401 - the manager fixture
 
 
-class Item(BaseModel):
-    sku: str
-    qty: int
-
-
-class Order(BaseModel):
-    items: list[Item]
-    note: str | None = None
-
-
-ORDER_TOOL = openai.pydantic_function_tool(Order)
+# What ``openai.pydantic_function_tool`` sends for ``Order(items: list[Item], note: str | None)``
+# with ``Item(sku: str, qty: int)`` (openai 2.x, pydantic 2.x): pydantic's nested-model shape.
+ORDER_TOOL = {"type": "function", "function": {"name": "Order", "strict": True, "parameters": {
+    "$defs": {"Item": {"properties": {"sku": {"title": "Sku", "type": "string"},
+                                      "qty": {"title": "Qty", "type": "integer"}},
+                       "required": ["sku", "qty"], "title": "Item", "type": "object", "additionalProperties": False}},
+    "properties": {"items": {"items": {"$ref": "#/$defs/Item"}, "title": "Items", "type": "array"},
+                   "note": {"anyOf": [{"type": "string"}, {"type": "null"}], "title": "Note"}},
+    "required": ["items", "note"], "title": "Order", "type": "object", "additionalProperties": False}}}
 TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"]}}}
 GOOD_CALL = {"name": "Order", "arguments": {"items": [{"sku": "a-1", "qty": 2}], "note": None}}
