@@ -38,6 +38,13 @@ DEFAULT_MODEL = "smollm2"
 DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none
 
 
+
+def _otel_installed() -> bool:
+    """Whether the ``otel`` extra is importable (a missing parent package ends find_spec with an
+    error rather than None, so it is asked first)."""
+    return importlib.util.find_spec("opentelemetry") is not None and \
+        importlib.util.find_spec("opentelemetry.sdk") is not None
+
 def _add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
                    help=f"a .gguf file, a Hugging Face folder or a short name (default: {DEFAULT_MODEL})")
@@ -160,7 +167,7 @@ def _cmd_engine(args: argparse.Namespace) -> int:
     from sluice.engine.engine_core import EngineCore
     from sluice.engine.rpc.server import ServerConfig, serve
 
-    if args.otlp_traces_endpoint and importlib.util.find_spec("opentelemetry.sdk") is None:
+    if args.otlp_traces_endpoint and not _otel_installed():
         from sluice.engine.rpc.tracing import EXTRA_HINT
 
         print(f"sluice engine: error: --otlp-traces-endpoint: {EXTRA_HINT}", file=sys.stderr)

@@ -33,6 +33,13 @@ _MODES = ("local", "interactive", "server")
 
 
 # --------------------------------------------------------------------------------- parsers
+
+def _otel_installed() -> bool:
+    """Whether the ``otel`` extra is importable (a missing parent package ends find_spec with an
+    error rather than None, so it is asked first)."""
+    return importlib.util.find_spec("opentelemetry") is not None and \
+        importlib.util.find_spec("opentelemetry.sdk") is not None
+
 def _add_http_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the HTTP server binds (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
@@ -138,7 +145,7 @@ def facade_config(args: argparse.Namespace, engine_addr: str | Sequence[str]) ->
         allowed_headers=parse_json_list(args.allowed_headers, "--allowed-headers"),
     )
     keys = load_keys(args.api_key, args.api_key_file)
-    if args.otlp_traces_endpoint and importlib.util.find_spec("opentelemetry.sdk") is None:
+    if args.otlp_traces_endpoint and not _otel_installed():
         raise ValueError(f"--otlp-traces-endpoint: {EXTRA_HINT}")
     public = PUBLIC_PATHS | {"/metrics"} if args.public_metrics else PUBLIC_PATHS
     try:

@@ -152,15 +152,23 @@ async def test_json_request_log_one_line_per_request_with_timings(fake_engine): 
 def test_flags_set_the_operations_config():
     parser = _build_parser()
     args = parser.parse_args(["facade", "--engine", "127.0.0.1:1", "--served-model-name", "a", "b",
-                              "--public-metrics", "--request-log", "json",
-                              "--otlp-traces-endpoint", "http://127.0.0.1:4318/v1/traces"])
+                              "--public-metrics", "--request-log", "json"])
     config = facade_config(args, args.engine)
     assert config.served_model_names == ("a", "b") and config.request_log == "json"
-    assert "/metrics" in config.auth.public_paths and config.otlp_traces_endpoint.endswith("/v1/traces")
+    assert "/metrics" in config.auth.public_paths
     plain = facade_config(parser.parse_args(["facade", "--engine", "127.0.0.1:1"]), ["127.0.0.1:1"])
     assert "/metrics" not in plain.auth.public_paths and plain.served_model_names == ()
     serve = parser.parse_args(["serve", "m", "--served-model-name", "x", "--request-log", "json"])
     assert operations_flags(serve) == ["--served-model-name", "x", "--request-log", "json"]
+
+
+
+@pytest.mark.oracle   # needs the dev extra's OpenTelemetry (the otel extra)
+def test_the_otlp_flag_reaches_the_config_and_both_processes():
+    parser = _build_parser()
+    args = parser.parse_args(["facade", "--engine", "127.0.0.1:1", "--otlp-traces-endpoint",
+                              "http://127.0.0.1:4318/v1/traces"])
+    assert facade_config(args, args.engine).otlp_traces_endpoint.endswith("/v1/traces")
     from sluice.http_facade.supervisor import build_plan
     traced = build_plan(parser.parse_args(["serve", "m", "--otlp-traces-endpoint", "http://c:4318/v1/traces",
                                            "--public-metrics"]))
