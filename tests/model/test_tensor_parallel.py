@@ -94,11 +94,13 @@ def test_a_block_format_stays_within_its_rounding_of_one_shard():
     checked = 0
     for a, b in zip(whole, split):
         # Until one shard's first near tie (its best two tokens within 1.0 of each other), the
-        # tokens must agree, and the sampled tokens' logprobs stay close.
+        # tokens must agree; while they agree, the sampled tokens' logprobs stay close.
         tie = next((i for i, lp in enumerate(a.logprobs) if _gap(lp) < 1.0), len(a.logprobs))
         assert a.token_ids[:tie] == b.token_ids[:tie]
         n = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
-        assert all(abs(x.logprob - y.logprob) < 0.5 for x, y in zip(a.logprobs[:n], b.logprobs[:n]))
+        # Measured here: at most 0.21 against the C++ stack's one shard, 0.71 against its Python
+        # layers; a wrong shard moves logits by several units.
+        assert all(abs(x.logprob - y.logprob) < 1.0 for x, y in zip(a.logprobs[:n], b.logprobs[:n]))
         checked += tie
     assert checked > 0
 
