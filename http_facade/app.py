@@ -23,7 +23,7 @@ from sluice.http_facade.errors import ApiError, from_rpc_error, internal, unavai
 from sluice.engine.rpc.tracing import Tracing
 from sluice.http_facade.openapi import ENDPOINTS, docs_page, openapi_document
 from sluice.http_facade.request_context import (add_request_id_header, configure_request_log,
-                                                request_context_middleware)
+                                                request_context_middleware, route_name)
 from sluice.http_facade.served_names import ServedNames
 from sluice.http_facade.sse import CORS_HEADERS
 from sluice.http_facade.state import STATE_KEY, FacadeConfig, FacadeState, state_of
@@ -51,12 +51,6 @@ def _from_http_exception(request: web.Request, exc: web.HTTPException, limit: in
     return ApiError(exc.status, message, kind, None, code, headers)
 
 
-def _route_name(request: web.Request) -> str:
-    route = request.match_info.route
-    resource = route.resource if route is not None else None
-    return resource.canonical if resource is not None else "unmatched"
-
-
 @web.middleware
 async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     state = state_of(request)
@@ -75,7 +69,7 @@ async def error_middleware(request: web.Request, handler) -> web.StreamResponse:
     except Exception:  # noqa: BLE001 - a real fault: log it, tell the client only that it happened
         log.exception("unhandled error on %s %s", request.method, request.path)
         response = _error_response(request, internal())
-    state.metrics.count(_route_name(request), response.status)
+    state.metrics.count(route_name(request), response.status)
     return response
 
 

@@ -88,6 +88,17 @@ async def _merged(link: EnginePool, requests: list[pb.GenerateRequest], n: int, 
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def first_of(stream) -> tuple[object, AsyncIterator]:
+    """``(first item, iterator over the rest)`` of a plan's stream; a stream that ends before any
+    output is a 502. Streaming handlers wait for it before sending headers, so that an error
+    before any output stays a plain HTTP error."""
+    iterator = stream.__aiter__()
+    try:
+        return await iterator.__anext__(), iterator
+    except StopAsyncIteration:
+        raise ApiError(502, "the engine ended the stream without output", "server_error") from None
+
+
 async def until_set(source: AsyncIterator, stop: asyncio.Event) -> AsyncIterator:
     """``source``'s items until it ends or ``stop`` is set; then 503 (the source is closed by
     the caller, which cancels its engine streams)."""

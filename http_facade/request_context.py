@@ -48,7 +48,8 @@ def request_id_of(request: web.Request) -> str:
     return request.get(REQUEST_ID) or f"req-{uuid.uuid4().hex}"
 
 
-def _route(request: web.Request) -> str:
+def route_name(request: web.Request) -> str:
+    """The matched route's pattern (``/v1/models/{model}``), for metrics and logs."""
     info = request.match_info.route
     resource = info.resource if info is not None else None
     return resource.canonical if resource is not None else "unmatched"
@@ -65,7 +66,7 @@ async def request_context_middleware(request: web.Request, handler) -> web.Strea
     request[REQUEST_ID] = given or f"req-{uuid.uuid4().hex}"
     start = time.monotonic()
     status, outcome = 500, "error"
-    span_cm = (state.tracing.server_span(f"{request.method} {_route(request)}",
+    span_cm = (state.tracing.server_span(f"{request.method} {route_name(request)}",
                                          attributes={"http.request.method": request.method,
                                                      "url.path": request.path,
                                                      "sluice.request_id": request[REQUEST_ID]})
@@ -94,7 +95,7 @@ async def add_request_id_header(request: web.Request, response: web.StreamRespon
 
 def _log(request: web.Request, status: int, outcome: str, duration: float) -> None:
     line: dict = {"ts": round(time.time(), 3), "request_id": request.get(REQUEST_ID), "method": request.method,
-                  "path": request.path, "route": _route(request), "status": status, "outcome": outcome,
+                  "path": request.path, "route": route_name(request), "status": status, "outcome": outcome,
                   "duration_s": round(duration, 6)}
     timer = request.get(TIMER)
     if timer is not None:

@@ -21,7 +21,7 @@ from aiohttp import web
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade import api_models, protocol, shapes
 from sluice.http_facade.errors import ApiError, bad_request
-from sluice.http_facade.generation import RequestTimer, run_plan, trace, usage_body, usage_of
+from sluice.http_facade.generation import RequestTimer, first_of, run_plan, trace, usage_body, usage_of
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.request_context import TIMER, request_id_of
 from sluice.http_facade.sse import SSEWriter
@@ -145,11 +145,7 @@ async def _collect(run: _Run, stream) -> web.Response:
 
 
 async def _stream(request: web.Request, run: _Run, stream) -> web.StreamResponse:
-    iterator = stream.__aiter__()
-    try:
-        first = await iterator.__anext__()     # errors before any output stay plain HTTP errors
-    except StopAsyncIteration:
-        raise ApiError(502, "the engine ended the stream without output", "server_error") from None
+    first, iterator = await first_of(stream)
     sse = SSEWriter(request)
     await sse.prepare()
     try:

@@ -28,7 +28,7 @@ from sluice.http_facade import api_models
 from sluice.http_facade import responses_protocol as rp
 from sluice.http_facade import shapes
 from sluice.http_facade.errors import ApiError, bad_request, not_found
-from sluice.http_facade.generation import RequestTimer, run_plan, usage_of
+from sluice.http_facade.generation import RequestTimer, first_of, run_plan, usage_of
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.request_context import TIMER, request_id_of
 from sluice.http_facade.sse import SSEWriter
@@ -281,11 +281,7 @@ class _StreamItems:
 
 
 async def _stream(request: web.Request, run: _ResponseRun, stream) -> web.StreamResponse:
-    iterator = stream.__aiter__()
-    try:
-        first = await iterator.__anext__()    # errors before any output stay plain HTTP errors
-    except StopAsyncIteration:
-        raise ApiError(502, "the engine ended the stream without output", "server_error") from None
+    first, iterator = await first_of(stream)
     sse = SSEWriter(request)
     events = _Events(sse)
     items = _StreamItems(run, events)
