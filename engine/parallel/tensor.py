@@ -98,9 +98,8 @@ class ShardedWeights(Mapping):
         self._w, self._arch, self._s = weights, arch, shard
         if hasattr(weights, "blocks"):
             self.blocks = self._blocks
-        for name in ("tensor_type",):
-            if hasattr(weights, name):
-                setattr(self, name, getattr(weights, name))
+        if hasattr(weights, "tensor_type"):
+            self.tensor_type = weights.tensor_type
 
     def _cut(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of this rank's slice of ``name``, None for a whole tensor."""
@@ -210,9 +209,8 @@ def load_shard(model: str, rank: int, world: int, dtype, device, quantization: s
     """This rank's ``LoadedModel``: the loader reads only its slices (``ShardedWeights``)."""
     from sluice.engine.loaders import load_model
 
-    loaded = load_model(model, dtype=dtype, device=device, quantization=quantization, progress=progress,
-                        transform=sharder(rank, world))
-    return loaded
+    return load_model(model, dtype=dtype, device=device, quantization=quantization, progress=progress,
+                      transform=sharder(rank, world))
 
 
 # ---- rank 0: the engine's side -------------------------------------------------------------------
