@@ -29,6 +29,14 @@ load point measures prefix caching instead: llama-server keeps each slot's last 
 ``--concurrency 1,32`` its 32 slots would still hold the 32 prompts of the c=1 pass and its
 "burst" would prefill one token per request. ``--repeat-prompts`` asks for exactly that.
 
+Startup and memory (servers this run starts). Servers start one after another, each alone on the
+machine: ``ready s`` is spawn → first successful ``/v1/models`` (or gRPC health SERVING), which is
+the model load plus process start-up; ``--cold`` first evicts the model file from the page cache
+(``posix_fadvise(DONTNEED)``; pages still mapped by another process stay). After the last load
+point, each server's process tree is read from ``/proc``: resident memory now (VmRSS summed over
+its process tree) and the peak (VmHWM summed: an upper bound, the processes' peaks need not
+coincide).
+
 Metrics. TTFT: request sent → first non-empty content chunk. TPOT = (E2E − TTFT) / (output
 tokens − 1). ITL: gaps between content chunks. Output tokens come from the server's usage
 (``stream_options.include_usage``), never from counting text. A server that streams no usage
@@ -240,6 +248,7 @@ class Target:
     model: str = ""                        # the "model" field of request bodies, from /v1/models
     proc: subprocess.Popen | None = None   # set when this script started the server
     log_path: Path | None = None
+    ready_s: float | None = None           # spawn -> ready, for a server this run started
 
     def sender(self, session: aiohttp.ClientSession, prompt_format: str, stop_ids: list[int], clients: list):
         if self.kind == "grpc":
@@ -274,6 +283,50 @@ def _stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(10)
+
+
+def evict_from_page_cache(path: Path) -> None:
+    """Drop a file's clean, unmapped pages from the page cache, so the next read is a cold one."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _kib(status: str, key: str) -> int:
+    for line in status.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def tree_memory(pid: int) -> dict:
+    """Resident memory of process ``pid`` and all its descendants (``sluice serve`` is a
+    supervisor with an engine and a facade under it): MiB now, and the sum of the processes'
+    peaks."""
+    children: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+                # The parent pid follows the parenthesised command name, which may hold spaces.
+                children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                continue
+    rss = hwm = n = 0
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+        except OSError:
+            continue
+        rss += _kib(status, "VmRSS")
+        hwm += _kib(status, "VmHWM")
+        n += 1
+    return {"processes": n, "rss_mib": rss / 1024, "peak_rss_mib": hwm / 1024}
 
 
 def _wait_ready(t: Target, timeout: float = START_TIMEOUT_S) -> None:
@@ -356,12 +409,21 @@ def open_targets(args: argparse.Namespace):
         args.peer = None
     from sluice.engine.loaders import resolve_path
     logdir = Path(tempfile.mkdtemp(prefix="sluice-bench-"))
+    model_path = resolve_path(args.model)
     try:
-        for name, kind, is_peer, cmd, addr in _launch_commands(args, resolve_path(args.model)):
-            proc, log_path = _spawn(name, cmd, logdir, args.threads)
-            targets.append(Target(name, kind, addr, is_peer, proc=proc, log_path=log_path))
         for t in targets:
             _wait_ready(t)
+        # One at a time, so that each load has the machine (and, with --cold, the disk) to itself.
+        for name, kind, is_peer, cmd, addr in _launch_commands(args, model_path):
+            if args.cold:
+                evict_from_page_cache(model_path)
+            t0 = time.monotonic()
+            proc, log_path = _spawn(name, cmd, logdir, args.threads)
+            t = Target(name, kind, addr, is_peer, proc=proc, log_path=log_path)
+            targets.append(t)
+            _wait_ready(t)
+            t.ready_s = time.monotonic() - t0
+            print(f"{name} ready in {t.ready_s:.1f} s", flush=True)
         yield targets
     finally:
         for t in targets:
@@ -558,6 +620,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--slo-e2e-ms", type=float)
     ap.add_argument("--hf-baseline", type=int, default=0, metavar="N",
                     help="also time transformers generate on the first N prompts, one after another")
+    ap.add_argument("--cold", action="store_true",
+                    help="evict the model file from the page cache before starting each server")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     ap.add_argument("--json", type=Path, help="write the results here")
@@ -637,15 +701,20 @@ def main(argv: list[str] | None = None) -> int:
         baseline = hf_sequential(args.model, tok, loads[0][:args.hf_baseline])
     with open_targets(args) as targets:
         results = asyncio.run(_measure(targets, warmup, loads, args, stop_ids))
+        servers = {t.name: {"ready_s": t.ready_s, **tree_memory(t.proc.pid)} for t in targets if t.proc is not None}
     peer = next((t.name for t in targets if t.is_peer), None)
     ratio_rows = [row for t in targets if peer and not t.is_peer for row in ratios(results, t.name, peer)]
     print_report(results, ratio_rows, baseline)
+    for name, m in servers.items():
+        print(f"{name}: ready in {m['ready_s']:.1f} s{' (cold page cache)' if args.cold else ''}, "
+              f"RSS {m['rss_mib']:.0f} MiB (peak <= {m['peak_rss_mib']:.0f} MiB) over {m['processes']} processes")
     if args.plot:
         print("charts:", ", ".join(str(p) for p in plot(results, args.plot)))
     if args.json:
         from bandwidth import machine
         args.json.write_text(json.dumps({"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-                                         "results": results, "ratios": ratio_rows, "transformers": baseline},
+                                         "results": results, "ratios": ratio_rows, "servers": servers,
+                                         "transformers": baseline},
                                         indent=2, default=str))
     return 0
 
