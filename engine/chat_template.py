@@ -2,7 +2,9 @@
 
 Like transformers' ``apply_chat_template``: an ``ImmutableSandboxedEnvironment`` with
 ``trim_blocks`` and ``lstrip_blocks``; ``raise_exception(msg)``, ``strftime_now(fmt)`` and a
-``tojson`` filter that keeps non-ASCII as is; variables ``messages``, ``tools``,
+``tojson`` filter that keeps non-ASCII as is; the ``{% generation %}`` ... ``{% endgeneration %}``
+block (transformers marks the assistant's tokens with it; here it renders its body as is, which is
+what transformers renders); variables ``messages``, ``tools``,
 ``add_generation_prompt``, ``bos_token``, ``eos_token`` plus any extra keyword. Message content
 given as a list of text parts (OpenAI style) is joined into one string first, for templates
 that expect a string. Any template failure becomes ``ValueError("messages: ...")``.
@@ -14,6 +16,7 @@ from datetime import datetime
 from functools import lru_cache
 
 import jinja2
+from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
@@ -29,11 +32,28 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class GenerationBlock(Extension):
+    """``{% generation %}body{% endgeneration %}`` renders ``body``. Templates written for
+    transformers' assistant-token masks use it (SmolLM3's, several fine-tunes'); without the tag
+    they would not compile."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    @staticmethod
+    def _body(caller) -> str:
+        return caller()
+
+
 @lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
     """Compiled once per distinct template string (pure function of the source: safe to cache)."""
     env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", GenerationBlock]
     )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception

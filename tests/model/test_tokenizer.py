@@ -144,7 +144,10 @@ def test_chat_template_list_content_becomes_string(ours):
 _FEATURE_TEMPLATE = (
     "{% if messages[0]['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
     "{{ bos_token }}{% if tools %}TOOLS:{{ tools | tojson }}\n{% endif %}"
-    "{% for m in messages %}  {% if true %}\n[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}\n  {% endif %}\n"
+    "{% for m in messages %}  {% if true %}\n[{{ m['role'] }}] "
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}{{ eos_token }}{% endgeneration %}"
+    "{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}\n  {% endif %}\n"
+    "{% if m['content'] == 'stop' %}{% break %}{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}{{ extra_var | default('') }}"
 )
 
@@ -169,10 +172,15 @@ def test_template_features_match_transformers(tmp_path):
     hf = PreTrainedTokenizerFast(tokenizer_file=str(folder / "tokenizer.json"), bos_token="<s>", eos_token="</s>")
     tools = [{"type": "function", "function": {"name": "météo", "parameters": {"city": "東京"}}}]
     chat = [{"role": "user", "content": "hi"}]
-    for kwargs in ({}, {"tools": tools}, {"extra_var": "!"}):
-        expected = hf.apply_chat_template(chat, chat_template=_FEATURE_TEMPLATE, tokenize=False,
+    # {% generation %} around the assistant's turns (transformers' assistant-token masks), and
+    # {% break %} (loop controls) after a message "stop".
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+             {"role": "user", "content": "stop"}, {"role": "user", "content": "never shown"}]
+    for c, kwargs in ((chat, {}), (chat, {"tools": tools}), (chat, {"extra_var": "!"}), (turns, {})):
+        expected = hf.apply_chat_template(c, chat_template=_FEATURE_TEMPLATE, tokenize=False,
                                           add_generation_prompt=True, **kwargs)
-        assert ours.apply_chat_template(chat, **kwargs) == expected
+        assert ours.apply_chat_template(c, **kwargs) == expected
+    assert "[assistant] hello</s>" in expected and "never shown" not in expected
     assert "météo" in ours.apply_chat_template(chat, tools=tools)  # tojson keeps non-ASCII
     with pytest.raises(ValueError, match="messages: .*no bad roles"):
         ours.apply_chat_template([{"role": "bad", "content": "x"}])
