@@ -19,13 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from sluice.engine.attention.base import NO_TREE, AttentionBackend, AttentionMetadata, KVCache, TreeRows
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
 from sluice.engine.penalty_rows import PenaltyRows
 from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
-from sluice.engine.spec_decode import tree
-from sluice.engine.spec_decode.rows import rows_of
-from sluice.engine.spec_decode.verify import DraftedSeq, verify
+from sluice.engine.spec_decode.runner_hooks import SpecRunnerHooks, StepTrees, step_parents
 
 
 @dataclass(frozen=True)
@@ -34,7 +32,7 @@ class BatchInputs:
     positions: torch.Tensor        # [num_tokens] int64
     meta: AttentionMetadata
     sample_rows: torch.Tensor      # [num_sampled] int64: hidden row of each sampled sequence's last token
-    # request id -> the cache slots of its draft tree's nodes, in draft order (spec_decode.tree)
+    # request id -> the cache slots of its draft tree's nodes, in draft order (StepTrees.slots)
     tree_slots: dict | None = None
 
 
@@ -85,17 +83,11 @@ class ModelRunner:
         self.block_tables = BlockTableRows()
         # engine.structured's manager (owned by the engine core): fills the grammar bitmask rows.
         self.grammar = grammar
-        # request id -> [K, V] draft distributions for the drafts it carries into the next step,
-        # set by proposers that have them (absent: a point mass per draft token).
-        self.draft_probs: dict[str, torch.Tensor] = {}
-        # Hidden states kept for head-based drafting (eagle, medusa), refilled every step: None
-        # keeps nothing (no cost); "last": request id -> (position, [H]) of the row behind the
-        # request's last token; "all": request id -> (first position, [n, H]) of every row
-        # computed for it this step, rejected drafts' included.
-        self.capture: str | None = None
-        self.captured: dict[str, tuple[int, torch.Tensor]] = {}
-        self._accepted_nodes: dict[str, list[int]] = {}   # this step's draft trees: the accepted path
-        self._move_slots = None          # CPU with the C++ kernels built: their move_slots (_move_kv)
+        # Speculative decoding's runner contract (spec_decode.runner_hooks): verification, the
+        # draft distributions handed over for it, and the hidden states a proposer reads.
+        # build_spec_decoder replaces it with the decoder's; off, it captures nothing.
+        self.spec = SpecRunnerHooks()
+        self._move_slots = None          # CPU with the C++ kernels built: their move_slots (move_kv)
         if device.type == "cpu":
             from sluice.kernels import cpu_ext
 
@@ -108,43 +100,18 @@ class ModelRunner:
             self.generators.drop(request_id)
             self.penalty_rows.drop(request_id)
             self.block_tables.drop(request_id)
-            self.draft_probs.pop(request_id, None)
+            self.spec.drop(request_id)
         for request_id in out.preempted_ids:
             self.block_tables.drop(request_id)
-        self.captured.clear()
-        self._accepted_nodes.clear()
+        self.spec.begin_step()
         if not out.scheduled:
             return RunnerOutput()
         batch = self.prepare(out.scheduled, self.block_tables)
         hidden = self.forward(batch)
         # Work that needs the batch but not the logits (a grammar bitmask) goes here.
         res = self.sample(out.scheduled, batch, hidden)
-        if self.capture == "all":
-            row = 0
-            for s in out.scheduled:
-                rid = s.request.request_id
-                rows = hidden[row:row + s.num_new_tokens]
-                if rid in self._accepted_nodes:   # a tree: the known rows, then the accepted path's
-                    known = s.num_new_tokens - _num_drafts(s)
-                    rows = rows[[*range(known), *(known + a for a in self._accepted_nodes[rid])]]
-                self.captured[rid] = (s.num_computed_tokens, rows)
-                row += s.num_new_tokens
-        if self.capture == "last":
-            self._capture_last(out.scheduled, batch, hidden, res)
+        self.spec.capture(out.scheduled, batch.sample_rows, hidden, res)
         return res
-
-    def _capture_last(self, scheduled, batch: BatchInputs, hidden: torch.Tensor, res: RunnerOutput) -> None:
-        """The row behind each sampled sequence's last new token: the last accepted draft's."""
-        plan = sample_plan(scheduled)
-        for (req, drafts), first in zip(plan.seqs, plan.first_row):
-            rid = req.request_id
-            if rid not in res.sampled_token_ids:
-                continue
-            accepted = len(drafts) - res.num_rejected_tokens.get(rid, 0)
-            nodes = self._accepted_nodes.get(rid)
-            row = int(batch.sample_rows[first + (accepted if nodes is None else 1 + nodes[-1] if nodes else 0)])
-            # The row's position: the last known token's (N - 1) plus the drafts accepted.
-            self.captured[rid] = (req.num_tokens - 1 + accepted, hidden[row])
 
     def forward(self, batch: BatchInputs) -> torch.Tensor:
         """[num_tokens, hidden] for the flattened batch; writes its K/V into the cache."""
@@ -167,38 +134,20 @@ class ModelRunner:
                     plain_logits = logits[idx]                                    # [num_plain, vocab]
                 else:
                     plain_logits = logits
-                sb = SamplingBatch.from_requests(reqs, self.vocab_size, self.device, self.generators,
-                                                 self._bitmask([(r, ()) for r in reqs]), self.penalty_rows)
+                sb = self.sampling_batch(reqs, [(r, ()) for r in reqs])
                 self._to_output(reqs, self.sampler(plain_logits, sb), res)
             if plan.drafted:
-                self._verify(plan, logits, res, batch)
+                self.spec.verify(plan, logits, res, batch.tree_slots, self.sampling_batch, self.generators,
+                                 self.sampler.backend == "triton", self.move_kv)
         return res
 
-    def _verify(self, plan, logits: torch.Tensor, res: RunnerOutput, batch: BatchInputs) -> None:
-        rows, seqs = [], []
-        for i in plan.drafted:
-            req, drafts = plan.seqs[i]
-            parents = plan.parents[i]
-            seqs.append(DraftedSeq(req, len(rows), drafts, self.draft_probs.pop(req.request_id, None), parents))
-            rows.extend(rows_of(req, drafts, parents))
-        wanted = [plan.first_row[i] + j for i in plan.drafted for j in range(len(plan.seqs[i][1]) + 1)]
-        if wanted == list(range(wanted[0], wanted[0] + len(wanted))):   # one run of rows (batch 1): a view
-            drafted_logits = logits[wanted[0]:wanted[0] + len(wanted)]
-        else:
-            drafted_logits = logits.index_select(0, torch.tensor(wanted, device=self.device))
-        sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
-                                         self._bitmask([(s.request, s.draft_ids) for s in seqs]), self.penalty_rows)
-        for s, v in zip(seqs, verify(drafted_logits, sb, seqs, self.generators, self.sampler.backend == "triton")):
-            rid = s.request.request_id
-            res.sampled_token_ids[rid] = v.token_ids
-            res.num_rejected_tokens[rid] = v.num_rejected
-            if v.logprobs is not None:
-                res.logprobs[rid] = v.logprobs
-            if v.accepted_nodes is not None:
-                self._accepted_nodes[rid] = v.accepted_nodes
-                self._move_kv(batch.tree_slots[rid], tree.accepted_moves(v.accepted_nodes))
+    def sampling_batch(self, rows, grammar_rows) -> SamplingBatch:
+        """The sampling batch of logit rows (requests, or ``SampleRow``s of drafted ones), with
+        the grammar bitmask of ``grammar_rows`` ((request, drafts) pairs) and the kept tallies."""
+        return SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
+                                           self._bitmask(grammar_rows), self.penalty_rows)
 
-    def _move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:
+    def move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:
         """Copy the K/V of draft nodes to other draft slots (``tree.accepted_moves``), every layer."""
         if not moves:
             return
@@ -230,8 +179,7 @@ class ModelRunner:
             tables_rows = [np.asarray(s.block_ids, dtype=np.int32) for s in scheduled]
         tables = np.zeros((len(scheduled), max(len(r) for r in tables_rows)), dtype=np.int32)
         ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
-        trees: dict[int, tuple] = {}     # first draft row -> (its tree's depths, parents, the nodes' slots, sequence)
-        tree_slots: dict[str, np.ndarray] = {}
+        trees = StepTrees()
         single = True
         row = 0
         for i, (s, table) in enumerate(zip(scheduled, tables_rows)):
@@ -247,14 +195,7 @@ class ModelRunner:
                 ids.append(_token_slice(req, start, end))
                 p = np.arange(start, end, dtype=np.int64)
                 slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
-                num_drafts = max(0, end - req.num_tokens)
-                parents = _tree_parents(req, num_drafts)
-                if parents is not None:
-                    # Node i runs at index n + i (its slot) but sits at position n - 1 + depth.
-                    depth = np.asarray(tree.depths(parents), dtype=np.int64)
-                    p[len(p) - num_drafts:] = req.num_tokens - 1 + depth
-                    trees[row + len(p) - num_drafts] = (depth, parents, slots[-1][len(p) - num_drafts:], i)
-                    tree_slots[req.request_id] = slots[-1][len(p) - num_drafts:]
+                trees.add(req, i, row, p, slots[-1])
                 pos.append(p)
             q_lens.append(s.num_new_tokens)
             seq_lens.append(end)
@@ -276,7 +217,7 @@ class ModelRunner:
             qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
             np.cumsum(q_lens, out=qsl[1:])
             qsl = torch.from_numpy(qsl)
-        tree_rows = None if not trees else _tree_rows(positions, trees, dev)
+        tree_rows = trees.rows(positions, dev)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping.to(dev),
             query_start_loc=qsl.to(dev),
@@ -295,7 +236,7 @@ class ModelRunner:
             positions=positions.to(dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-            tree_slots=tree_slots or None,
+            tree_slots=trees.slots or None,
         )
 
     @staticmethod
@@ -322,43 +263,6 @@ class SamplePlan:
     parents: list[list[int] | None]   # each one's draft tree (spec_decode.tree), None: a chain
 
 
-def _tree_parents(req, num_drafts: int) -> list[int] | None:
-    """The parents of the drafts that run, when they are a tree (``Request.spec_parents``)."""
-    parents = getattr(req, "spec_parents", None)
-    if parents is None or num_drafts == 0:
-        return None
-    if len(parents) < num_drafts:
-        raise ValueError(f"request {req.request_id!r}: {num_drafts} drafts but {len(parents)} tree parents")
-    return list(parents[:num_drafts])
-
-
-def _tree_rows(positions: torch.Tensor, trees: dict[int, tuple], device) -> TreeRows:
-    """Both descriptions of the step's draft-tree rows (``TreeRows``): every row's prefix length
-    (position + 1) and, for a node's row, its path's slots from the first draft position on; and
-    for a node's row the index of its tree's first node and which nodes it sees (its path)."""
-    lens = positions + 1
-    start = lens.clone()
-    num_rows = len(positions)
-    depth = max(int(d.max()) for d, _p, _s, _i in trees.values())
-    tail = np.zeros((num_rows, depth), dtype=np.int64)
-    node_start = np.full(num_rows, NO_TREE, dtype=np.int32)
-    visible = np.zeros((num_rows, max(len(p) for _d, p, _s, _i in trees.values())), dtype=np.int8)
-    for first, (_depth, parents, slots, _seq) in trees.items():
-        first_pos = int(positions[first])     # node 0, a child of the last known token: position and index n
-        nodes = slice(first, first + len(parents))
-        seen = np.array(tree.visibility(parents), dtype=np.int8)
-        for i in range(len(parents)):
-            path = np.flatnonzero(seen[i])    # ancestors come before their children: the path in order
-            tail[first + i, :len(path)] = slots[path]
-        start[nodes] = first_pos
-        node_start[nodes] = first_pos
-        visible[nodes, :len(parents)] = seen
-    return TreeRows(lens=lens.to(torch.int32).to(device), tail_start=start.to(torch.int32).to(device),
-                    tail_slots=torch.from_numpy(tail).to(device), node_start=torch.from_numpy(node_start).to(device),
-                    visible=torch.from_numpy(visible).to(device),
-                    tree_seqs=tuple(seq for _d, _p, _s, seq in trees.values()))
-
-
 def _num_drafts(s) -> int:
     """Draft tokens the scheduled sequence runs (the scheduler trimmed spec_token_ids to them)."""
     return max(0, s.num_computed_tokens + s.num_new_tokens - s.request.num_tokens)
@@ -372,7 +276,7 @@ def sample_plan(scheduled) -> SamplePlan:
         drafts = list(s.request.spec_token_ids[:_num_drafts(s)])
         (drafted if drafts else plain).append(len(seqs))
         seqs.append((s.request, drafts))
-        parents.append(_tree_parents(s.request, len(drafts)))
+        parents.append(step_parents(s.request, len(drafts)))
         first.append(row)
         row += len(drafts) + 1
     return SamplePlan(seqs, first, plain, drafted, parents)

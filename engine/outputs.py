@@ -35,6 +35,9 @@ class RunnerOutput:
     # request id -> draft tokens whose KV was written this step but which were rejected; the
     # scheduler rolls num_computed_tokens back by this much.
     num_rejected_tokens: dict[str, int] = field(default_factory=dict)
+    # request id -> the target's hidden states a proposer's heads read (a position and its
+    # tensor, spec_decode.runner_hooks.CAPTURE_MODES); empty unless speculation asks for them.
+    hidden_states: dict[str, tuple] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

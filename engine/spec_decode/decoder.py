@@ -2,8 +2,10 @@
 batch-size cut-off, and the counters.
 
 After each step, ``propose`` gives drafts to the running requests that decode next (all known
-tokens but the last computed); the scheduler budgets them, the runner verifies them, and
-``record`` counts what was accepted. The scheduler never learns which proposer runs.
+tokens but the last computed); the scheduler budgets them, the runner verifies them through the
+decoder's ``hooks`` (``runner_hooks``: the draft distributions go there, the target's hidden
+states come back in the runner's output and go to the proposer), and ``record`` counts what was
+accepted. The scheduler never learns which proposer runs.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from sluice.engine.request import Request, RequestStatus
 from sluice.engine.spec_decode.config import SpeculativeConfig
 from sluice.engine.spec_decode.proposer import Proposer
+from sluice.engine.spec_decode.runner_hooks import SpecRunnerHooks
 
 
 @dataclass
@@ -36,19 +39,31 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, draft_probs: dict | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, hooks: SpecRunnerHooks | None = None) -> None:
         self.config = config
         self.proposer = proposer
         self.k = config.spec_draft_length
         self.max_drafts = config.num_speculative_tokens   # a tree's nodes: up to K * width
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
-        self._draft_probs = {} if draft_probs is None else draft_probs   # the runner's, shared
+        self.hooks = SpecRunnerHooks() if hooks is None else hooks   # the target runner's (build_spec_decoder)
+        # The hidden states of the last step the runner ran (RunnerOutput.hidden_states).
+        self._hidden_states: dict = {}
 
-    def propose(self, running: Sequence[Request]) -> None:
+    def after_step(self, out, res, running: Sequence[Request], finished: Iterable[str]) -> None:
+        """The engine's call after a step's update: forget the requests that finished (also those
+        that finished after ``out`` was scheduled), then drafts for the next step from the hidden
+        states of ``res`` (None: the step failed). A step the runner did not run (nothing
+        scheduled, nothing finished) leaves the previous step's hidden states in place."""
+        self.drop((*out.finished_ids, *finished))
+        if out.scheduled or out.finished_ids:
+            self._hidden_states = {} if res is None else res.hidden_states
+        self.propose(running, self._hidden_states)
+
+    def propose(self, running: Sequence[Request], hidden_states: dict) -> None:
         """Drafts for the next step. Above ``spec_max_batch_size`` running requests, none: there
         verification costs more compute than the accepted tokens save. The proposer observes
         every step either way (EAGLE's cache follows each request's tokens)."""
-        self.proposer.observe(running)
+        self.proposer.observe(running, hidden_states)
         if len(running) > self.config.spec_max_batch_size:
             return
         ready = [r for r in running if r.status == RequestStatus.RUNNING
@@ -60,10 +75,7 @@ class SpecDecoder:
             req = by_id[rid]
             req.spec_token_ids = list(draft.token_ids[:self.max_drafts])
             req.spec_parents = None if draft.parents is None else list(draft.parents[:self.max_drafts])
-            if draft.probs is not None:
-                self._draft_probs[rid] = draft.probs
-            else:
-                self._draft_probs.pop(rid, None)
+            self.hooks.expect(rid, draft.probs)
 
     @staticmethod
     def drafted(out) -> list[tuple[Request, int]]:

@@ -54,6 +54,7 @@ class _View:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     spec_token_ids: tuple = ()
+    spec_parents: None = None          # the draft model's drafts are a chain
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,7 +85,7 @@ class DraftModelProposer:
         self._computed: dict[str, list[int]] = {}     # request id -> tokens with draft KV
         self._preemptions: dict[str, int] = {}
 
-    def observe(self, requests) -> None:
+    def observe(self, requests, hidden_states) -> None:
         pass
 
     def drop(self, request_id: str) -> None:

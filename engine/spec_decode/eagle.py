@@ -6,7 +6,7 @@ the target's LM head turns that into a token. Its keys and values live in a dens
 1.5 KB a token for SmolLM2).
 
 Keeping the cache current: after every step the runner holds each scheduled request's hidden
-rows (``ModelRunner.captured``: the first position and [n, H]). ``observe`` turns the valid ones
+rows (``RunnerOutput.hidden_states``: the first position and [n, H]). ``observe`` turns the valid ones
 (positions whose hidden state the target kept, i.e. not a rejected draft's, and whose next token
 is known) into pairs and runs the head over them, dropping first any entries from those positions
 on (rejected drafts, a recomputation after preemption). A request whose prefix came from the
@@ -42,7 +42,7 @@ from sluice.engine.spec_decode.rows import SampleRow
 class EagleProposer:
     name = "eagle"
 
-    def __init__(self, head: EagleHead, target, captured: dict, vocab_size: int, device, seed: int = 0,
+    def __init__(self, head: EagleHead, target, vocab_size: int, device, seed: int = 0,
                  min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1,
                  tree_nodes: int | None = None) -> None:
         self.head = head
@@ -51,7 +51,6 @@ class EagleProposer:
         self.tree_nodes = tree_nodes        # a tree's nodes verified freely (tree.select); None: all
         self.head_format = head.pack_for_serving(head_format)   # what drafting reads: "w8a8" or "float32"
         self.target = target
-        self.captured = captured            # the runner's: request id -> (first position, hidden [n, H])
         self.vocab_size = vocab_size
         self.device = device
         self.generators = GeneratorCache(seed=seed, device=device)
@@ -82,11 +81,11 @@ class EagleProposer:
             cache = self._caches[rid] = self.head.new_cache(max(256, req.num_tokens + 64))
         return cache
 
-    def observe(self, requests: Sequence[Request]) -> None:
+    def observe(self, requests: Sequence[Request], hidden_states: dict) -> None:
         work = []     # (request id, end, (embeds, hidden, positions, cache))
         with torch.inference_mode():
             for req in requests:
-                got = self.captured.get(req.request_id)
+                got = hidden_states.get(req.request_id)
                 if got is None:
                     continue
                 start, hidden = got

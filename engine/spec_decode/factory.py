@@ -4,6 +4,7 @@ speculation is off)."""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Protocol
 
 import torch
 
@@ -14,6 +15,7 @@ from sluice.engine.spec_decode.eagle import EagleProposer
 from sluice.engine.spec_decode.heads import load_eagle, load_medusa, resolve_head_format
 from sluice.engine.spec_decode.medusa import MedusaProposer
 from sluice.engine.spec_decode.ngram import NgramProposer
+from sluice.engine.spec_decode.runner_hooks import SpecRunnerHooks
 
 
 def load_draft(config: SpeculativeConfig, target, load, draft=None):
@@ -51,7 +53,24 @@ def shared_num_blocks(target_blocks: int, target_arch, draft, dtype_bytes: int, 
     return max(1, target_blocks * t // (t + d))
 
 
-def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeConfig:
+class DraftTreeCosts(Protocol):
+    """What a target model declares for eagle's and medusa's draft trees (``resolve_tree_width``
+    asks it; ``models.llama.LlamaForCausalLM`` answers for every generating model)."""
+
+    def supports_draft_trees(self, attn) -> bool:
+        """Whether a step through ``attn`` (the attention backend) can attend through a tree."""
+        ...
+
+    def extra_rows_are_cheap(self) -> bool:
+        """Whether a step's extra rows cost little (its projections are not in a block format)."""
+        ...
+
+    def rows_at_one_row_cost(self) -> int | None:
+        """The rows a step runs at one row's cost, where measured (None: not known)."""
+        ...
+
+
+def resolve_tree_width(config: SpeculativeConfig, model: DraftTreeCosts, attn) -> SpeculativeConfig:
     """The config with ``spec_tree_width`` decided. Auto (None): DEFAULT_TREE_WIDTH for eagle and
     medusa where the step can attend through a draft tree (``supports_draft_trees``: the C++
     layer stack and the torch, Triton and flash-attn backends) and a tree's extra rows cost
@@ -61,8 +80,7 @@ def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeCon
     is refused. ``spec_tree_nodes`` auto (None) with trees: the nodes that fit the rows the
     model runs at one row's cost (``rows_at_one_row_cost``), else K * W."""
     width = config.spec_tree_width
-    able = (config.speculative_mode in ("eagle", "medusa") and hasattr(model, "supports_draft_trees")
-            and model.supports_draft_trees(attn))
+    able = config.speculative_mode in ("eagle", "medusa") and model.supports_draft_trees(attn)
     if width is None:
         auto = able and model.extra_rows_are_cheap()
         width = DEFAULT_TREE_WIDTH if auto else 1
@@ -73,7 +91,7 @@ def resolve_tree_width(config: SpeculativeConfig, model, attn) -> SpeculativeCon
     if nodes is None and width > 1:
         # The nodes verified freely: those that fit the rows a step runs at one row's cost, the
         # request's last known token being one of them; else all K * W.
-        rows = model.rows_at_one_row_cost() if hasattr(model, "rows_at_one_row_cost") else None
+        rows = model.rows_at_one_row_cost()
         nodes = config.spec_draft_length * width if rows is None else max(1, rows - 1)
     return replace(config, spec_tree_width=width, spec_tree_nodes=nodes)
 
@@ -83,6 +101,7 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
     if not config.enabled:
         return None
     mode = config.speculative_mode
+    capture = None
     if mode == "ngram":
         proposer = NgramProposer(config.spec_ngram_max, config.spec_ngram_min)
     elif mode == "small_draft":
@@ -94,14 +113,16 @@ def build_spec_decoder(config: SpeculativeConfig, runner, kv=None, draft_runner=
             raise ValueError(f"additional_models: {mode} needs its heads loaded")
         # The target hands over the hidden states the heads read: every computed row for EAGLE's
         # cache, the row behind each request's last token for Medusa. Off in the other modes.
-        runner.capture = "all" if mode == "eagle" else "last"
+        capture = "all" if mode == "eagle" else "last"
         cls = EagleProposer if mode == "eagle" else MedusaProposer
         # The width as resolve_tree_width decided it (the engine resolves it once, before the
         # scheduler budgets K * width; an unresolved auto counts as chains).
         tree = {"tree_width": config.tree_width, "tree_nodes": config.spec_tree_nodes} if config.tree_width > 1 else {}
-        proposer = cls(heads, runner.model, runner.captured, runner.vocab_size, runner.device, seed,
+        proposer = cls(heads, runner.model, runner.vocab_size, runner.device, seed,
                        min_prob=config.min_draft_prob,
                        head_format=resolve_head_format(config.spec_head_format, runner.device), **tree)
     else:   # SpeculativeConfig refuses every other mode
         raise ValueError(f"speculative_mode: {config.speculative_mode!r} has no proposer")
-    return SpecDecoder(config, proposer, runner.draft_probs)
+    decoder = SpecDecoder(config, proposer, SpecRunnerHooks(capture))
+    runner.spec = decoder.hooks      # the runner calls them at its named points (runner_hooks)
+    return decoder

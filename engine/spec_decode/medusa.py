@@ -1,9 +1,9 @@
 """``medusa``: K heads over the target's hidden state propose K drafts in one pass.
 
-The runner keeps, for each request that sampled this step, the hidden row that produced its last
-token (``ModelRunner.captured``: position ``N - 2`` for a request of ``N`` known tokens, the row
-of the last accepted draft after a verification). Head ``k`` on that row proposes token
-``N + k``. The heads do not see each other's drafts, so the drafts are drawn one position at a
+The runner returns, for each request that sampled this step, the hidden row that produced its
+last token (``RunnerOutput.hidden_states``, which ``observe`` receives: position ``N - 2`` for a
+request of ``N`` known tokens, the row of the last accepted draft after a verification). Head
+``k`` on that row proposes token ``N + k``. The heads do not see each other's drafts, so the drafts are drawn one position at a
 time only for the request's own penalties and min_tokens mask, which count the drafts before a
 position (``rows``). Greedy drafts are argmaxes; sampled ones come with their distribution for
 the rejection sampler (``proposer.draw``). A draft vocabulary (``t2d``) works as for EAGLE
@@ -27,7 +27,7 @@ from sluice.engine.spec_decode.rows import SampleRow
 class MedusaProposer:
     name = "medusa"
 
-    def __init__(self, heads: MedusaHeads, target, captured: dict, vocab_size: int, device, seed: int = 0,
+    def __init__(self, heads: MedusaHeads, target, vocab_size: int, device, seed: int = 0,
                  min_prob: float = 0.0, head_format: str = "float32", tree_width: int = 1,
                  tree_nodes: int | None = None) -> None:
         self.heads = heads
@@ -35,7 +35,7 @@ class MedusaProposer:
         self.tree_width = tree_width        # > 1: draft trees, for requests without a grammar
         self.tree_nodes = tree_nodes        # a tree's nodes verified freely (tree.select); None: all
         self.target = target
-        self.captured = captured           # the runner's: request id -> (position, hidden [H])
+        self._hidden: dict = {}            # the last step's: request id -> (position, hidden [H])
         self.vocab_size = vocab_size
         self.device = device
         self.generators = GeneratorCache(seed=seed, device=device)
@@ -43,8 +43,8 @@ class MedusaProposer:
         self._lm = DraftLMHead(target, heads.draft_vocab, vocab_size, weight.dtype, device, head_format)
         self.head_format = self._lm.format   # the draft LM head's: "w8a8", "float32" or "target"
 
-    def observe(self, requests) -> None:
-        pass
+    def observe(self, requests, hidden_states: dict) -> None:
+        self._hidden = hidden_states
 
     def drop(self, request_id: str) -> None:
         self.generators.drop(request_id)
@@ -52,7 +52,7 @@ class MedusaProposer:
     def propose(self, requests: Sequence[Request], k: int) -> dict[str, Draft]:
         work, hidden = [], []
         for req in requests:
-            got = self.captured.get(req.request_id)
+            got = self._hidden.get(req.request_id)
             room = min(draft_room(req, k), self.heads.num_heads)
             if got is None or got[0] != req.num_tokens - 2 or room <= 0:
                 continue

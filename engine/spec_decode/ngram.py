@@ -46,7 +46,7 @@ class NgramProposer:
                 drafts[req.request_id] = Draft(toks)
         return drafts
 
-    def observe(self, requests) -> None:
+    def observe(self, requests, hidden_states) -> None:
         pass
 
     def drop(self, request_id: str) -> None:

@@ -33,9 +33,11 @@ class Proposer(Protocol):
         """Drafts for the requests that get some (at most ``k`` tokens each, at least one)."""
         ...
 
-    def observe(self, requests: Sequence[Request]) -> None:
-        """Called after every step with all running requests, drafting or not (EAGLE keeps its
-        own KV cache current with it); most proposers need nothing."""
+    def observe(self, requests: Sequence[Request], hidden_states: dict) -> None:
+        """Called after every step with all running requests, drafting or not, and the target's
+        hidden states the runner returned for them (``RunnerOutput.hidden_states``, what the
+        factory asked the runner to capture; empty otherwise). EAGLE keeps its own KV cache
+        current with them, Medusa drafts from them; the others need nothing."""
         ...
 
     def drop(self, request_id: str) -> None:

@@ -79,7 +79,7 @@ def _leftovers(engine: AsyncEngine) -> dict[str, int]:
         "scheduler.running": len(core.scheduler.running), "scheduler.waiting": len(core.scheduler.waiting),
         "kv._req_blocks": len(kv._req_blocks), "kv._req_hashes": len(kv._req_hashes),
         "kv._req_num_registered": len(kv._req_num_registered),
-        "runner.generators": len(runner.generators), "runner.draft_probs": len(runner.draft_probs),
+        "runner.generators": len(runner.generators), "runner.spec.draft_probs": len(runner.spec.draft_probs),
         "structured matchers": len(core.structured.request_ids()),
     }
     return {k: v for k, v in sizes.items() if v}

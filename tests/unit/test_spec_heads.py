@@ -485,7 +485,7 @@ def test_pool_and_proposer_back_to_baseline_after_rejections_cancellations_and_p
         core.step()
     core.kv.check_invariants()
     assert core.kv.stats().in_use == 0
-    assert not core.runner.draft_probs
+    assert not core.runner.spec.draft_probs
     if mode == "eagle":
         assert not proposer._caches and not proposer._next and not proposer._preemptions
     assert not proposer.generators._by_request
@@ -532,8 +532,8 @@ def test_heads_read_the_row_behind_the_last_token_through_rejections_and_preempt
             seen["preempted"] += req.num_preemptions > 0
         return out
 
-    def observe(requests):
-        inner_observe(requests)
+    def observe(requests, hidden_states):
+        inner_observe(requests, hidden_states)
         for cache in getattr(proposer, "_caches", {}).values():   # EAGLE: positions only grow
             assert all(a < b for a, b in zip(cache.positions, cache.positions[1:])), cache.positions
 
@@ -781,3 +781,50 @@ def test_w8a8_drafting_copies_stay_close_to_the_float_weights(tiny):
     assert torch.equal(torch.isinf(got), torch.isinf(ref)) and torch.isinf(got[:, 1::2]).all()
     assert (got[:, vocab] - ref[:, vocab]).abs().max() < 0.05 * ref[:, vocab].abs().max()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize(("mode", "width"), [("eagle", 1), ("eagle", 3), ("medusa", 1), ("medusa", 3), ("ngram", 1)])
+def test_the_runner_returns_the_hidden_states_its_proposer_reads(tiny, heads_folders, mode, width):
+    """The runner contract (spec_decode.runner_hooks): the target's hidden states come back in
+    RunnerOutput.hidden_states as the proposer's capture asks: EAGLE every row computed for a
+    request from its first new position (a tree: the known rows, then the accepted path's),
+    Medusa the row behind each sampled request's last token (position N - 2 once its N tokens
+    are known), n-gram nothing. Proposers get them through observe, never from the runner."""
+    if mode == "ngram":
+        llm = LLM(loaded=tiny, speculative_mode="ngram", **(OPTS | dict(spec_max_batch_size=8)))
+    else:
+        llm = _spec(tiny, mode, heads_folders, spec_tree_width=width)
+    core = llm.engine
+    execute, seen = core.runner.execute, []
+
+    def recording(out):
+        before = {}    # request id -> (computed, new, drafts, whether they are a tree)
+        for s in out.scheduled:
+            drafts = s.num_computed_tokens + s.num_new_tokens - s.request.num_tokens
+            before[s.request.request_id] = (s.num_computed_tokens, s.num_new_tokens, max(0, drafts),
+                                            drafts > 0 and s.request.spec_parents is not None)
+        res = execute(out)
+        seen.append((before, res))
+        return res
+
+    core.runner.execute = recording
+    for i, p in enumerate([prompt(10) + " w3 w4 w3 w4", "w1 w2 " * 6]):
+        core.add_request(f"h{i}", p, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    hidden_size = tiny.arch.hidden_size
+    verified = 0
+    while core.has_unfinished_requests():
+        core.step()
+        before, res = seen[-1]
+        for rid, (computed, new, drafts, is_tree) in before.items():
+            got = res.hidden_states.get(rid)
+            rejected = res.num_rejected_tokens.get(rid, 0)
+            verified += drafts > 0
+            if mode == "ngram":
+                assert got is None
+            elif mode == "eagle":
+                assert got[0] == computed and got[1].shape == (new - (rejected if is_tree else 0), hidden_size)
+            elif rid in res.sampled_token_ids:
+                n = computed + new - rejected + 1   # known tokens after the update
+                assert got[0] == n - 2 and got[1].shape == (hidden_size,)
+    assert not core.runner.spec.draft_probs
+    assert verified > 0   # some step verified drafts
