@@ -42,7 +42,7 @@ def instrument(core) -> StepTimers:
     timers.wrap(runner, "forward", "forward")            # split below into layers + Python
     timers.wrap(runner, "sample", "sample")              # split into LM head, batch, sampler, rest
     timers.wrap(model, "compute_logits", "lm_head")
-    timers.wrap(SamplingBatch, "from_requests", "sampling_batch")
+    timers.wrap(SamplingBatch, "from_rows", "sampling_batch")
     runner.sampler = TimedCall(runner.sampler, timers, "sampler")
     if model._cpu_decoder() is not None:
         model._decoder = TimedForward(model._decoder, timers, "layers")

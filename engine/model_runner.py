@@ -22,7 +22,7 @@ import torch
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
 from sluice.engine.penalty_rows import PenaltyRows
-from sluice.engine.sampler import GeneratorCache, Sampler, SamplingBatch
+from sluice.engine.sampler import GeneratorCache, Sampler, SampleRow, SamplingBatch
 from sluice.engine.spec_decode.runner_hooks import SpecRunnerHooks, StepTrees, step_parents
 
 
@@ -134,17 +134,17 @@ class ModelRunner:
                     plain_logits = logits[idx]                                    # [num_plain, vocab]
                 else:
                     plain_logits = logits
-                sb = self.sampling_batch(reqs, [(r, ()) for r in reqs])
+                sb = self.sampling_batch([SampleRow(r) for r in reqs], [(r, ()) for r in reqs])
                 self._to_output(reqs, self.sampler(plain_logits, sb), res)
             if plan.drafted:
                 self.spec.verify(plan, logits, res, batch.tree_slots, self.sampling_batch, self.generators,
                                  self.sampler.backend == "triton", self.move_kv)
         return res
 
-    def sampling_batch(self, rows, grammar_rows) -> SamplingBatch:
-        """The sampling batch of logit rows (requests, or ``SampleRow``s of drafted ones), with
-        the grammar bitmask of ``grammar_rows`` ((request, drafts) pairs) and the kept tallies."""
-        return SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators,
+    def sampling_batch(self, rows: list[SampleRow], grammar_rows) -> SamplingBatch:
+        """The sampling batch of logit rows, with the grammar bitmask of ``grammar_rows``
+        ((request, drafts) pairs) and the tallies kept across steps."""
+        return SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.generators,
                                            self._bitmask(grammar_rows), self.penalty_rows)
 
     def move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:

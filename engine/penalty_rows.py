@@ -8,7 +8,7 @@ O(distinct tokens) per row instead of O(vocabulary) (a [32, 49152] count table r
 token lists took 9 ms of a 54 ms decode step at 1024 tokens of context, 22 ms at 4096).
 
 ``PenaltyRows`` keeps each running request's tally across steps and adds only the tokens sampled
-since the previous step. Rows with drafts (``spec_decode.rows.SampleRow``) add their drafts to a
+since the previous step. Rows with drafts (``sampler.SampleRow``) add their drafts to a
 copy. A request's tally is rebuilt when it is not the one tallied (a reused id) or its output
 shrank (a stop string cut a run of accepted drafts); ``drop`` forgets finished requests.
 
@@ -131,7 +131,7 @@ class PenaltyRows:
 def penalty_tensors(rows, needs: list[bool], with_prompt: list[bool], vocab_size: int, device,
                     state: PenaltyRows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[B, U] (ids int64, output counts float32, seen bool) for the rows; rows that need no
-    penalty hold nothing. ``rows`` are requests or draft rows (``.request`` and ``.drafts``).
+    penalty hold nothing. ``rows``: ``sampler.SampleRow``s (a request, the drafts before the row).
 
     Padding repeats the row's first entry (or token 0 with count 0, unseen, for an empty row), so
     a scatter of the penalised values writes each logit once with one value."""
@@ -140,7 +140,7 @@ def penalty_tensors(rows, needs: list[bool], with_prompt: list[bool], vocab_size
         if not need:
             per_row.append(None)
             continue
-        req, drafts = getattr(row, "request", row), tuple(getattr(row, "drafts", ()))
+        req, drafts = row.request, row.drafts
         if state is not None:
             per_row.append(state.tally(req, prompt, vocab_size).arrays(drafts, vocab_size))
         else:

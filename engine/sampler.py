@@ -1,10 +1,12 @@
 """Token sampling in torch: penalties, logit bias, temperature, top-k / top-p / min-p, seeded draws.
 
 CPU → device flow of one step:
-  1. host: ``SamplingBatch.from_requests`` reads each scheduled request's parameters and builds
-     one device tensor per stage. A stage that no row needs stays ``None`` and is skipped, so an
-     all-greedy batch without penalties is a single ``argmax``. Penalties read each row's
-     distinct tokens (``engine.penalty_rows``), which the runner keeps across steps.
+  1. host: ``SamplingBatch.from_rows`` reads the parameters of each logit row's request (a
+     ``SampleRow``: the request and the draft tokens before the row's position; a request
+     without drafts is one row, ``from_requests``) and builds one device tensor per stage. A
+     stage that no row needs stays ``None`` and is skipped, so an all-greedy batch without
+     penalties is a single ``argmax``. Penalties read each row's distinct tokens
+     (``engine.penalty_rows``), which the runner keeps across steps.
   2. device: ``Sampler(backend, device)(logits, batch)`` — penalties and logit bias, then (for
      logprobs) a ``log_softmax`` of those processed logits, then temperature, the top-k / top-p
      / min-p filters, and the draw. On the triton backend nothing in it waits on the host;
@@ -93,6 +95,21 @@ def request_seed(request: Request) -> int | None:
     return request.seed if request.seed is not None else request.sampling_params.seed
 
 
+@dataclass(frozen=True)
+class SampleRow:
+    """One logit row: its request, and the draft tokens before the row's position (none for a
+    request's only row; ``spec_decode.rows`` gives a request with K drafts K + 1 rows). Every
+    stage reads the row's history as the request's tokens followed by ``drafts``: penalties
+    count them, ``min_tokens`` counts them as output, a seeded draw keys on the position."""
+    request: Request
+    drafts: tuple[int, ...] = ()
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens before the row's position: the request's, then its drafts."""
+        return self.request.num_output_tokens + len(self.drafts)
+
+
 # ---- the batch ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SamplingBatch:
@@ -162,12 +179,26 @@ class SamplingBatch:
         grammar_bitmask: torch.Tensor | None = None,
         penalty_rows: PenaltyRows | None = None,
     ) -> SamplingBatch:
-        if not requests:
+        """The batch of requests without drafts, one row each."""
+        return cls.from_rows([SampleRow(r) for r in requests], vocab_size, device, generators,
+                             grammar_bitmask, penalty_rows)
+
+    @classmethod
+    def from_rows(
+        cls,
+        rows: list[SampleRow],
+        vocab_size: int,
+        device: torch.device | str,
+        generators: GeneratorCache | None = None,
+        grammar_bitmask: torch.Tensor | None = None,
+        penalty_rows: PenaltyRows | None = None,
+    ) -> SamplingBatch:
+        if not rows:
             raise ValueError("requests: a sampling batch needs at least one request")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
         device = torch.device(device)
-        params = [r.sampling_params for r in requests]
+        params = [r.request.sampling_params for r in rows]
         for sp in params:
             sp.check_vocab(vocab_size)
         greedy = [sp.greedy for sp in params]
@@ -176,8 +207,8 @@ class SamplingBatch:
             raise ValueError("generators: a GeneratorCache is needed when a request samples at random")
         lp = tuple(sp.logprobs for sp in params)
         wanted = [k for k in lp if k is not None]
-        penalties = _penalty_tensors(requests, vocab_size, device, penalty_rows)
-        seeded, unseeded, shared = _generator_rows(requests, random_rows, generators, device)
+        penalties = _penalty_tensors(rows, vocab_size, device, penalty_rows)
+        seeded, unseeded, shared = _generator_rows(rows, random_rows, generators, device)
         bias_ids, bias_values = _logit_bias(params, device)
         return cls(
             vocab_size=vocab_size,
@@ -187,11 +218,11 @@ class SamplingBatch:
             **penalties,
             bias_ids=bias_ids,
             bias_values=bias_values,
-            forbidden=_forbidden(requests, vocab_size, device),
+            forbidden=_forbidden(rows, vocab_size, device),
             seeded_rows=seeded,
             unseeded_rows=unseeded,
             shared_generator=shared,
-            **_philox_rows(requests, random_rows, device),
+            **_philox_rows(rows, random_rows, device),
             num_logprobs=lp,
             max_num_logprobs=max(wanted) if wanted else None,
             grammar_bitmask=grammar_bitmask,
@@ -219,10 +250,10 @@ def _random_row_tensors(params, random_rows: list[int], vocab_size: int, device)
     return out
 
 
-def _penalty_tensors(requests, vocab_size: int, device, state: PenaltyRows | None) -> dict:
+def _penalty_tensors(rows: list[SampleRow], vocab_size: int, device, state: PenaltyRows | None) -> dict:
     """The penalty fields: None where no row needs them; the rows' tokens from ``state`` (kept
     across steps) or, without one, tallied from the requests' token lists."""
-    params = [r.sampling_params for r in requests]
+    params = [r.request.sampling_params for r in rows]
     additive = [sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 for sp in params]
     repeat = [sp.repetition_penalty != 1.0 for sp in params]
     out = dict.fromkeys(("presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_ids",
@@ -231,7 +262,7 @@ def _penalty_tensors(requests, vocab_size: int, device, state: PenaltyRows | Non
         return out
     # Only rows that need penalties hold tokens; the prompt only for a repetition penalty.
     needs = [a or p for a, p in zip(additive, repeat)]
-    ids, counts, seen = penalty_tensors(requests, needs, repeat, vocab_size, device, state)
+    ids, counts, seen = penalty_tensors(rows, needs, repeat, vocab_size, device, state)
     out.update(penalty_ids=ids, penalty_counts=counts, penalty_seen=seen)
     if any(additive):
         out["presence_penalty"] = torch.tensor([sp.presence_penalty for sp in params], dtype=torch.float32, device=device)
@@ -256,14 +287,14 @@ def _logit_bias(params, device) -> tuple[torch.Tensor | None, torch.Tensor | Non
             torch.tensor(vals, dtype=torch.float32, device=device))
 
 
-def _forbidden(requests: list[Request], vocab_size: int, device) -> torch.Tensor | None:
+def _forbidden(sample_rows: list[SampleRow], vocab_size: int, device) -> torch.Tensor | None:
     """EOS (unless ignore_eos) and stop token ids, for rows still short of min_tokens."""
     rows, cols = [], []
-    for i, req in enumerate(requests):
-        sp = req.sampling_params
-        if req.num_output_tokens >= sp.min_tokens:
+    for i, row in enumerate(sample_rows):
+        sp = row.request.sampling_params
+        if row.num_output_tokens >= sp.min_tokens:
             continue
-        ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(req.eos_token_ids))
+        ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(row.request.eos_token_ids))
         for tok in sorted(ids):
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"eos_token_ids: token id {tok} is outside the vocabulary (size {vocab_size})")
@@ -271,19 +302,19 @@ def _forbidden(requests: list[Request], vocab_size: int, device) -> torch.Tensor
             cols.append(tok)
     if not rows:
         return None
-    mask = torch.zeros(len(requests), vocab_size, dtype=torch.bool, device=device)  # [B, V]
+    mask = torch.zeros(len(sample_rows), vocab_size, dtype=torch.bool, device=device)  # [B, V]
     mask[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = True
     return mask
 
 
-def _generator_rows(requests, random_rows: list[int], generators: GeneratorCache | None, device):
+def _generator_rows(rows: list[SampleRow], random_rows: list[int], generators: GeneratorCache | None, device):
     if not random_rows:
         return (), None, None
     if generators.device.type != device.type:
         raise ValueError(f"generators: cache is on {generators.device}, the batch on {device}")
     seeded, unseeded = [], []
     for i in random_rows:
-        gen = generators.get(requests[i])
+        gen = generators.get(rows[i].request)
         if gen is generators.shared:
             unseeded.append(i)
         else:
@@ -292,18 +323,18 @@ def _generator_rows(requests, random_rows: list[int], generators: GeneratorCache
     return tuple(seeded), index, generators.shared if unseeded else None
 
 
-def _philox_rows(requests, random_rows: list[int], device) -> dict:
+def _philox_rows(rows: list[SampleRow], random_rows: list[int], device) -> dict:
     """Per-row Philox key and step counter for the triton draw; None when every row is greedy."""
     if not random_rows:
         return {"philox_seeds": None, "philox_offsets": None}
     seeds = []
-    for req in requests:
-        seed = request_seed(req)
+    for row in rows:
+        seed = request_seed(row.request)
         # Fold any Python int into the signed 64-bit range that an int64 tensor holds.
         seeds.append(0 if seed is None else ((seed + (1 << 63)) % (1 << 64)) - (1 << 63))
     return {
         "philox_seeds": torch.tensor(seeds, dtype=torch.int64, device=device),
-        "philox_offsets": torch.tensor([r.num_output_tokens for r in requests], dtype=torch.int64, device=device),
+        "philox_offsets": torch.tensor([r.num_output_tokens for r in rows], dtype=torch.int64, device=device),
     }
 
 

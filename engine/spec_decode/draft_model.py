@@ -27,7 +27,7 @@ import torch
 
 from sluice.engine.request import Request
 from sluice.engine.spec_decode.proposer import Draft, draft_room, draw
-from sluice.engine.spec_decode.rows import SampleRow
+from sluice.engine.sampler import SampleRow
 
 
 def check_same_vocabulary(target, draft, draft_name: str) -> None:

@@ -32,11 +32,10 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize
+from sluice.engine.sampler import GeneratorCache, SampleRow, SamplingBatch, penalize
 from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.heads import DraftLMHead, EagleCache, EagleHead
 from sluice.engine.spec_decode.proposer import Draft, draft_prob, draft_room, draw
-from sluice.engine.spec_decode.rows import SampleRow
 
 
 class EagleProposer:
@@ -183,7 +182,7 @@ class EagleProposer:
                 if not plain:
                     rows = [SampleRow(live[i][0], tree.path_tokens(tokens[i], parents[i], node))
                             for i, node, _h, _c, _s in frontier]
-                    sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+                    sb = SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.generators)
                     # Penalties and biases are the requests' own; a min_tokens mask only lifts as
                     # paths grow: a batch that changes nothing at depth 1 changes nothing deeper.
                     plain = not sb.changes_logits

@@ -17,11 +17,10 @@ from collections.abc import Sequence
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import GeneratorCache, SamplingBatch, penalize
+from sluice.engine.sampler import GeneratorCache, SampleRow, SamplingBatch, penalize
 from sluice.engine.spec_decode import tree
 from sluice.engine.spec_decode.heads import DraftLMHead, MedusaHeads
 from sluice.engine.spec_decode.proposer import Draft, draft_prob, draft_room, draw
-from sluice.engine.spec_decode.rows import SampleRow
 
 
 class MedusaProposer:
@@ -110,7 +109,7 @@ class MedusaProposer:
                 break
             rows = [SampleRow(work[i][0], tree.path_tokens(tokens[i], parents[i], node))
                     for i, node, _s in frontier]
-            sb = SamplingBatch.from_requests(rows, self.vocab_size, self.device, self.generators)
+            sb = SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.generators)
             probs = torch.softmax(penalize(logits[[i for i, _n, _s in frontier], depth], sb), dim=-1)
             top = probs.topk(min(width, probs.shape[-1]), dim=-1)
             budget = {i: work[i][1] * width - len(tokens[i]) for i, _n, _s in frontier}

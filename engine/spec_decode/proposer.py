@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 
 from sluice.engine.request import Request
-from sluice.engine.sampler import GeneratorCache, SamplingBatch, draw_rows, penalize, processed_probs
+from sluice.engine.sampler import GeneratorCache, SampleRow, SamplingBatch, draw_rows, penalize, processed_probs
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,15 @@ def draft_prob(logits: torch.Tensor, token: int, dist: torch.Tensor | None) -> f
     return float(torch.softmax(logits.float(), dim=-1)[token])
 
 
-def draw(logits: torch.Tensor, rows: list, generators: GeneratorCache, vocab_size: int,
+def draw(logits: torch.Tensor, rows: list[SampleRow], generators: GeneratorCache, vocab_size: int,
          device) -> tuple[list[int], list[torch.Tensor | None]]:
-    """A draft token per logit row [len(rows), V] (``rows``: ``SampleRow``s, the drafts before
-    each), and the [V] distribution it was drawn from. A greedy row's draft is the argmax after
+    """A draft token per logit row [len(rows), V] (``rows``: each row's request and the drafts
+    before it), and the [V] distribution it was drawn from. A greedy row's draft is the argmax after
     penalties, bias and the min_tokens mask (None: a point mass); a sampling row's is drawn from
     the request's processed distribution (temperature, top-k/p, min-p) with the proposer's own
     ``generators`` (a seeded request: its own seed), and that distribution goes to the rejection
     sampler, which accepts ``d`` with probability min(1, p(d) / q(d))."""
-    sb = SamplingBatch.from_requests(rows, vocab_size, device, generators)
+    sb = SamplingBatch.from_rows(rows, vocab_size, device, generators)
     if sb.all_greedy:
         return penalize(logits, sb).argmax(dim=-1).tolist(), [None] * len(rows)
     q = processed_probs(logits, sb)                                      # [len(rows), V]

@@ -41,14 +41,14 @@ def _dense_reference(logits: torch.Tensor, rows, vocab: int) -> torch.Tensor:
     rep = torch.ones(len(rows))
     pres, freq = torch.zeros(len(rows)), torch.zeros(len(rows))
     for i, r in enumerate(rows):
-        sp = r.sampling_params
+        sp = r.request.sampling_params
         rep[i], pres[i], freq[i] = sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty
         if sp.repetition_penalty == 1.0 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0:
             continue
-        for t in r.output_token_ids:
+        for t in [*r.request.output_token_ids, *r.drafts]:
             counts[i, t] += 1
         if sp.repetition_penalty != 1.0:
-            seen[i, list(r.prompt_token_ids)] = True
+            seen[i, list(r.request.prompt_token_ids)] = True
     seen |= counts > 0
     out = apply_repetition_penalty(logits, seen, rep)
     return apply_presence_frequency(out, counts, pres, freq)
@@ -76,8 +76,8 @@ def test_kept_tallies_equal_fresh_ones_and_the_dense_formulas_over_many_steps():
             del reqs[1].output_token_ids[-3:]                      # a stop string cut accepted drafts
             reqs[2] = Request("r2", [3, 3, 4], SamplingParams(temperature=0.0, **PARAMS[2]))  # id reused
         rows = _rows(reqs, rng)
-        kept = SamplingBatch.from_requests(rows, VOCAB, "cpu", GeneratorCache(), penalty_rows=state)
-        fresh = SamplingBatch.from_requests(rows, VOCAB, "cpu", GeneratorCache())
+        kept = SamplingBatch.from_rows(rows, VOCAB, "cpu", GeneratorCache(), penalty_rows=state)
+        fresh = SamplingBatch.from_rows(rows, VOCAB, "cpu", GeneratorCache())
         assert torch.equal(kept.output_counts, fresh.output_counts), step
         assert torch.equal(kept.seen_mask, fresh.seen_mask), step
         logits = torch.randn(len(rows), VOCAB) * 3
@@ -85,8 +85,9 @@ def test_kept_tallies_equal_fresh_ones_and_the_dense_formulas_over_many_steps():
         assert torch.equal(got, _dense_reference(logits, rows, VOCAB)), step
         assert torch.equal(got, penalize(logits, fresh)), step
         # Rows without a penalty are untouched, bit for bit.
-        plain = [i for i, r in enumerate(rows) if r.sampling_params.repetition_penalty == 1.0
-                 and r.sampling_params.presence_penalty == 0.0 and r.sampling_params.frequency_penalty == 0.0]
+        params = [r.request.sampling_params for r in rows]
+        plain = [i for i, sp in enumerate(params) if sp.repetition_penalty == 1.0
+                 and sp.presence_penalty == 0.0 and sp.frequency_penalty == 0.0]
         assert plain and torch.equal(got[plain], logits[plain])
     assert len(state) == 6                   # the requests with a penalty, one tally each
     for req in reqs:
@@ -113,4 +114,4 @@ def test_a_token_outside_the_vocabulary_is_refused(where):
     rows = rows_of(req, [VOCAB] if where == "draft" else [])
     for state in (None, PenaltyRows()):
         with pytest.raises(ValueError, match=r"outside the vocabulary \(size 50\)"):
-            SamplingBatch.from_requests(rows, VOCAB, "cpu", penalty_rows=state)
+            SamplingBatch.from_rows(rows, VOCAB, "cpu", penalty_rows=state)

@@ -100,7 +100,7 @@ def test_rows_see_the_drafts_before_their_position():
     req.output_token_ids = [7]
     drafts = [8, 8, 9]
     rows = rows_of(req, drafts)
-    got = SamplingBatch.from_requests(rows, VOCAB, "cpu", GeneratorCache())
+    got = SamplingBatch.from_rows(rows, VOCAB, "cpu", GeneratorCache())
     for j in range(len(drafts) + 1):   # row j == the request with drafts[:j] appended
         alone = Request("r", [1, 2, 3], sp, eos_token_ids=frozenset({5}))
         alone.output_token_ids = [7] + drafts[:j]

@@ -243,7 +243,6 @@ def test_tree_children_over_the_draft_vocabulary_alone_are_those_of_the_full_sof
     from sluice.engine.request import Request
     from sluice.engine.sampler import GeneratorCache, SamplingBatch
     from sluice.engine.spec_decode import eagle
-    from sluice.engine.spec_decode.rows import SampleRow
     from tests.tiny_model import HIDDEN, VOCAB
     from tests.unit.test_spec_heads import eagle_state, write_eagle
 
@@ -259,7 +258,7 @@ def test_tree_children_over_the_draft_vocabulary_alone_are_those_of_the_full_sof
     full_paths = []
     inner = eagle.penalize
     monkeypatch.setattr(eagle, "penalize", lambda logits, sb: full_paths.append(len(logits)) or inner(logits, sb))
-    plain = [SampleRow(Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0)), ()) for i in range(5)]
+    plain = [Request(f"r{i}", [1, 2, 3], SamplingParams(temperature=0.0)) for i in range(5)]
     with torch.inference_mode():
         ids, probs = proposer._top_children(h, SamplingBatch.from_requests(plain, VOCAB, "cpu", GeneratorCache()), 3)
     assert full_paths == [], "the plain rows did not take the draft-vocabulary path"
@@ -267,7 +266,7 @@ def test_tree_children_over_the_draft_vocabulary_alone_are_those_of_the_full_sof
     torch.testing.assert_close(torch.tensor(probs), want.values, rtol=1e-5, atol=1e-6)
     # A penalty, a bias or a min_tokens mask on one row: the whole vocabulary, penalised.
     for i, changes in enumerate((dict(repetition_penalty=1.5), dict(logit_bias={5: 3.0}), dict(min_tokens=4, stop_token_ids=[7]))):
-        rows = plain[:4] + [SampleRow(Request("p", [1, 2, 3], SamplingParams(temperature=0.0, **changes)), ())]
+        rows = plain[:4] + [Request("p", [1, 2, 3], SamplingParams(temperature=0.0, **changes))]
         with torch.inference_mode():
             ids2, _probs = proposer._top_children(h, SamplingBatch.from_requests(rows, VOCAB, "cpu",
                                                                                    GeneratorCache()), 3)
