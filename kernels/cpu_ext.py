@@ -1,4 +1,5 @@
-"""sluice's C++ CPU kernels (``cpu_blockq.cpp``, ``cpu_kquant.cpp``, ``cpu_ops.cpp``), built on first use.
+"""sluice's C++ CPU kernels (``cpu_blockq.cpp``, ``cpu_kquant.cpp``, ``cpu_ops.cpp``, ``cpu_stack.cpp``),
+built on first use, as one module.
 
 They are compiled once per machine, torch installation and source by ``torch.utils.cpp_extension``
 (which needs a C++ compiler and the ``ninja`` package) into ``$SLUICE_CACHE_DIR/ext`` (default
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_blockq.cpp", "cpu_kquant.cpp", "cpu_ops.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_blockq.cpp", "cpu_kquant.cpp", "cpu_ops.cpp", "cpu_stack.cpp")]
 _lock = threading.Lock()
 log = logging.getLogger("sluice.kernels")
 _module = None

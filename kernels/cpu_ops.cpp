@@ -1,7 +1,7 @@
-// The float32 CPU decode path: the small per-layer ops of a Llama-family layer, paged decode
-// attention, and a whole-stack step (LlamaDecoder) that runs every layer in C++ with the
-// block-quantized projections of cpu_blockq.cpp or oneDNN's packed float32 ones, so that a step
-// makes one call from Python.
+// The float32 CPU ops a decoder layer is made of: norms, RoPE, SwiGLU, the KV store, paged
+// attention (and its dense-cache form for EAGLE's draft layer), oneDNN's packed float32 product,
+// and the sampler's row reductions. No model lives here: cpu_stack.cpp composes these ops into
+// layer stacks from a per-architecture description, and this file's module binds both.
 //
 // Each op has a torch reference it is tested against (tests/unit/test_cpu_ops.py):
 //   rms_norm        F.rms_norm
@@ -40,6 +40,7 @@ int64_t kquant_chunk_bytes(int64_t fmt);
 torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, torch::Tensor sc, torch::Tensor mn,
                           int64_t fmt);
 std::string kquant_isa();
+void bind_layer_stacks(pybind11::module_& mod);   // cpu_stack.cpp
 
 namespace {
 
@@ -680,10 +681,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   return out;
 }
 
-// ---- a whole decode step ----------------------------------------------------------------------
-namespace {
-
-// The row count a oneDNN-packed product runs at: models/llama.py's row_bucket, the same buckets
+// ---- what the layer stacks (cpu_stack.cpp) compose besides the ops above ------------------------
+// The row count a oneDNN-packed product runs at: models/cpu_linear.py's row_bucket, the same buckets
 // (4 below 4 rows, where oneDNN streams a weight more slowly; exact up to 16 rows; then four per
 // doubling), so that a step meets only the primitives the engine's warm-up compiled
 // (tests/unit/test_cpu_ops.py holds the two to each other).
@@ -695,7 +694,7 @@ int64_t row_bucket(int64_t rows) {
   return (rows + step - 1) / step * step;
 }
 
-// y = x @ W^T (+ bias) for a float32 W that mkldnn::_reorder_linear_weight packed (models/llama.py's
+// y = x @ W^T (+ bias) for a float32 W that mkldnn::_reorder_linear_weight packed (models/cpu_linear.py's
 // packed_linear: the same operator, the bias passed to it, the same zero-padded rows).
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias) {
   static const auto op = c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
@@ -708,245 +707,48 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return padded == rows ? out : out.narrow(0, 0, rows);
 }
 
-// One product: kind 4 or 8 (cpu_blockq.cpp's blocks of that many bits; d and m their scales and
-// offsets), 100 + a GGML type id (cpu_kquant.cpp's K-quant and 5-bit formats; d and m unused),
-// or 32 (float32 packed by oneDNN, with the projection's bias inside).
-struct Part {
-  torch::Tensor packed, d, m;
-  int64_t kind = 0, n = 0;
-};
-
-bool known_kind(int64_t kind) {
-  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 112 && kind <= 114);
-}
-
-// A projection: its parts' products side by side (a fused q/k/v or gate/up whose parts the
-// file stores in different types), plus a float32 bias (Qwen2's q/k/v) or none (an empty
-// tensor). The bias is added as the Python layers add it: after the block products, inside
-// oneDNN's (a float32 projection is one part).
-struct Projection {
-  std::vector<Part> parts;
-  torch::Tensor bias;
-  Projection() = default;
-  Projection(torch::Tensor packed, torch::Tensor d, torch::Tensor m, torch::Tensor b, int64_t kind, int64_t n)
-      : parts{Part{packed, d, m, kind, n}}, bias(b) {}
-  static torch::Tensor one(const Part& p, const torch::Tensor& x) {
-    if (p.kind == 4 || p.kind == 8) return blockq_linear(x, p.packed, p.d, p.m, p.kind, p.n);
-    return kquant_linear(x, p.packed, p.kind - 100, p.n);
-  }
-  torch::Tensor operator()(const torch::Tensor& x) const {
-    if (parts.size() == 1 && parts[0].kind == 32) return onednn_linear(x, parts[0].packed, bias);
-    torch::Tensor out;
-    if (parts.size() == 1) {
-      out = one(parts[0], x);
-    } else {
-      std::vector<torch::Tensor> outs;
-      for (const Part& p : parts) outs.push_back(one(p, x));
-      out = torch::cat(outs, 1);
-    }
-    return bias.numel() ? out.add_(bias) : out;
-  }
-};
-
-struct Layer {
-  torch::Tensor input_norm, post_norm;
-  Projection qkv, o, gate_up, down;
-};
-
-}  // namespace
-
-// The layers of a Llama-family model whose projections are all either block-quantized or float32
-// packed by oneDNN. Per layer, tensors: the two norm weights, the four biases of qkv, o, gate_up
-// and down (empty: none), then (packed, d, m) for each part of each projection in order; sizes:
-// per projection its part count, then (kind, out) for each part.
-// forward() is LlamaForCausalLM.forward for a step where every sequence has one new token:
-// embeddings in, the final norm's output out.
-class LlamaDecoder {
- public:
-  LlamaDecoder(std::vector<std::vector<torch::Tensor>> tensors, std::vector<std::vector<int64_t>> shapes,
-               torch::Tensor final_norm, int64_t heads, int64_t kv_heads, int64_t head_dim, double eps,
-               double scale)
-      : final_norm_(final_norm), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps), scale_(scale) {
-    TORCH_CHECK(tensors.size() == shapes.size(), "LlamaDecoder: one shape list per layer");
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const auto& t = tensors[i];
-      const auto& s = shapes[i];
-      TORCH_CHECK(t.size() >= 6, "LlamaDecoder: layer ", i, " needs two norms and four biases first");
-      Layer layer;
-      layer.input_norm = t[0];
-      layer.post_norm = t[1];
-      Projection* w[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-      size_t at = 6, si = 0;
-      for (int j = 0; j < 4; ++j) {
-        TORCH_CHECK(si < s.size() && s[si] >= 1, "LlamaDecoder: layer ", i, ": each projection needs a part count");
-        const int64_t count = s[si++];
-        int64_t total = 0;
-        for (int64_t p = 0; p < count; ++p) {
-          TORCH_CHECK(si + 2 <= s.size() && at + 3 <= t.size(), "LlamaDecoder: layer ", i, ": too few parts given");
-          const int64_t kind = s[si], n = s[si + 1];
-          si += 2;
-          TORCH_CHECK(known_kind(kind) && (kind != 32 || count == 1), "LlamaDecoder: layer ", i, ": kind must be 4 or 8 "
-                      "(block bits), 100 + a K-quant type id or 32 (float32 packed by oneDNN, alone), got ", kind);
-          w[j]->parts.push_back(Part{t[at], t[at + 1], t[at + 2], kind, n});
-          at += 3;
-          total += n;
-        }
-        const torch::Tensor& bias = t[2 + j];
-        TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
-                                          bias.numel() == total),
-                    "LlamaDecoder: layer ", i, ": a bias must be a contiguous float32 [out] or empty");
-        w[j]->bias = bias;
-      }
-      TORCH_CHECK(at == t.size() && si == s.size(), "LlamaDecoder: layer ", i, ": more tensors or sizes than its parts");
-      layers_.push_back(layer);
-    }
-  }
-
-  torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
-                        std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
-                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
-    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
-                "LlamaDecoder: one cache pair per layer");
-    const int64_t q_size = heads_ * dim_, kv_size = kv_heads_ * dim_, rows = h.size(0);
-    auto bt = block_tables.to(torch::kInt32).contiguous();
-    auto sl = seq_lens.to(torch::kInt32).contiguous();
-    auto cs = cos.contiguous(), sn = sin.contiguous();
-    torch::Tensor normed = rms_norm(h, layers_[0].input_norm, eps_);
-    for (size_t i = 0; i < layers_.size(); ++i) {
-      const Layer& L = layers_[i];
-      auto qkv = L.qkv(normed);                                                     // [T, q + 2 kv]
-      auto qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({rows, heads_ + kv_heads_, dim_}), cs, sn);
-      auto k = qk.narrow(1, heads_, kv_heads_);
-      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads_, dim_});
-      store_kv(k, v, key_caches[i], value_caches[i], slots);
-      auto attn = paged_decode(qk.narrow(1, 0, heads_), key_caches[i], value_caches[i], bt, sl, scale_, tail_start, tail_slots);
-      auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, eps_);
-      auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
-      const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
-      auto hn2 = add_rms_norm(hn[0], mlp, next_norm, eps_);
-      h = hn2[0];
-      normed = hn2[1];
-    }
-    return normed;
-  }
-
- private:
-  std::vector<Layer> layers_;
-  torch::Tensor final_norm_;
-  int64_t heads_, kv_heads_, dim_;
-  double eps_, scale_;
-};
-
-// EAGLE's draft layer (spec_decode/heads.py's EagleHead) for serving: the projection fc of the
-// pairs (embedding, hidden state), then a Llama decoder layer without its final norm (and with an
-// input norm only where the checkpoint has one). Each sequence's keys and values live in its own
-// dense cache [capacity, Hkv, D] (EagleCache): its rows are written after its `before` entries and
-// attend over them and causally over each other, through paged_decode with the cache as one
-// block. Tensors: input norm (empty: none), post-attention norm, (packed, d, m) for fc, qkv, o,
-// gate_up and down, then their five biases (empty: none); shapes: (bits, out) for each.
-class EagleLayer {
- public:
-  EagleLayer(std::vector<torch::Tensor> t, std::vector<int64_t> s, int64_t heads, int64_t kv_heads,
-             int64_t head_dim, double eps, double scale)
-      : input_norm_(t.at(0)), post_norm_(t.at(1)), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
-        scale_(scale) {
-    TORCH_CHECK(t.size() == 22 && s.size() == 10, "EagleLayer: needs 22 tensors and 10 sizes");
-    Projection* w[5] = {&fc_, &qkv_, &o_, &gate_up_, &down_};
-    for (int j = 0; j < 5; ++j) {
-      const int64_t bits = s[2 * j];
-      TORCH_CHECK(known_kind(bits), "EagleLayer: bits must be 4, 8, 32 or 100 + a K-quant type id, got ", bits);
-      const torch::Tensor& bias = t[17 + j];
-      TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
-                                        bias.numel() == s[2 * j + 1]),
-                  "EagleLayer: a bias must be a contiguous float32 [out] or empty");
-      *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bias, bits, s[2 * j + 1]};
-    }
-  }
-
-  // The pairs' embeddings and hidden states [T, H] each (each sequence's rows together, in
-  // order), their positions [T] and RoPE's cos/sin tables [positions, D/2] (RotaryEmbedding's),
-  // one cache pair, entry count and row count per sequence -> predicted hidden states [T, H].
-  torch::Tensor forward(torch::Tensor embeds, torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos_table,
-                        torch::Tensor sin_table, std::vector<torch::Tensor> key_caches,
-                        std::vector<torch::Tensor> value_caches, std::vector<int64_t> before, std::vector<int64_t> rows) {
-    check_f32(embeds, "embeds", 2);
-    check_f32(hidden, "hidden", 2);
-    TORCH_CHECK(embeds.sizes() == hidden.sizes() && positions.numel() == embeds.size(0) &&
-                    positions.scalar_type() == torch::kInt64,
-                "EagleLayer: embeds, hidden [T, H] and int64 positions [T] must agree");
-    auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
-    torch::Tensor pairs = torch::cat({embeds, hidden}, 1);
-    const size_t n = key_caches.size();
-    TORCH_CHECK(value_caches.size() == n && before.size() == n && rows.size() == n,
-                "EagleLayer: one value cache, entry count and row count per key cache");
-    const int64_t t = pairs.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
-    int64_t total = 0;
-    for (size_t i = 0; i < n; ++i) {
-      const auto& kc = key_caches[i];
-      TORCH_CHECK(kc.dim() == 3 && kc.size(1) == kv_heads_ && kc.size(2) == dim_ && kc.scalar_type() == torch::kFloat32 &&
-                      kc.is_contiguous() && value_caches[i].sizes() == kc.sizes() && value_caches[i].is_contiguous() &&
-                      value_caches[i].scalar_type() == torch::kFloat32,
-                  "EagleLayer: caches must be contiguous float32 [capacity, Hkv, D]");
-      TORCH_CHECK(rows[i] >= 1 && before[i] >= 0 && before[i] + rows[i] <= kc.size(0),
-                  "EagleLayer: sequence ", i, "'s rows do not fit its cache");
-      total += rows[i];
-    }
-    TORCH_CHECK(total == t, "EagleLayer: the row counts add up to ", total, ", pairs has ", t);
-    torch::Tensor x = fc_(pairs);
-    torch::Tensor a = input_norm_.numel() ? rms_norm(x, input_norm_, eps_) : x;
-    torch::Tensor qkv = qkv_(a);
-    torch::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
-    // Each sequence's new keys and values after its entries, then attention: a work item per
-    // (sequence, KV head), its rows in order, each row over the entries up to its own.
-    std::vector<int64_t> first(n + 1, 0);
-    for (size_t i = 0; i < n; ++i) first[i + 1] = first[i] + rows[i];
-    const float *qkp = qk.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
-    const int64_t qk_row = (heads_ + kv_heads_) * dim_, qkv_row = q_size + 2 * kv_size;
-    for (size_t i = 0; i < n; ++i) {
-      float *kc = key_caches[i].data_ptr<float>(), *vc = value_caches[i].data_ptr<float>();
-      for (int64_t r = 0; r < rows[i]; ++r) {
-        std::memcpy(kc + (before[i] + r) * kv_size, qkp + (first[i] + r) * qk_row + q_size, kv_size * sizeof(float));
-        std::memcpy(vc + (before[i] + r) * kv_size, qkvp + (first[i] + r) * qkv_row + q_size + kv_size,
-                    kv_size * sizeof(float));
-      }
-    }
-    // Each row as paged_decode computes a one-chunk row, the dense cache read as a single block.
-    torch::Tensor attn = torch::empty({t, heads_, dim_}, x.options());
-    float* ap = attn.data_ptr<float>();
-    const int64_t group = heads_ / kv_heads_;
+// Rows of qk [T, Hq + Hkv, D] float32 (the query heads, those of one KV head adjacent, then the
+// key heads) attend over dense per-sequence caches [capacity, Hkv, D] float32: sequence i owns
+// rows[i] consecutive rows, and its r-th row attends over the cache's first before[i] + r + 1
+// entries (causal, after what the cache already held). Each row is computed as paged_decode
+// computes a one-chunk row, the cache read as a single block; a work item per (sequence, KV head).
+torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, const std::vector<torch::Tensor>& key_caches,
+                                     const std::vector<torch::Tensor>& value_caches, const std::vector<int64_t>& before,
+                                     const std::vector<int64_t>& rows, double scale) {
+  TORCH_CHECK(qk.dim() == 3 && qk.scalar_type() == torch::kFloat32 && qk.is_contiguous(),
+              "dense_causal_attention: qk must be contiguous float32 [T, Hq + Hkv, D]");
+  const int64_t n = static_cast<int64_t>(key_caches.size()), t = qk.size(0), dim = qk.size(2);
+  const int64_t kv_heads = qk.size(1) - heads, group = heads / kv_heads, qk_row = qk.size(1) * dim;
+  std::vector<int64_t> first(static_cast<size_t>(n + 1), 0);
+  for (int64_t i = 0; i < n; ++i) first[i + 1] = first[i] + rows[i];
+  TORCH_CHECK(first[n] == t, "dense_causal_attention: the row counts add up to ", first[n], ", qk has ", t);
+  const float* qkp = qk.data_ptr<float>();
+  torch::Tensor attn = torch::empty({t, heads, dim}, qk.options());
+  float* ap = attn.data_ptr<float>();
 #if SLUICE_V16
-    const ChunkFn<float> fixed = pick_chunk<float>(group, dim_);
+  const ChunkFn<float> fixed = pick_chunk<float>(group, dim);
 #else
-    const ChunkFn<float> fixed = nullptr;
+  const ChunkFn<float> fixed = nullptr;
 #endif
-    at::parallel_for(0, static_cast<int64_t>(n) * kv_heads_, 1, [&](int64_t w0, int64_t w1) {
-      std::vector<float> scores, local(static_cast<size_t>(group * (dim_ + 2)));
-      const Partial part{local.data(), local.data() + group * dim_, local.data() + group * dim_ + group};
-      const int32_t block = 0;
-      const RowKeys keys{&block};
-      for (int64_t w = w0; w < w1; ++w) {
-        const int64_t i = w / kv_heads_, kvh = w % kv_heads_, cap = key_caches[i].size(0);
-        const float *kc = key_caches[i].data_ptr<float>(), *vc = value_caches[i].data_ptr<float>();
-        for (int64_t r = 0; r < rows[i]; ++r) {
-          const int64_t len = before[i] + r + 1, row = first[i] + r;
-          const float* q = qkp + row * qk_row + kvh * group * dim_;
-          attend_one_chunk<float>(fixed, q, part, group, dim_, kc, vc, kv_heads_, kvh, keys, cap, 0, len,
-                                  static_cast<float>(scale_), scores);
-          merge_chunks(&part, 1, group, dim_, ap + (row * heads_ + kvh * group) * dim_);
-        }
+  at::parallel_for(0, n * kv_heads, 1, [&](int64_t w0, int64_t w1) {
+    std::vector<float> scores, local(static_cast<size_t>(group * (dim + 2)));
+    const Partial part{local.data(), local.data() + group * dim, local.data() + group * dim + group};
+    const int32_t block = 0;
+    const RowKeys keys{&block};
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t i = w / kv_heads, kvh = w % kv_heads, cap = key_caches[i].size(0);
+      const float *kc = key_caches[i].data_ptr<float>(), *vc = value_caches[i].data_ptr<float>();
+      for (int64_t r = 0; r < rows[i]; ++r) {
+        const int64_t len = before[i] + r + 1, row = first[i] + r;
+        const float* q = qkp + row * qk_row + kvh * group * dim;
+        attend_one_chunk<float>(fixed, q, part, group, dim, kc, vc, kv_heads, kvh, keys, cap, 0, len,
+                                static_cast<float>(scale), scores);
+        merge_chunks(&part, 1, group, dim, ap + (row * heads + kvh * group) * dim);
       }
-    });
-    auto hn = add_rms_norm(x, o_(attn.view({t, q_size})), post_norm_, eps_);
-    return hn[0].add_(down_(silu_mul(gate_up_(hn[1]))));
-  }
-
- private:
-  torch::Tensor input_norm_, post_norm_;
-  Projection fc_, qkv_, o_, gate_up_, down_;
-  int64_t heads_, kv_heads_, dim_;
-  double eps_, scale_;
-};
+    }
+  });
+  return attn;
+}
 
 // Copies slot src[i] to slot dst[i], in order, in every cache [blocks, block_size, ...] (a draft
 // tree's accepted nodes to where a chain's would be, in every layer's K and V: one call instead
@@ -1113,16 +915,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("argmax_rows", &argmax_rows, "each row's first maximum (or first NaN), as torch.argmax");
   mod.def("top_probs", &top_probs, "each row's k largest logits' softmax probabilities and indices");
   mod.def("row_bucket", &row_bucket, "the row count a oneDNN-packed projection of this many rows runs at");
-  pybind11::class_<LlamaDecoder>(mod, "LlamaDecoder", pybind11::module_local())
-      .def(pybind11::init<std::vector<std::vector<torch::Tensor>>, std::vector<std::vector<int64_t>>,
-                          torch::Tensor, int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &LlamaDecoder::forward, pybind11::arg("h"), pybind11::arg("cos"), pybind11::arg("sin"),
-           pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("slots"),
-           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("tail_start") = pybind11::none(),
-           pybind11::arg("tail_slots") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
-  pybind11::class_<EagleLayer>(mod, "EagleLayer", pybind11::module_local())
-      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
-      .def("forward", &EagleLayer::forward, pybind11::arg("embeds"), pybind11::arg("hidden"), pybind11::arg("positions"),
-           pybind11::arg("cos_table"), pybind11::arg("sin_table"), pybind11::arg("key_caches"), pybind11::arg("value_caches"), pybind11::arg("before"), pybind11::arg("rows"),
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+  bind_layer_stacks(mod);   // cpu_stack.cpp
 }

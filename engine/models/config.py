@@ -1,5 +1,8 @@
 """The shape of a Llama-family decoder, whichever file it came from (GGUF or a Hugging Face folder).
 
+``ARCHITECTURES`` says what sets each supported architecture's layers apart (``ArchTraits``);
+``models.layer_spec`` turns a config into the layer description both layer stacks build from.
+
 ``rope_scaling`` keeps Hugging Face's semantics (the ``rope_scaling`` / ``rope_parameters`` dict
 of ``config.json``, normalised so the kind is under ``"rope_type"``); ``engine.models.rope`` is
 the one reader of it. Tokenizer facts (special tokens, FIM tokens) belong to the tokenizer.
@@ -10,7 +13,25 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What an architecture's layers do beyond the Llama layer, whatever its config.json says."""
+    qkv_bias: bool = False          # q/k/v projections always carry a bias (Qwen2); others say so with attention_bias
+    qk_norm: bool = False           # queries and keys pass a per-head RMSNorm before RoPE (Qwen3)
+    # Whether config.json's sliding_window is in force: "never" (Llama's configs carry one that
+    # nothing reads), "always" (Mistral), or only with use_sliding_window (Qwen2, Qwen3).
+    window: str = "always"
+
+
+ARCHITECTURES = {
+    "llama": ArchTraits(window="never"),
+    "mistral": ArchTraits(),
+    "qwen2": ArchTraits(qkv_bias=True, window="opt_in"),
+    "qwen3": ArchTraits(qk_norm=True, window="opt_in"),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # "factors": per-frequency divisors of the base frequencies, as GGUF files carry Llama 3.1/3.2's
 # scaling (a ``rope_freqs.weight`` tensor, llama.cpp's precomputed llama3 factors).
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "factors")
@@ -69,10 +90,10 @@ def _validate_rope_scaling(rs: dict | None) -> None:
 
 
 def _sliding_window(cfg: dict, model_type: str) -> int | None:
-    """The window config.json puts in force (Mistral's ``sliding_window``; Qwen2's only with
-    ``use_sliding_window``), None when none is or it spans the whole context."""
-    window = cfg.get("sliding_window")
-    if window is None or (model_type == "qwen2" and not cfg.get("use_sliding_window")) or model_type == "llama":
+    """The window config.json puts in force (``ArchTraits.window``), None when none is or it spans
+    the whole context."""
+    window, rule = cfg.get("sliding_window"), ARCHITECTURES[model_type].window
+    if window is None or rule == "never" or (rule == "opt_in" and not cfg.get("use_sliding_window")):
         return None
     _positive_int("sliding_window", window)
     return window if window < cfg.get("max_position_embeddings", 2048) else None
@@ -99,7 +120,7 @@ class ModelArchConfig:
     max_position_embeddings: int
     rope_scaling: dict | None = None        # HF semantics, see module docstring
     tie_word_embeddings: bool = False
-    attention_bias: bool = False            # Qwen2: q/k/v projections carry a bias
+    attention_bias: bool = False            # q/k/v projections carry a bias (always in Qwen2)
     # Sliding-window attention (Mistral, Qwen2 with use_sliding_window): each token attends to the
     # last ``sliding_window`` positions. Not implemented: the engine caps the context window at it,
     # where full attention is the same thing, and refuses longer sequences.
@@ -168,8 +189,7 @@ class ModelArchConfig:
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
                 rope_scaling=normalize_rope_scaling(rope),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                # Qwen2 always has a QKV bias; Llama/Mistral say so with attention_bias.
-                attention_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+                attention_bias=ARCHITECTURES[model_type].qkv_bias or bool(cfg.get("attention_bias", False)),
                 sliding_window=_sliding_window(cfg, model_type),
             )
         except KeyError as exc:

@@ -1,7 +1,7 @@
 """Weight formats chosen at start-up (``DeviceConfig.quantization``), for CPU decoding.
 
 Decoding on a CPU streams every weight once per step, so bytes per weight set the speed. The
-float32 path (``none``) keeps oneDNN-packed float32 (``llama.packed_linear``). The others keep
+float32 path (``none``) keeps oneDNN-packed float32 (``cpu_linear.packed_linear``). The others keep
 the weights smaller and multiply with torch's CPU weight-only kernels; activations, norms,
 attention and the KV cache stay float32, and each projection's input is rounded to bfloat16:
 
@@ -36,6 +36,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from sluice.engine.models.cpu_linear import pack_cpu_weight, packed_linear
 
 QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
 GROUP = 32                      # int4 group size along the input (= the GGUF block size)
@@ -229,8 +231,6 @@ def bf16_unavailable_reason() -> str | None:
 
 class Bf16Linear:
     def __init__(self, weight: torch.Tensor) -> None:
-        from sluice.engine.models.llama import pack_cpu_weight
-
         reason = bf16_unavailable_reason()
         _check(reason is None, f"bf16 weight: {reason}")
         _check(weight.dim() == 2, f"bf16 weight: expected [N, K], got {tuple(weight.shape)}")
@@ -242,8 +242,6 @@ class Bf16Linear:
         return cls(weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from sluice.engine.models.llama import packed_linear
-
         _check(x.shape[-1] == self.in_features, f"bf16 linear: input has {x.shape[-1]} features, "
                f"expected {self.in_features}")
         return packed_linear(x.to(torch.bfloat16), self.packed, None).float()

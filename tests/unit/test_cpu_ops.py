@@ -8,7 +8,7 @@ references, on tiny random tensors.
 * Each small op (RMSNorm, residual + RMSNorm, RoPE, SwiGLU, the KV store, paged decode attention,
   a draft tree's slot moves and its children's top-k probabilities) matches the torch code it
   replaces.
-* The C++ layer stack (LlamaDecoder) matches the Python layers on the tiny model, and a
+* The C++ layer stack (cpu_stack.cpp's DecoderStack) matches the Python layers on the tiny model, and a
   sequence's greedy tokens do not depend on the batch, the chunking or the prefix cache.
 
 The extension is built on first use (about a minute on 2 cores, then cached): if it cannot be
@@ -417,7 +417,7 @@ def test_a_sequences_tokens_depend_on_nothing_else(ops, tiny_cpp):
         return [r.outputs[0].token_ids for r in llm.generate(batch, params)], llm
 
     batched, llm = run(prompts)
-    assert tiny_cpp.model._decoder, "the C++ layers were not used"
+    assert tiny_cpp.model._cpu_decoder() is not None, "the C++ layers were not used"
     alone = [run([p])[0][0] for p in prompts]
     assert alone == batched
     chunked, _ = run(prompts, max_num_batched_tokens=16)
@@ -429,7 +429,9 @@ def test_a_sequences_tokens_depend_on_nothing_else(ops, tiny_cpp):
 
 def _plain_forward(model, *args):
     """The model's Python layers with plain torch ops (F.rms_norm, apply_rotary, SDPA)."""
-    decoder, model._decoder = model._decoder, False
+    from sluice.engine.models.layer_stack import PythonLayers
+
+    decoder, model._decoder = model._decoder, PythonLayers()
     try:
         return model(*args)
     finally:
@@ -437,16 +439,16 @@ def _plain_forward(model, *args):
 
 
 def test_the_stack_pads_rows_to_the_python_layers_buckets(ops):
-    # The engine's warm-up compiles oneDNN's primitives for llama.row_bucket's row counts; the C++
-    # stack must run its float32 products at exactly those, or every other count compiles anew.
-    from sluice.engine.models.llama import row_bucket
+    # The engine's warm-up compiles oneDNN's primitives for cpu_linear.row_bucket's row counts; the
+    # C++ stack must run its float32 products at exactly those, or every other count compiles anew.
+    from sluice.engine.models.cpu_linear import row_bucket
 
     assert [ops.row_bucket(r) for r in range(1, 9000)] == [row_bucket(r) for r in range(1, 9000)]
 
 
 def test_cpu_layers_match_the_torch_layers(ops, tiny_cpp):
     """A mixed step (a prefill chunk after cached context, beside a decode row) and a decode step
-    through LlamaDecoder against the Python layers: equal up to float32 rounding (amplified a
+    through the C++ DecoderStack against the Python layers: equal up to float32 rounding (amplified a
     little where it moves an int8 rounding of an activation), and the caches written alike."""
     _layers_match(tiny_cpp.model)
 

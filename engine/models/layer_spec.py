@@ -1,0 +1,64 @@
+"""What one decoder layer is made of: the description both layer stacks build from.
+
+The Python layers (``models.llama``) and the C++ stack (``models.layer_stack``, over
+``kernels/cpu_stack.cpp``) read a ``LayerSpec`` and nothing else about the architecture, so an
+architecture that differs from Llama only in these fields (a bias, per-head q/k norms) needs a
+row in ``config.ARCHITECTURES``, not a new model class or a second C++ copy of its forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
+
+NORMS = ("rms",)          # RMSNorm (statistics in float32, HF's order of operations)
+MLPS = ("swiglu",)        # down(silu(gate(x)) * up(x)), gate and up fused into one product
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int               # GQA: num_heads is a multiple of it
+    head_dim: int
+    qkv_bias: bool                  # the fused q/k/v projection adds a bias
+    qk_norm: bool                   # RMSNorm over head_dim on each query and key head, before RoPE
+    # Not attended through: the engine caps the context at the window, where full attention is
+    # the same thing (ModelArchConfig.sliding_window). Here so that the description is whole.
+    sliding_window: int | None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    hidden_size: int
+    intermediate_size: int
+    norm_eps: float                 # every RMSNorm of the layer (and the q/k norms) uses it
+    attention: AttentionSpec
+    norm: str = "rms"
+    mlp: str = "swiglu"
+
+    def __post_init__(self) -> None:
+        if self.norm not in NORMS:
+            raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"mlp: must be one of {MLPS}, got {self.mlp!r}")
+
+    @classmethod
+    def from_arch(cls, arch: ModelArchConfig) -> LayerSpec:
+        traits = ARCHITECTURES[arch.architecture]
+        attention = AttentionSpec(
+            num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+            qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.sliding_window)
+        return cls(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+                   norm_eps=arch.rms_norm_eps, attention=attention)

@@ -1,0 +1,109 @@
+"""How a decoder's layers run on a step: a strategy chosen once per model (``select_layer_stack``).
+
+* ``PythonLayers``: each layer's ``forward`` in torch, attention through the step's backend
+  (which owns the paged KV cache). Runs anywhere, with any weight format.
+* ``CppLayers``: every layer in one call to ``kernels/cpu_stack.cpp``'s ``DecoderStack``, built
+  from the model's ``LayerSpec`` and weights as named structs. Chosen when every projection is
+  block-quantized (``w4a8`` / ``w8a8``: their kernels are C++ anyway) or float32 packed for oneDNN
+  (``none`` on CPU, unless ``SLUICE_CPU_CPP_LAYERS=0``). Every step (prefill, decode,
+  verification, mixed) then runs with the arithmetic of the Python layers (norms, RoPE, SwiGLU,
+  residuals in float32), each row attending over its own causal prefix (``row_prefixes``): a
+  token's bits depend only on its sequence, not on the batch, the chunking, a prefix-cache hit or
+  speculation. In float32 the products are the Python layers' own (the same oneDNN operator and
+  row buckets, ``cpu_linear.row_bucket``); what goes is ~0.5 ms of Python and small torch ops per
+  layer and step. It reads draft trees by position, so it attends through them whatever the
+  backend says; with another backend than ``torch`` (the paged cache is then not the C++ one's
+  to read) it runs the Python layers.
+
+The model is duck-typed here (``layers``, ``norm``, ``spec``, ``linears()``,
+``_float32_packed()``): this module sits below ``models.llama``, which imports it.
+"""
+from __future__ import annotations
+
+import torch
+
+from sluice.engine import envs
+from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, row_prefixes
+from sluice.engine.models import kquant
+
+_NONE = torch.empty(0)
+_FLOAT32_PACKED = 32          # cpu_stack.cpp's part kind for a oneDNN-packed float32 weight
+
+
+class PythonLayers:
+    runs_in_cpp = False
+
+    def forward(self, model, h, cos, sin, kv_caches, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        if meta.tree is not None and not attn.supports_trees:
+            raise RuntimeError(f"draft trees: attention backend {attn.name!r} cannot attend through them")
+        for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+            h = layer(h, cos, sin, kv_cache, meta, attn)
+        return model.norm(h)
+
+    def attends_trees(self, attn: AttentionBackend) -> bool:
+        """The backends that say so (``supports_trees``) attend through a draft tree by index."""
+        return attn.supports_trees
+
+
+class CppLayers:
+    runs_in_cpp = True
+
+    def __init__(self, stack) -> None:
+        self.stack = stack              # cpu_stack.cpp's DecoderStack
+
+    def forward(self, model, h, cos, sin, kv_caches, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
+        if attn.name != "torch":
+            return PythonLayers().forward(model, h, cos, sin, kv_caches, meta, attn)
+        keys, values = (list(c) for c in zip(*kv_caches))
+        tables, lens = row_prefixes(meta)
+        if meta.tree is None:
+            return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, lens)
+        tree = meta.tree
+        return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, tree.lens,
+                                  tree.tail_start, tree.tail_slots)
+
+    def attends_trees(self, attn: AttentionBackend) -> bool:
+        return attn.name == "torch" or attn.supports_trees
+
+
+def select_layer_stack(model) -> PythonLayers | CppLayers:
+    linears = model.linears()
+    if not linears:
+        return PythonLayers()
+    blockq = all(isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in linears)
+    if not (blockq or model._float32_packed()):
+        return PythonLayers()
+    from sluice.kernels import cpu_ext
+
+    if not blockq and not (envs.cpu_cpp_layers() and cpu_ext.available()):
+        return PythonLayers()    # float32 keeps the Python layers (the block formats need the kernels)
+    return CppLayers(build_decoder_stack(model, cpu_ext.module()))
+
+
+def build_decoder_stack(model, ops):
+    """The model's layers as ``ops.DecoderStack`` (``ops``: the compiled module, ``cpu_ext.module()``)."""
+    att = model.spec.attention
+    spec = ops.StackSpec(heads=att.num_heads, kv_heads=att.num_kv_heads, head_dim=att.head_dim,
+                         eps=float(model.spec.norm_eps), scale=att.scale, qk_norm=att.qk_norm)
+    layers = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(ops.StackLayer(
+            input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
+            qkv=_projection(ops, attn.qkv_proj), o=_projection(ops, attn.o_proj),
+            gate_up=_projection(ops, mlp.gate_up_proj), down=_projection(ops, mlp.down_proj),
+            q_norm=_NONE if attn.q_norm is None else attn.q_norm.weight.detach(),
+            k_norm=_NONE if attn.k_norm is None else attn.k_norm.weight.detach()))
+    return ops.DecoderStack(spec=spec, layers=layers, final_norm=model.norm.weight.detach())
+
+
+def _projection(ops, linear):
+    """A projection's parts (several where a fused projection's parts are stored in different
+    block formats, ``kquant.StackedLinear``) and its bias (empty: none)."""
+    if linear.quantized is not None:
+        parts = [ops.StackPart(packed=w, d=d, m=m, kind=kind, n=n)
+                 for kind, w, d, m, n in kquant.block_cpp_parts(linear.quantized)]
+    else:
+        parts = [ops.StackPart(packed=linear.packed, d=_NONE, m=_NONE, kind=_FLOAT32_PACKED, n=linear.out_features)]
+    bias = _NONE if linear.bias is None else linear.bias.detach().float().contiguous()
+    return ops.StackProjection(parts=parts, bias=bias)

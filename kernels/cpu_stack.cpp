@@ -1,0 +1,307 @@
+// Layer stacks: a decoder's layers composed in C++ from cpu_ops.cpp's ops, so that a step makes
+// one call from Python. What a layer is made of comes from a description (StackSpec: head
+// shapes, RMSNorm's epsilon, per-head q/k norms), its weights from named structs (StackLayer,
+// StackProjection, StackPart), both built by engine/models/layer_stack.py from the model's
+// LayerSpec; no architecture is spelled out here. EagleLayer is EAGLE's draft layer.
+//
+// A stack's arithmetic is the Python layers' (engine/models/llama.py): RMSNorm, RoPE, SwiGLU and
+// the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
+// product at models/cpu_linear.py's row buckets), each row attending over its own causal prefix.
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+// cpu_ops.cpp
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps);
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor h, torch::Tensor d, torch::Tensor w, double eps);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor silu_mul(torch::Tensor gate_up);
+void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor block_tables,
+                           torch::Tensor seq_lens, double scale, std::optional<torch::Tensor> tail_start,
+                           std::optional<torch::Tensor> tail_slots);
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
+torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, const std::vector<torch::Tensor>& key_caches,
+                                     const std::vector<torch::Tensor>& value_caches, const std::vector<int64_t>& before,
+                                     const std::vector<int64_t>& rows, double scale);
+// cpu_blockq.cpp, cpu_kquant.cpp
+torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m, int64_t bits, int64_t n);
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n);
+
+namespace {
+
+void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kFloat32 && t.is_contiguous() &&
+                  t.dim() == dim,
+              "cpu_stack: ", name, " must be a contiguous float32 CPU tensor with ", dim, " dims");
+}
+
+// One product: kind 4 or 8 (cpu_blockq.cpp's blocks of that many bits; d and m their scales and
+// offsets), 100 + a GGML type id (cpu_kquant.cpp's K-quant and 5-bit formats; d and m unused),
+// or 32 (float32 packed by oneDNN, with the projection's bias inside).
+struct Part {
+  torch::Tensor packed, d, m;
+  int64_t kind = 0, n = 0;
+};
+
+bool known_kind(int64_t kind) {
+  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 112 && kind <= 114);
+}
+
+// A projection: its parts' products side by side (a fused q/k/v or gate/up whose parts the
+// file stores in different types), plus a float32 bias (Qwen2's q/k/v) or none (an empty
+// tensor). The bias is added as the Python layers add it: after the block products, inside
+// oneDNN's (a float32 projection is one part).
+struct Projection {
+  std::vector<Part> parts;
+  torch::Tensor bias;
+  Projection() = default;
+  Projection(torch::Tensor packed, torch::Tensor d, torch::Tensor m, torch::Tensor b, int64_t kind, int64_t n)
+      : parts{Part{packed, d, m, kind, n}}, bias(b) {}
+  static torch::Tensor one(const Part& p, const torch::Tensor& x) {
+    if (p.kind == 4 || p.kind == 8) return blockq_linear(x, p.packed, p.d, p.m, p.kind, p.n);
+    return kquant_linear(x, p.packed, p.kind - 100, p.n);
+  }
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    if (parts.size() == 1 && parts[0].kind == 32) return onednn_linear(x, parts[0].packed, bias);
+    torch::Tensor out;
+    if (parts.size() == 1) {
+      out = one(parts[0], x);
+    } else {
+      std::vector<torch::Tensor> outs;
+      for (const Part& p : parts) outs.push_back(one(p, x));
+      out = torch::cat(outs, 1);
+    }
+    return bias.numel() ? out.add_(bias) : out;
+  }
+};
+
+// What every layer of a stack is: attention heads (query, key/value; of head_dim each), the
+// attention's scale, RMSNorm's epsilon, and whether queries and keys pass a per-head RMSNorm
+// before RoPE (Qwen3). The MLP is SwiGLU and the norms RMSNorm.
+struct StackSpec {
+  int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  double eps = 0, scale = 0;
+  bool qk_norm = false;
+};
+
+// One layer's weights by name. q_norm and k_norm are [head_dim] with StackSpec::qk_norm, empty
+// otherwise.
+struct StackLayer {
+  torch::Tensor input_norm, post_norm, q_norm, k_norm;
+  Projection qkv, o, gate_up, down;
+};
+
+}  // namespace
+
+// A decoder's layers over a step of any rows (prefill, decode, verification, mixed): embeddings
+// in, the final norm's output out. Every row attends over its own prefix through its block table
+// (paged_decode), so a token's bits depend on its sequence alone.
+class DecoderStack {
+ public:
+  DecoderStack(StackSpec spec, std::vector<StackLayer> layers, torch::Tensor final_norm)
+      : spec_(spec), layers_(std::move(layers)), final_norm_(final_norm) {
+    TORCH_CHECK(spec_.heads >= 1 && spec_.kv_heads >= 1 && spec_.heads % spec_.kv_heads == 0 && spec_.head_dim >= 2,
+                "DecoderStack: heads must be a multiple of kv_heads, both positive, head_dim at least 2");
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& L = layers_[i];
+      const Projection* w[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
+      for (const Projection* p : w) {
+        TORCH_CHECK(!p->parts.empty(), "DecoderStack: layer ", i, ": each projection needs a part");
+        int64_t total = 0;
+        for (const Part& part : p->parts) {
+          TORCH_CHECK(known_kind(part.kind) && (part.kind != 32 || p->parts.size() == 1), "DecoderStack: layer ", i,
+                      ": kind must be 4 or 8 (block bits), 100 + a K-quant type id or 32 (float32 packed by oneDNN, "
+                      "alone), got ", part.kind);
+          total += part.n;
+        }
+        TORCH_CHECK(p->bias.numel() == 0 || (p->bias.scalar_type() == torch::kFloat32 && p->bias.is_contiguous() &&
+                                             p->bias.numel() == total),
+                    "DecoderStack: layer ", i, ": a bias must be a contiguous float32 [out] or empty");
+      }
+      if (spec_.qk_norm) {
+        check_f32(L.q_norm, "q_norm", 1);
+        check_f32(L.k_norm, "k_norm", 1);
+        TORCH_CHECK(L.q_norm.size(0) == spec_.head_dim && L.k_norm.size(0) == spec_.head_dim,
+                    "DecoderStack: layer ", i, ": q_norm and k_norm must have head_dim (", spec_.head_dim, ") weights");
+      }
+    }
+  }
+
+  torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                        std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
+                        torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
+                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
+    TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
+                "DecoderStack: one cache pair per layer");
+    const int64_t heads = spec_.heads, kv_heads = spec_.kv_heads, dim = spec_.head_dim;
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim, rows = h.size(0);
+    auto bt = block_tables.to(torch::kInt32).contiguous();
+    auto sl = seq_lens.to(torch::kInt32).contiguous();
+    auto cs = cos.contiguous(), sn = sin.contiguous();
+    torch::Tensor normed = rms_norm(h, layers_[0].input_norm, spec_.eps);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const StackLayer& L = layers_[i];
+      auto qkv = L.qkv(normed);                                                     // [T, q + 2 kv]
+      auto qk = rotary(queries_and_keys(L, qkv, rows), cs, sn);                     // [T, Hq + Hkv, D]
+      auto k = qk.narrow(1, heads, kv_heads);
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim});
+      store_kv(k, v, key_caches[i], value_caches[i], slots);
+      auto attn = paged_decode(qk.narrow(1, 0, heads), key_caches[i], value_caches[i], bt, sl, spec_.scale,
+                               tail_start, tail_slots);
+      auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, spec_.eps);
+      auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
+      const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
+      auto hn2 = add_rms_norm(hn[0], mlp, next_norm, spec_.eps);
+      h = hn2[0];
+      normed = hn2[1];
+    }
+    return normed;
+  }
+
+ private:
+  // The query and key heads of a fused projection's output [T, q + 2 kv], as [T, Hq + Hkv, D]:
+  // a view, or with per-head norms the normed heads side by side.
+  torch::Tensor queries_and_keys(const StackLayer& L, const torch::Tensor& qkv, int64_t rows) const {
+    const int64_t heads = spec_.heads, kv_heads = spec_.kv_heads, dim = spec_.head_dim;
+    const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
+    if (!spec_.qk_norm) return qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, dim});
+    auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({rows * heads, dim}), L.q_norm, spec_.eps);
+    auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({rows * kv_heads, dim}), L.k_norm, spec_.eps);
+    return torch::cat({q.view({rows, heads, dim}), k.view({rows, kv_heads, dim})}, 1);
+  }
+
+  StackSpec spec_;
+  std::vector<StackLayer> layers_;
+  torch::Tensor final_norm_;
+};
+
+// EAGLE's draft layer (spec_decode/heads.py's EagleHead) for serving: the projection fc of the
+// pairs (embedding, hidden state), then a Llama decoder layer without its final norm (and with an
+// input norm only where the checkpoint has one). Each sequence's keys and values live in its own
+// dense cache [capacity, Hkv, D] (EagleCache): its rows are written after its `before` entries and
+// attend over them and causally over each other, through paged_decode with the cache as one
+// block. Tensors: input norm (empty: none), post-attention norm, (packed, d, m) for fc, qkv, o,
+// gate_up and down, then their five biases (empty: none); shapes: (bits, out) for each.
+class EagleLayer {
+ public:
+  EagleLayer(std::vector<torch::Tensor> t, std::vector<int64_t> s, int64_t heads, int64_t kv_heads,
+             int64_t head_dim, double eps, double scale)
+      : input_norm_(t.at(0)), post_norm_(t.at(1)), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
+        scale_(scale) {
+    TORCH_CHECK(t.size() == 22 && s.size() == 10, "EagleLayer: needs 22 tensors and 10 sizes");
+    Projection* w[5] = {&fc_, &qkv_, &o_, &gate_up_, &down_};
+    for (int j = 0; j < 5; ++j) {
+      const int64_t bits = s[2 * j];
+      TORCH_CHECK(known_kind(bits), "EagleLayer: bits must be 4, 8, 32 or 100 + a K-quant type id, got ", bits);
+      const torch::Tensor& bias = t[17 + j];
+      TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
+                                        bias.numel() == s[2 * j + 1]),
+                  "EagleLayer: a bias must be a contiguous float32 [out] or empty");
+      *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bias, bits, s[2 * j + 1]};
+    }
+  }
+
+  // The pairs' embeddings and hidden states [T, H] each (each sequence's rows together, in
+  // order), their positions [T] and RoPE's cos/sin tables [positions, D/2] (RotaryEmbedding's),
+  // one cache pair, entry count and row count per sequence -> predicted hidden states [T, H].
+  torch::Tensor forward(torch::Tensor embeds, torch::Tensor hidden, torch::Tensor positions, torch::Tensor cos_table,
+                        torch::Tensor sin_table, std::vector<torch::Tensor> key_caches,
+                        std::vector<torch::Tensor> value_caches, std::vector<int64_t> before, std::vector<int64_t> rows) {
+    check_f32(embeds, "embeds", 2);
+    check_f32(hidden, "hidden", 2);
+    TORCH_CHECK(embeds.sizes() == hidden.sizes() && positions.numel() == embeds.size(0) &&
+                    positions.scalar_type() == torch::kInt64,
+                "EagleLayer: embeds, hidden [T, H] and int64 positions [T] must agree");
+    auto cos = cos_table.index_select(0, positions), sin = sin_table.index_select(0, positions);
+    torch::Tensor pairs = torch::cat({embeds, hidden}, 1);
+    const size_t n = key_caches.size();
+    TORCH_CHECK(value_caches.size() == n && before.size() == n && rows.size() == n,
+                "EagleLayer: one value cache, entry count and row count per key cache");
+    const int64_t t = pairs.size(0), q_size = heads_ * dim_, kv_size = kv_heads_ * dim_;
+    int64_t total = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const auto& kc = key_caches[i];
+      TORCH_CHECK(kc.dim() == 3 && kc.size(1) == kv_heads_ && kc.size(2) == dim_ && kc.scalar_type() == torch::kFloat32 &&
+                      kc.is_contiguous() && value_caches[i].sizes() == kc.sizes() && value_caches[i].is_contiguous() &&
+                      value_caches[i].scalar_type() == torch::kFloat32,
+                  "EagleLayer: caches must be contiguous float32 [capacity, Hkv, D]");
+      TORCH_CHECK(rows[i] >= 1 && before[i] >= 0 && before[i] + rows[i] <= kc.size(0),
+                  "EagleLayer: sequence ", i, "'s rows do not fit its cache");
+      total += rows[i];
+    }
+    TORCH_CHECK(total == t, "EagleLayer: the row counts add up to ", total, ", pairs has ", t);
+    torch::Tensor x = fc_(pairs);
+    torch::Tensor a = input_norm_.numel() ? rms_norm(x, input_norm_, eps_) : x;
+    torch::Tensor qkv = qkv_(a);
+    torch::Tensor qk = rotary(qkv.narrow(1, 0, q_size + kv_size).view({t, heads_ + kv_heads_, dim_}), cos, sin);
+    // Each sequence's new keys and values after its entries, then attention: a work item per
+    // (sequence, KV head), its rows in order, each row over the entries up to its own.
+    std::vector<int64_t> first(n + 1, 0);
+    for (size_t i = 0; i < n; ++i) first[i + 1] = first[i] + rows[i];
+    const float *qkp = qk.data_ptr<float>(), *qkvp = qkv.data_ptr<float>();
+    const int64_t qk_row = (heads_ + kv_heads_) * dim_, qkv_row = q_size + 2 * kv_size;
+    for (size_t i = 0; i < n; ++i) {
+      float *kc = key_caches[i].data_ptr<float>(), *vc = value_caches[i].data_ptr<float>();
+      for (int64_t r = 0; r < rows[i]; ++r) {
+        std::memcpy(kc + (before[i] + r) * kv_size, qkp + (first[i] + r) * qk_row + q_size, kv_size * sizeof(float));
+        std::memcpy(vc + (before[i] + r) * kv_size, qkvp + (first[i] + r) * qkv_row + q_size + kv_size,
+                    kv_size * sizeof(float));
+      }
+    }
+    torch::Tensor attn = dense_causal_attention(qk, heads_, key_caches, value_caches, before, rows, scale_);
+    auto hn = add_rms_norm(x, o_(attn.view({t, q_size})), post_norm_, eps_);
+    return hn[0].add_(down_(silu_mul(gate_up_(hn[1]))));
+  }
+
+ private:
+  torch::Tensor input_norm_, post_norm_;
+  Projection fc_, qkv_, o_, gate_up_, down_;
+  int64_t heads_, kv_heads_, dim_;
+  double eps_, scale_;
+};
+
+void bind_layer_stacks(pybind11::module_& mod) {
+  namespace py = pybind11;
+  py::class_<Part>(mod, "StackPart", py::module_local())
+      .def(py::init([](torch::Tensor packed, torch::Tensor d, torch::Tensor m, int64_t kind, int64_t n) {
+             return Part{packed, d, m, kind, n};
+           }),
+           py::arg("packed"), py::arg("d"), py::arg("m"), py::arg("kind"), py::arg("n"));
+  py::class_<Projection>(mod, "StackProjection", py::module_local())
+      .def(py::init([](std::vector<Part> parts, torch::Tensor bias) {
+             Projection p;
+             p.parts = std::move(parts);
+             p.bias = bias;
+             return p;
+           }),
+           py::arg("parts"), py::arg("bias"));
+  py::class_<StackSpec>(mod, "StackSpec", py::module_local())
+      .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool qk_norm) {
+             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm};
+           }),
+           py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
+           py::arg("qk_norm"));
+  py::class_<StackLayer>(mod, "StackLayer", py::module_local())
+      .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, Projection qkv, Projection o,
+                       Projection gate_up, Projection down, torch::Tensor q_norm, torch::Tensor k_norm) {
+             return StackLayer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down};
+           }),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"));
+  py::class_<DecoderStack>(mod, "DecoderStack", py::module_local())
+      .def(py::init<StackSpec, std::vector<StackLayer>, torch::Tensor>(), py::arg("spec"), py::arg("layers"),
+           py::arg("final_norm"))
+      .def("forward", &DecoderStack::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("key_caches"),
+           py::arg("value_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
+           py::arg("tail_start") = py::none(), py::arg("tail_slots") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
+  py::class_<EagleLayer>(mod, "EagleLayer", py::module_local())
+      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
+      .def("forward", &EagleLayer::forward, py::arg("embeds"), py::arg("hidden"), py::arg("positions"),
+           py::arg("cos_table"), py::arg("sin_table"), py::arg("key_caches"), py::arg("value_caches"),
+           py::arg("before"), py::arg("rows"), py::call_guard<py::gil_scoped_release>());
+}
