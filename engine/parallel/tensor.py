@@ -178,7 +178,7 @@ def install(model: torch.nn.Module) -> None:
     for layer in model.layers:
         layer.self_attn.o_proj = _AllReduce(layer.self_attn.o_proj)
         layer.mlp.down_proj = _AllReduce(layer.mlp.down_proj)
-    model._decoder = False
+    model.use_python_layers()
 
 
 def sharder(rank: int, world: int):
