@@ -13,7 +13,7 @@ parts the file stores in different types.
 
 Each class has ``__call__(x [.., K] float32) -> [.., N]``, ``dequantize() -> [N, K] float32``,
 ``nbytes`` and ``cpp_parts()``, the (kind, packed, d, m, n) list the C++ layer stack
-(``cpu_ops.cpp``'s Projection) runs: kind 4 / 8 for ``BlockQLinear``'s bits, 100 + the GGML
+(``cpu_stack.cpp``'s StackPart) runs: kind 4 / 8 for ``BlockQLinear``'s bits, 100 + the GGML
 type id for these formats.
 """
 from __future__ import annotations
