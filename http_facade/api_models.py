@@ -188,6 +188,8 @@ class TokenizeRequest(_Open):
     add_special: StrictBool | None = None
     add_generation_prompt: StrictBool | None = None
     tools: Tools = None
+    return_token_strs: StrictBool | None = Field(None, description="vLLM: add token_strs, each token's spelling")
+    with_pieces: StrictBool | None = Field(None, description="llama.cpp: tokens as {id, piece} objects")
 
 
 class DetokenizeRequest(_Open):

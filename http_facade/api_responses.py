@@ -203,11 +203,18 @@ class ScoreResponse(_Out):
     usage: ScoreUsage
 
 
+class TokenPiece(_Out):
+    id: int
+    piece: str | list[int] = Field(description="the token's text, or its byte values when they are "
+                                               "not valid UTF-8 on their own")
+
+
 class TokenizeResponse(_Out):
-    tokens: list[int]
+    tokens: list[int] | list[TokenPiece] = Field(description="ids; {id, piece} objects with with_pieces")
     count: int
     max_model_len: int
     prompt: str | None = Field(None, description="the rendered chat prompt (messages input only)")
+    token_strs: list[str] | None = Field(None, description="each token's spelling (with return_token_strs)")
 
 
 class DetokenizeResponse(_Out):

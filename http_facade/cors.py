@@ -1,5 +1,9 @@
 """CORS with MLC's flags: ``--allow-credentials``, ``--allowed-origins``, ``--allowed-methods``,
-``--allowed-headers`` (JSON lists, default ``["*"]``)."""
+``--allowed-headers`` (JSON lists, default ``["*"]``).
+
+A browser lets a page's script read only the CORS-safelisted response headers unless the server
+exposes more: ``X-Request-Id`` is exposed, so that a web client can quote the id of a request
+(the one its logs and traces carry)."""
 from __future__ import annotations
 
 import json
@@ -8,6 +12,8 @@ from dataclasses import dataclass
 from aiohttp import web
 
 _PREFLIGHT_MAX_AGE = "600"
+# request_context.HEADER, spelled here: that module imports the app state, which imports this one.
+_EXPOSED_HEADERS = "X-Request-Id"
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class CorsPolicy:
             out["Access-Control-Allow-Headers"] = (
                 asked_headers or "*") if "*" in self.allowed_headers else ", ".join(self.allowed_headers)
             out["Access-Control-Max-Age"] = _PREFLIGHT_MAX_AGE
+        else:
+            out["Access-Control-Expose-Headers"] = _EXPOSED_HEADERS
         return out
 
     def is_preflight(self, request: web.Request) -> bool:

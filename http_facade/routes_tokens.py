@@ -8,8 +8,12 @@ Tokenize takes exactly one of:
     tokenized without added special tokens, since the template writes its own.
 The answer carries both servers' fields: ``{"tokens": [ids], "count": n, "max_model_len": m}``,
 and ``"prompt"`` (the rendered text) for messages. ``model`` is optional (vLLM's rule); when given
-it must be served. Token strings (vLLM's ``return_token_strs``, llama.cpp's ``with_pieces``) are
-not offered yet: asking for them is a 400 naming the parameter.
+it must be served. Token strings come from the engine's tokenizer, in each project's shape:
+  * ``return_token_strs: true`` (vLLM) adds ``"token_strs"``, the vocabulary's spelling of each
+    token (``"Ġhi"``), beside ``tokens``;
+  * ``with_pieces: true`` (llama.cpp) turns ``tokens`` into ``[{"id": id, "piece": ...}]``, the
+    piece being the token's text, or the list of its byte values when those bytes are not valid
+    UTF-8 on their own (part of a character).
 
 Detokenize takes ``tokens`` (a list of ids) and answers ``{"prompt": text, "content": text}``
 (vLLM reads ``prompt``, llama.cpp ``content``); ``skip_special_tokens`` defaults to false, so the
@@ -42,11 +46,11 @@ async def _model(state: FacadeState, body: dict) -> pb.ModelInfo | None:
     return await state.resolve_model(name)
 
 
-def _refuse_token_strings(body: dict) -> None:
-    for name in ("return_token_strs", "with_pieces"):
-        if body.get(name) not in (None, False):
-            raise bad_request(f"{name}: token strings are not supported by this server yet; "
-                              "detokenize the ids one by one with POST /detokenize", name)
+def _piece(data: bytes) -> str | list[int]:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(data)
 
 
 def tokenize_request(body: dict, state: FacadeState) -> pb.TokenizeRequest:
@@ -55,7 +59,6 @@ def tokenize_request(body: dict, state: FacadeState) -> pb.TokenizeRequest:
         detail = f"got {' and '.join(given)}" if given else "got none"
         raise bad_request(f"prompt: give exactly one of prompt, content (a text) or messages ({detail})",
                           given[1] if len(given) > 1 else "prompt")
-    _refuse_token_strings(body)
     name = given[0]
     limits = state.config.limits
     if name == "messages":
@@ -73,13 +76,15 @@ def tokenize_request(body: dict, state: FacadeState) -> pb.TokenizeRequest:
         req = pb.TokenizeRequest(chat=chat)
         if body.get("add_special_tokens") is not None:
             req.add_special_tokens = protocol.get_bool(body, "add_special_tokens")
-        return req
-    text = body[name]
-    if not isinstance(text, str) or not text:
-        raise bad_request(f"{name}: must be a non-empty string", name)
-    protocol.check_prompt_caps(text, limits, name)
-    flag = "add_special_tokens" if name == "prompt" else "add_special"
-    return pb.TokenizeRequest(text=text, add_special_tokens=protocol.get_bool(body, flag, name == "prompt"))
+    else:
+        text = body[name]
+        if not isinstance(text, str) or not text:
+            raise bad_request(f"{name}: must be a non-empty string", name)
+        protocol.check_prompt_caps(text, limits, name)
+        flag = "add_special_tokens" if name == "prompt" else "add_special"
+        req = pb.TokenizeRequest(text=text, add_special_tokens=protocol.get_bool(body, flag, name == "prompt"))
+    req.with_pieces = any(protocol.get_bool(body, f, False) for f in ("return_token_strs", "with_pieces"))
+    return req
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -92,8 +97,13 @@ async def tokenize(request: web.Request) -> web.Response:
         resp = await state.link.tokenize(req, model.name if model else None)
     except grpc.aio.AioRpcError as err:
         raise _renamed(from_rpc_error(err), "input", "prompt") from None
-    out: dict[str, Any] = {"tokens": list(resp.token_ids), "count": len(resp.token_ids),
-                           "max_model_len": resp.max_model_len}
+    ids = list(resp.token_ids)
+    tokens: list = ids
+    if protocol.get_bool(body, "with_pieces", False):
+        tokens = [{"id": i, "piece": _piece(p)} for i, p in zip(ids, resp.pieces, strict=True)]
+    out: dict[str, Any] = {"tokens": tokens, "count": len(ids), "max_model_len": resp.max_model_len}
+    if protocol.get_bool(body, "return_token_strs", False):
+        out["token_strs"] = list(resp.spellings)
     if req.WhichOneof("input") == "chat":
         out["prompt"] = resp.prompt
     return web.json_response(out)

@@ -247,3 +247,24 @@ def load_to_proto(load: LoadStats, num_in_flight: int) -> pb.GetLoadResponse:
         spec_draft_tokens=load.spec_draft_tokens, spec_accepted_tokens=load.spec_accepted_tokens,
         spec_accepted_per_position=load.spec_accepted_per_position,
     )
+
+
+class TokenPieces:
+    """Tokenize's ``pieces`` and ``spellings`` for a tokenizer. The bytes come from the table that
+    grammars match on (``structured.vocab.token_bytes``), built on first use only: it walks the
+    whole vocabulary. That table leaves special tokens empty (a grammar never spells them); here
+    they are their text, as llama.cpp's ``with_pieces`` shows them."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._table: list[bytes] | None = None
+
+    def pieces(self, ids: list[int]) -> list[bytes]:
+        if self._table is None:
+            from sluice.engine.structured.vocab import token_bytes
+            self._table = token_bytes(self._tokenizer, self._tokenizer.vocab_size)
+        table, tok = self._table, self._tokenizer
+        return [(tok.id_to_token(i) or "").encode("utf-8") if tok.is_special(i) else table[i] for i in ids]
+
+    def spellings(self, ids: list[int]) -> list[str]:
+        return [self._tokenizer.id_to_token(i) or "" for i in ids]

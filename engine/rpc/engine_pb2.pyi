@@ -348,24 +348,30 @@ class AbortResponse(_message.Message):
     def __init__(self, aborted: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
-    __slots__ = ("text", "chat", "add_special_tokens")
+    __slots__ = ("text", "chat", "add_special_tokens", "with_pieces")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     CHAT_FIELD_NUMBER: _ClassVar[int]
     ADD_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WITH_PIECES_FIELD_NUMBER: _ClassVar[int]
     text: str
     chat: ChatInput
     add_special_tokens: bool
-    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: bool = ...) -> None: ...
+    with_pieces: bool
+    def __init__(self, text: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., add_special_tokens: bool = ..., with_pieces: bool = ...) -> None: ...
 
 class TokenizeResponse(_message.Message):
-    __slots__ = ("token_ids", "prompt", "max_model_len")
+    __slots__ = ("token_ids", "prompt", "max_model_len", "pieces", "spellings")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    SPELLINGS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt: str
     max_model_len: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    pieces: _containers.RepeatedScalarFieldContainer[bytes]
+    spellings: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., prompt: _Optional[str] = ..., max_model_len: _Optional[int] = ..., pieces: _Optional[_Iterable[bytes]] = ..., spellings: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DetokenizeRequest(_message.Message):
     __slots__ = ("token_ids", "skip_special_tokens")

@@ -27,7 +27,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineService"].full_name   # "sl
 class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine, tracing: Tracing | None = None) -> None:
         self.engine = engine
-        self.tracing = tracing     # a span per Generate call, the child of the caller's traceparent
+        self.tracing = tracing     # a span per call, the child of the caller's traceparent
+        self._pieces: convert.TokenPieces | None = None
 
     # ---- Generate -------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -115,12 +116,19 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         if kind == "chat":
             text = await self._render(request.chat)
             ids = await asyncio.to_thread(core.encode_prompt, text, bool(explicit))
-            return pb.TokenizeResponse(token_ids=ids, prompt=text, max_model_len=core.model_info.max_model_len)
-        if kind != "text" or not request.text:
+            resp = pb.TokenizeResponse(token_ids=ids, prompt=text, max_model_len=core.model_info.max_model_len)
+        elif kind != "text" or not request.text:
             raise ValueError("input: a non-empty text or chat is required")
-        add = True if explicit is None else explicit
-        ids = await asyncio.to_thread(core.encode_prompt, request.text, add)
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=core.model_info.max_model_len)
+        else:
+            add = True if explicit is None else explicit
+            ids = await asyncio.to_thread(core.encode_prompt, request.text, add)
+            resp = pb.TokenizeResponse(token_ids=ids, max_model_len=core.model_info.max_model_len)
+        if request.with_pieces:
+            if self._pieces is None:
+                self._pieces = convert.TokenPieces(core.tokenizer)
+            resp.pieces.extend(await asyncio.to_thread(self._pieces.pieces, ids))
+            resp.spellings.extend(self._pieces.spellings(ids))
+        return resp
 
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
                          ) -> pb.DetokenizeResponse:

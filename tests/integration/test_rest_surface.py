@@ -7,7 +7,8 @@ the quality of the words), with the packaged MiniLM as its encoder.
   grammar makes the call), ``previous_response_id`` with the tool's output, retrieve and delete;
 * a FIM request (``prompt`` + ``suffix``) through ``client.completions.create``;
 * ``/tokenize`` and ``/detokenize`` as vLLM's and llama.cpp's clients send them, checked against
-  the engine's own gRPC Tokenize;
+  the engine's own gRPC Tokenize; token strings (``return_token_strs``, ``with_pieces``) against
+  transformers;
 * ``/v1/rerank`` (Jina / Cohere) and ``/v1/score`` (vLLM), checked against the engine's Rerank;
 * ``sluice serve --served-model-name fim-coder fim --request-log json``: both aliases listed and
   answered, the folder's own name refused, metrics labelled by alias, ``X-Request-Id`` returned
@@ -146,6 +147,25 @@ def test_tokenize_and_detokenize_shapes(serve):
     assert back == {"prompt": "def add(a, b):", "content": "def add(a, b):"}
     bad = serve.post("/detokenize", json={"tokens": [10 ** 6]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_tokenize_token_strings_match_transformers(serve):
+    """vLLM's ``token_strs`` are Hugging Face's ``convert_ids_to_tokens``; llama.cpp's pieces are
+    each token's bytes: a character the vocabulary lacks goes through byte-fallback tokens, whose
+    single bytes are not UTF-8 on their own and come back as byte lists."""
+    from transformers import AutoTokenizer
+
+    text = "def 🦙():"
+    hf = AutoTokenizer.from_pretrained(str(serve.log.parent / "fim"))
+    vllm = serve.post("/tokenize", json={"prompt": text, "return_token_strs": True}).json()
+    assert vllm["tokens"] == hf(text)["input_ids"]
+    assert vllm["token_strs"] == hf.convert_ids_to_tokens(vllm["tokens"])
+    llama_cpp = serve.post("/tokenize", json={"content": text, "with_pieces": True}).json()
+    pieces = [t["piece"] for t in llama_cpp["tokens"]]
+    assert [t["id"] for t in llama_cpp["tokens"]] == vllm["tokens"][1:]          # llama.cpp: no BOS
+    assert any(isinstance(p, list) for p in pieces) and any(isinstance(p, str) for p in pieces)
+    spelled = b"".join(bytes(p) if isinstance(p, list) else p.encode() for p in pieces)
+    assert spelled.decode() == " " + text        # SentencePiece's leading space, then the text exactly
 
 
 def test_rerank_and_score_shapes(serve):

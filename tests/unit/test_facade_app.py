@@ -275,6 +275,8 @@ async def test_cors_preflight_and_headers(fake_engine):  # noqa: F811
         assert bad.status == 403 and "Access-Control-Allow-Origin" not in bad.headers
         resp = await client.get("/v1/models", headers={"Origin": "http://ui.example"})
         assert resp.status == 401 and resp.headers["Access-Control-Allow-Origin"] == "http://ui.example"
+        assert resp.headers["Access-Control-Expose-Headers"] == "X-Request-Id" and resp.headers["X-Request-Id"]
+        assert "Access-Control-Expose-Headers" not in pre.headers    # a preflight's answer is not read
     finally:
         await client.close()
 

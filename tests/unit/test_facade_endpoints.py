@@ -56,8 +56,13 @@ class Engine(FakeEngine):
         if request.WhichOneof("input") == "chat":
             prompt = "|".join(m.content for m in request.chat.messages)
             return pb.TokenizeResponse(token_ids=[7] * len(request.chat.messages), prompt=prompt, max_model_len=2048)
-        ids = ([1] if request.add_special_tokens else []) + [10 + i for i, _ in enumerate(request.text.split())]
-        return pb.TokenizeResponse(token_ids=ids, max_model_len=2048)
+        words = request.text.split()
+        ids = ([1] if request.add_special_tokens else []) + [10 + i for i, _ in enumerate(words)]
+        resp = pb.TokenizeResponse(token_ids=ids, max_model_len=2048)
+        if request.with_pieces:   # a word's first two bytes: "€" (3 bytes) leaves a partial character
+            resp.pieces.extend(([b"<s>"] if request.add_special_tokens else []) + [w.encode()[:2] for w in words])
+            resp.spellings.extend((["<s>"] if request.add_special_tokens else []) + ["\u0120" + w for w in words])
+        return resp
 
     async def Detokenize(self, request, context):
         if any(t >= 1000 for t in request.token_ids):
@@ -141,6 +146,19 @@ async def test_tokenize_vllm_and_llama_cpp_shapes(http):
     assert [m.role for m in chat.messages] == [pb.ROLE_SYSTEM, pb.ROLE_USER] and not chat.add_generation_prompt
 
 
+async def test_tokenize_token_strings_in_vllm_and_llama_cpp_shapes(http):
+    client, fake = http
+    body = await (await client.post("/tokenize", json={"prompt": "ab é", "return_token_strs": True})).json()
+    assert body == {"tokens": [1, 10, 11], "count": 3, "max_model_len": 2048,
+                    "token_strs": ["<s>", "\u0120ab", "\u0120é"]}
+    assert fake.tokenized[-1].with_pieces
+    body = await (await client.post("/tokenize", json={"content": "ab €", "with_pieces": True})).json()
+    assert body == {"tokens": [{"id": 10, "piece": "ab"}, {"id": 11, "piece": [0xE2, 0x82]}], "count": 2,
+                    "max_model_len": 2048}
+    body = await (await client.post("/tokenize", json={"content": "ab", "with_pieces": False})).json()
+    assert body["tokens"] == [10] and not fake.tokenized[-1].with_pieces
+
+
 async def test_detokenize_answers_both_shapes(http):
     client, _ = http
     body = await (await client.post("/detokenize", json={"model": MODEL, "tokens": [5, 6]})).json()
@@ -155,8 +173,8 @@ async def test_detokenize_answers_both_shapes(http):
     ("/tokenize", {"messages": []}, 400, "messages", "non-empty list"),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "must be one of"),
     ("/tokenize", {"prompt": "a", "add_special_tokens": "yes"}, 400, "add_special_tokens", "boolean"),
-    ("/tokenize", {"prompt": "a", "return_token_strs": True}, 400, "return_token_strs", "not supported"),
-    ("/tokenize", {"content": "a", "with_pieces": True}, 400, "with_pieces", "not supported"),
+    ("/tokenize", {"prompt": "a", "return_token_strs": 1}, 400, "return_token_strs", "boolean"),
+    ("/tokenize", {"content": "a", "with_pieces": "yes"}, 400, "with_pieces", "boolean"),
     ("/tokenize", {"model": "nope", "prompt": "a"}, 404, "model", "does not exist"),
     ("/tokenize", {"model": 3, "prompt": "a"}, 400, "model", "model: must be a string"),
     ("/tokenize", {"model": "", "prompt": "a"}, 400, "model", "served model's name"),
