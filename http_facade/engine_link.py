@@ -1,7 +1,10 @@
 """The facade's one connection to the engine: a grpc.aio channel and the generated stubs.
 
 Unary calls carry a short deadline so that a dead engine turns into a 503 quickly instead of a
-hung request. ``open_stream`` yields a Generate call and, on leaving (client gone, error,
+hung request. Every EngineService call carries the current span's ``traceparent`` (when tracing
+is on), so that the engine's span of any RPC joins the HTTP request's trace.
+
+``open_stream`` yields a Generate call and, on leaving (client gone, error,
 handler cancelled), cancels it and sends ``Abort`` for its request id, so that the engine frees
 the request's KV blocks within one step even if the cancellation races the stream's end.
 """
@@ -71,7 +74,7 @@ class EngineLink:
 
     async def _abort_quietly(self, request_id: str) -> None:
         try:
-            await self._stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=2.0)
+            await self._stub.Abort(pb.AbortRequest(request_ids=[request_id]), timeout=2.0, metadata=outgoing_metadata())
         except grpc.aio.AioRpcError as err:
             log.debug("abort of %s failed: %s", request_id, err.code().name)
 
@@ -88,25 +91,28 @@ class EngineLink:
         now = time.monotonic()
         if self._models is not None and now - self._models[0] < _MODELS_TTL_S:
             return self._models[1]
-        resp = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.unary_timeout_s)
+        resp = await self._stub.ListModels(pb.ListModelsRequest(), timeout=self.unary_timeout_s,
+                                           metadata=outgoing_metadata())
         models = tuple(resp.models)
         self._models = (now, models)
         return models
 
     async def get_load(self) -> pb.GetLoadResponse:
-        return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.unary_timeout_s)
+        return await self._stub.GetLoad(pb.GetLoadRequest(), timeout=self.unary_timeout_s, metadata=outgoing_metadata())
 
     async def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         resp = await self._stub.Detokenize(pb.DetokenizeRequest(token_ids=token_ids,
                                                                 skip_special_tokens=skip_special_tokens),
-                                           timeout=self.unary_timeout_s)
+                                           timeout=self.unary_timeout_s, metadata=outgoing_metadata())
         return resp.text
 
     async def tokenize(self, request: pb.TokenizeRequest) -> pb.TokenizeResponse:
-        return await self._stub.Tokenize(request, timeout=self.unary_timeout_s)
+        return await self._stub.Tokenize(request, timeout=self.unary_timeout_s, metadata=outgoing_metadata())
 
     async def embed(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return await self._stub.Embed(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR)
+        return await self._stub.Embed(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR,
+                                      metadata=outgoing_metadata())
 
     async def rerank(self, request: pb.RerankRequest) -> pb.RerankResponse:
-        return await self._stub.Rerank(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR)
+        return await self._stub.Rerank(request, timeout=self.unary_timeout_s * _ENCODER_TIMEOUT_FACTOR,
+                                       metadata=outgoing_metadata())

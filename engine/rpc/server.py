@@ -53,7 +53,7 @@ class EngineServer:
     """The gRPC server around one ``AsyncEngine``."""
 
     def __init__(self, engine: AsyncEngine, config: ServerConfig, tracing: Tracing | None = None) -> None:
-        """``tracing``: spans of Generate calls (default: to ``config.otlp_traces_endpoint``, if set)."""
+        """``tracing``: spans of the RPCs (default: to ``config.otlp_traces_endpoint``, if set)."""
         self.engine = engine
         self.config = config
         if tracing is None and config.otlp_traces_endpoint:

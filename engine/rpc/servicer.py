@@ -24,6 +24,25 @@ _INPUT_ERROR = "ValueError: "
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["EngineService"].full_name   # "sluice.v1.EngineService"
 
 
+def _spanned(joined_only: bool = False):
+    """A unary RPC in a SERVER span ``sluice.engine/<RPC>`` when tracing is on, the child of the
+    caller's ``traceparent``. ``joined_only``: a span only when the caller sent a traceparent, for
+    the RPCs that routers and the facade poll on their own (GetLoad, ListModels): a root span per
+    poll would bury the requests' traces."""
+    def wrap(method):
+        name = f"sluice.engine/{method.__name__}"
+
+        @functools.wraps(method)
+        async def call(self: EngineServicer, request, context: grpc.aio.ServicerContext):
+            metadata = context.invocation_metadata() if self.tracing is not None else None
+            if metadata is None or (joined_only and not any(k == "traceparent" for k, _ in metadata)):
+                return await method(self, request, context)
+            with self.tracing.server_span(name, metadata):
+                return await method(self, request, context)
+        return call
+    return wrap
+
+
 class EngineServicer(pb_grpc.EngineServiceServicer):
     def __init__(self, engine: AsyncEngine, tracing: Tracing | None = None) -> None:
         self.engine = engine
@@ -104,11 +123,13 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         return await asyncio.to_thread(core.render_chat, messages, tools, add_gen)
 
     # ---- unary RPCs ---------------------------------------------------------------------------
+    @_spanned()
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if not request.request_ids or not all(request.request_ids):
             raise ValueError("request_ids: must hold at least one non-empty request id")
         return pb.AbortResponse(aborted=self.engine.abort(request.request_ids))
 
+    @_spanned()
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         core = self.engine.core
         explicit = request.add_special_tokens if request.HasField("add_special_tokens") else None
@@ -130,6 +151,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
             resp.spellings.extend(self._pieces.spellings(ids))
         return resp
 
+    @_spanned()
     async def Detokenize(self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
                          ) -> pb.DetokenizeResponse:
         core = self.engine.core
@@ -141,21 +163,25 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         text = await asyncio.to_thread(core.tokenizer.decode, list(request.token_ids), skip_special_tokens=skip)
         return pb.DetokenizeResponse(text=text)
 
+    @_spanned(joined_only=True)
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
                            ) -> pb.GetModelInfoResponse:
         info = convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
         return pb.GetModelInfoResponse(model=info)
 
+    @_spanned(joined_only=True)
     async def ListModels(self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
                          ) -> pb.ListModelsResponse:
         info = convert.model_info_to_proto(self.engine.model_info, self.engine.embedding)
         return pb.ListModelsResponse(models=[info])
 
+    @_spanned(joined_only=True)
     async def GetLoad(self, request: pb.GetLoadRequest, context: grpc.aio.ServicerContext) -> pb.GetLoadResponse:
         load = await self.engine.get_load()
         return convert.load_to_proto(load, self.engine.num_in_flight)
 
     # ---- embeddings and rerank -------------------------------------------------------------------
+    @_spanned()
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         emb = self.engine.embedding
         if emb is None or emb.model is None:
@@ -167,6 +193,7 @@ class EngineServicer(pb_grpc.EngineServiceServicer):
         convert_embed.check_truncation(args, result, model.max_length)
         return convert_embed.embed_to_proto(result, model.name)
 
+    @_spanned()
     async def Rerank(self, request: pb.RerankRequest, context: grpc.aio.ServicerContext) -> pb.RerankResponse:
         if self.engine.embedding is None:
             raise UnsupportedError("Rerank: this engine serves no embedding or rerank model; start it with "

@@ -2,8 +2,9 @@
 
 OpenTelemetry is an optional extra (``pip install 'sluice-llm[otel]'``) and is imported only when
 tracing is turned on, so that nothing pays for it otherwise. The facade opens a server span per
-HTTP request and sends its W3C ``traceparent`` (and ``tracestate``) in the Generate call's gRPC
-metadata; the engine's servicer opens its span as that span's child. No global tracer provider
+HTTP request and sends its W3C ``traceparent`` (and ``tracestate``) in every EngineService call's
+gRPC metadata; the engine's servicer opens its span of the RPC (Generate, Tokenize, Embed, ...) as
+that span's child. No global tracer provider
 is set: each process holds its own ``Tracing`` (a provider and a tracer), which tests build over
 an in-memory exporter.
 

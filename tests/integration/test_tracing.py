@@ -3,7 +3,10 @@ real engine server (the tiny random-weight Llama, in this process so that one in
 sees both sides' spans, each side with its own tracer provider as in two processes) is one trace:
 the facade's SERVER span for ``POST /v1/chat/completions`` and, as its child, the engine's
 ``sluice.engine/Generate`` span, which carries the request id and token counts. A request sent
-without tracing on the facade gives the engine a root span of its own (no parent leaks in)."""
+without tracing on the facade gives the engine a root span of its own (no parent leaks in).
+The unary RPCs are joined the same way (``/tokenize`` and ``/detokenize``: a ``sluice.engine/Tokenize``
+and ``.../Detokenize`` span under the facade's), and a poll without a caller's trace (GetLoad,
+ListModels) makes no span at all."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +19,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 
 from sluice.engine.async_engine import AsyncEngine
+from sluice.engine.client import AsyncEngineClient
 from sluice.engine.llm import LLM
 from sluice.engine.rpc.server import EngineServer, ServerConfig
 from sluice.engine.rpc.tracing import Tracing
@@ -67,6 +71,20 @@ async def test_one_chat_request_is_one_trace_with_facade_and_engine_spans(tmp_pa
         assert resp.status == 200
         (alone,) = [s for s in exporter.get_finished_spans() if s.attributes.get("sluice.request_id") == "plain-1-0"]
         assert alone.parent is None and alone.context.trace_id != f.context.trace_id
+        for path, body, rpc in (("/tokenize", {"prompt": "w1 w2"}, "Tokenize"),
+                                ("/detokenize", {"tokens": [3, 4]}, "Detokenize")):
+            resp = await traced.post(path, json=body, headers={"X-Request-Id": f"unary-{rpc}"})
+            assert resp.status == 200, await resp.text()
+            (outer,) = [s for s in exporter.get_finished_spans()
+                        if s.attributes.get("sluice.request_id") == f"unary-{rpc}"]
+            inner = [s for s in exporter.get_finished_spans() if s.name == f"sluice.engine/{rpc}"]
+            assert len(inner) == 1 and inner[0].kind == SpanKind.SERVER, [s.name for s in inner]
+            assert inner[0].parent is not None and inner[0].parent.span_id == outer.context.span_id
+            assert inner[0].context.trace_id == outer.context.trace_id
+        before = len(exporter.get_finished_spans())
+        async with AsyncEngineClient(f"127.0.0.1:{port}", timeout=30) as client:   # a router's polls
+            assert (await client.load()) is not None and await client.list_models()
+        assert len(exporter.get_finished_spans()) == before
     finally:
         await traced.close()
         await plain.close()
