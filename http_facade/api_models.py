@@ -255,6 +255,15 @@ class ResponseCreateRequest(_Open):
     metadata: dict[str, StrictStr] | None = Field(None, max_length=16)
     user: StrictStr | None = None
     truncation: Literal["disabled"] | None = None
+    # Checked by responses_protocol, whose 400s name include / reasoning.effort with the value.
+    include: Annotated[Any, WithJsonSchema({"type": "array", "items": {"enum": ["message.output_text.logprobs"]},
+                                            "description": "the one value offered: the output text's logprobs"})
+                       ] = None
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    reasoning: Annotated[Any, WithJsonSchema({
+        "type": "object", "description": "the served models have no reasoning mode: only null values",
+        "properties": {"effort": {"type": "null"}, "summary": {"type": "null"}}})] = None
+    background: StrictBool | None = Field(None, description="answer at once (queued); poll or cancel it by id")
 
 
 # ---------------------------------------------------------------------- AFS (/models/...)

@@ -258,7 +258,7 @@ class ResponseObject(_Out):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     error: dict[str, Any] | None
     incomplete_details: dict[str, Any] | None
     model: str
@@ -275,6 +275,7 @@ class ResponseObject(_Out):
     text: dict[str, Any]
     metadata: dict[str, str]
     store: bool
+    background: bool
 
 
 class ResponseStreamEvent(_Out):

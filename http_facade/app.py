@@ -179,6 +179,7 @@ _HANDLERS = {
     ("POST", "/v1/responses"): routes_responses.create,
     ("GET", "/v1/responses/{response_id}"): routes_responses.retrieve,
     ("DELETE", "/v1/responses/{response_id}"): routes_responses.delete,
+    ("POST", "/v1/responses/{response_id}/cancel"): routes_responses.cancel,
     ("POST", "/v1/rerank"): routes_rerank.rerank,
     ("POST", "/rerank"): routes_rerank.rerank,
     ("POST", "/v1/score"): routes_rerank.score,
@@ -225,6 +226,7 @@ def build_app(config: FacadeConfig, link: EngineLink | EnginePool | None = None,
     app.on_response_prepare.append(add_request_id_header)
     app[routes_afs.AFS_CONFIG] = afs or routes_afs.AfsConfig()
     app[routes_responses.STORE_KEY] = routes_responses.ResponseStore()
+    app[routes_responses.BACKGROUND_KEY] = background = routes_responses.Background()
     for ep in ENDPOINTS:
         app.router.add_route(ep.method, ep.path, _HANDLERS[(ep.method, ep.path)])
 
@@ -237,5 +239,6 @@ def build_app(config: FacadeConfig, link: EngineLink | EnginePool | None = None,
             app[STATE_KEY].tracing.shutdown()
 
     app.on_startup.append(start_pool)
+    app.on_cleanup.append(background.close)     # before the link closes: their streams use it
     app.on_cleanup.append(close_link)
     return app

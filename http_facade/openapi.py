@@ -54,6 +54,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              example={"model": "$MODEL", "input": "Hello!", "instructions": "Be brief.", "max_output_tokens": 8}),
     Endpoint("GET", "/v1/responses/{response_id}", "Retrieve a stored response", response=ar.ResponseObject),
     Endpoint("DELETE", "/v1/responses/{response_id}", "Delete a stored response", response=ar.ResponseDeleted),
+    Endpoint("POST", "/v1/responses/{response_id}/cancel", "Cancel a background response",
+             response=ar.ResponseObject),
     Endpoint("POST", "/v1/rerank", "Rerank documents against a query (Jina / Cohere shape)",
              schema=am.RerankRequest, response=ar.RerankResponse),
     Endpoint("POST", "/rerank", "Rerank documents against a query (Jina / Cohere shape)",

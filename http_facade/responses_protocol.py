@@ -18,7 +18,15 @@ engine requests, so that tools and structured output take the same grammar path 
   * ``text.format``: ``text``, ``json_object`` or ``json_schema`` (``name``, ``schema``,
     ``strict``);
   * ``max_output_tokens``, ``temperature``, ``top_p``, ``user``, ``metadata`` (echoed),
-    ``store`` (default true).
+    ``store`` (default true);
+  * ``include``: only ``message.output_text.logprobs`` (with ``top_logprobs``), the engine's
+    logprobs on the output text parts and delta events (not with tools: a tool plan's text is
+    split into calls after sampling, which would leave logprobs without their text);
+  * ``reasoning``: the served models have no reasoning mode, so ``effort`` / ``summary`` must be
+    null or absent (a 400 naming ``reasoning.effort`` otherwise, as OpenAI answers for models
+    without one);
+  * ``background``: the route answers at once and runs the generation in a task
+    (``routes_responses``); it needs ``store`` and cannot be streamed here.
 Errors name the Responses parameter (``input[2].call_id``, ``text.format``,
 ``max_output_tokens``, ``tools[0].name``), also when they come from the chat path's checks.
 """
@@ -37,7 +45,10 @@ from sluice.http_facade.limits import RequestLimits
 _ROLES = ("system", "developer", "user", "assistant")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 # Fields whose non-empty values ask for what this server does not do.
-_UNSUPPORTED = ("background", "include", "reasoning", "prompt", "conversation")
+_UNSUPPORTED = ("prompt", "conversation")
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+_REASONING_FIELDS = ("effort", "summary", "generate_summary")
+_TOP_LOGPROBS_MAX = 20
 _METADATA_KEYS = 16
 # The chat path's parameter names → the Responses names, for errors (first matching prefix wins).
 _RENAMES = (("max_tokens", "max_output_tokens"), ("response_format", "text.format"), ("messages", "input"),
@@ -51,6 +62,8 @@ class ResponsesRequest:
     echo: dict                       # the request fields the response object repeats
     stream: bool
     store: bool
+    logprobs: bool = False           # include: message.output_text.logprobs
+    background: bool = False
 
 
 def _check_unsupported(body: dict) -> None:
@@ -60,6 +73,29 @@ def _check_unsupported(body: dict) -> None:
     truncation = body.get("truncation")
     if truncation not in (None, "disabled"):
         raise bad_request(f"truncation: only \"disabled\" is supported, got {truncation!r}", "truncation")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and not isinstance(reasoning, dict):
+        raise bad_request("reasoning: must be an object", "reasoning")
+    for name in _REASONING_FIELDS:
+        if (reasoning or {}).get(name) is not None:
+            raise bad_request(f"reasoning.{name}: not supported with this model (it has no reasoning mode)",
+                              f"reasoning.{name}", "unsupported_parameter")
+
+
+def _include_logprobs(body: dict) -> bool:
+    """Whether ``include`` asks for the output text's logprobs (the one value offered)."""
+    include = body.get("include")
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(v, str) for v in include):
+        raise bad_request("include: must be a list of strings", "include")
+    other = next((v for v in include if v != INCLUDE_LOGPROBS), None)
+    if other is not None:
+        raise bad_request(f"include: {other!r} is not supported; this server can include only "
+                          f"{INCLUDE_LOGPROBS}", "include")
+    if include and body.get("tools"):
+        raise bad_request(f"include: {INCLUDE_LOGPROBS} cannot be combined with tools", "include")
+    return bool(include)
 
 
 def _parts_text(content: Any, where: str) -> str:
@@ -197,15 +233,25 @@ def parse_request(body: dict, previous: list[dict] | None) -> ResponsesRequest:
             "tools": _tools(body.get("tools")), "tool_choice": _tool_choice(body.get("tool_choice")),
             "parallel_tool_calls": body.get("parallel_tool_calls"), "response_format": _format(body.get("text")),
             "user": body.get("user")}
+    logprobs = _include_logprobs(body)
+    if logprobs:
+        chat.update(logprobs=True, top_logprobs=protocol.get_int(body, "top_logprobs", (0, _TOP_LOGPROBS_MAX)) or 0)
     chat = {k: v for k, v in chat.items() if v is not None}
+    store, background = protocol.get_bool(body, "store", True), protocol.get_bool(body, "background")
+    if background and not store:
+        raise bad_request("background: a background response is stored; it cannot have store false", "background")
+    if background and chat["stream"]:
+        raise bad_request("stream: a background response cannot be streamed by this server; poll "
+                          "GET /v1/responses/{id} instead", "stream")
     echo = {"model": model, "instructions": instructions, "max_output_tokens": max_out,
             "previous_response_id": body.get("previous_response_id"),
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "tools": body.get("tools") or [], "tool_choice": body.get("tool_choice") or "auto",
             "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
             "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
-            "metadata": _metadata(body.get("metadata")), "user": body.get("user"), "truncation": "disabled"}
-    return ResponsesRequest(chat, conversation, echo, chat["stream"], protocol.get_bool(body, "store", True))
+            "metadata": _metadata(body.get("metadata")), "user": body.get("user"), "truncation": "disabled",
+            "background": background}
+    return ResponsesRequest(chat, conversation, echo, chat["stream"], store, logprobs, background)
 
 
 def parse_chat(req: ResponsesRequest, default_max_tokens: int | None, limits: RequestLimits) -> protocol.GenerationPlan:
@@ -233,13 +279,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def message_item(item_id: str, text: str, status: str = "completed") -> dict:
+def message_item(item_id: str, text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [text_part(text)] if status == "completed" else []}
+            "content": [text_part(text, logprobs)] if status == "completed" else []}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    """``logprobs``: ``shapes.chat_logprobs``' content items (empty unless ``include`` asked)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(item_id: str, call: dict, status: str = "completed") -> dict:

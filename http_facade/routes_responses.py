@@ -14,9 +14,18 @@ HTTP error.
 
 Stored responses (``store``, default true) live in a bounded in-memory LRU (``ResponseStore``):
 the response object, and the conversation that ``previous_response_id`` continues from.
+
+``background: true``: the response is stored ``queued`` and returned at once; a task on the
+facade's loop (``Background``) runs the generation, storing it ``in_progress`` then finished
+(``completed``, ``incomplete`` or ``failed``), which ``GET /v1/responses/{id}`` shows.
+``POST /v1/responses/{id}/cancel`` cancels the task, which closes the engine stream (the engine
+request is aborted and its KV freed, as for a client that goes away) and stores it ``cancelled``.
+The store's bounds hold for them as for any response: an evicted one is not found, though its
+task still runs to its end. Deleting a running one cancels it.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 from dataclasses import dataclass
@@ -99,7 +108,41 @@ def _previous(store: ResponseStore, body: dict) -> list[dict] | None:
     if item is None:
         raise bad_request(f"previous_response_id: no stored response with id '{prev}' (it was never stored, "
                           "was deleted, or was evicted)", "previous_response_id", "previous_response_not_found")
+    if item.response["status"] in _UNFINISHED:
+        raise bad_request(f"previous_response_id: response '{prev}' is still {item.response['status']}",
+                          "previous_response_id")
     return item.conversation
+
+
+_UNFINISHED = ("queued", "in_progress")
+
+
+class Background:
+    """The tasks of background responses, by response id (an app's; cancelled on cleanup)."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def start(self, resp_id: str, work) -> None:
+        task = asyncio.ensure_future(work)
+        self.tasks[resp_id] = task
+        task.add_done_callback(lambda _: self.tasks.pop(resp_id, None))
+
+    async def cancel(self, resp_id: str) -> bool:
+        """Cancel a running one and wait until its engine stream is closed; False if none runs."""
+        task = self.tasks.get(resp_id)
+        if task is None:
+            return False
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return True
+
+    async def close(self, app: web.Application) -> None:
+        for resp_id in list(self.tasks):
+            await self.cancel(resp_id)
+
+
+BACKGROUND_KEY: web.AppKey[Background] = web.AppKey("sluice_background_responses", Background)
 
 
 # ---------------------------------------------------------------------------------- routes
@@ -112,9 +155,29 @@ async def retrieve(request: web.Request) -> web.Response:
 
 async def delete(request: web.Request) -> web.Response:
     resp_id = request.match_info["response_id"]
+    await request.app[BACKGROUND_KEY].cancel(resp_id)
     if not _store(request).delete(resp_id):
         raise _missing(resp_id)
     return web.json_response({"id": resp_id, "object": "response", "deleted": True})
+
+
+async def cancel(request: web.Request) -> web.Response:
+    """Cancel a background response: ``cancelled`` if it was queued or running; one that already
+    finished is answered as it is (as OpenAI does); a response made without ``background`` is a 400."""
+    resp_id, store = request.match_info["response_id"], _store(request)
+    item = store.get(resp_id)
+    if item is None:
+        raise _missing(resp_id)
+    if not item.response.get("background"):
+        raise bad_request(f"response_id: only a response created with background true can be cancelled; "
+                          f"'{resp_id}' was not", "response_id")
+    await request.app[BACKGROUND_KEY].cancel(resp_id)
+    item = store.get(resp_id)
+    if item is None:                        # evicted meanwhile
+        raise _missing(resp_id)
+    if item.response["status"] in _UNFINISHED:
+        item.response.update(status="cancelled")
+    return web.json_response(item.response)
 
 
 def _missing(resp_id: str) -> ApiError:
@@ -129,6 +192,11 @@ async def create(request: web.Request) -> web.StreamResponse:
     plan = rp.parse_chat(req, state.config.default_max_tokens, state.config.limits)
     model = await state.resolve_model(plan.model)
     run = _ResponseRun(state, req, plan, model.name)
+    if req.background:
+        queued = run.object("queued")
+        _store(request).put(queued, req.conversation)
+        request.app[BACKGROUND_KEY].start(run.id, _in_background(run, _store(request)))
+        return web.json_response(queued)
     request[TIMER] = run.timer
     outcome = "error"
     try:
@@ -155,11 +223,13 @@ class _ResponseRun:
         self.final: pb.ChoiceFinal | None = None
         self.output: list[dict] = []
         self.failed = False           # a streamed answer ended with an error event
+        self.logprobs: list[pb.TokenLogprob] = []      # include: message.output_text.logprobs
 
     def add(self, msg: pb.GenerateResponse) -> list[pb.ChoiceDelta]:
         for delta in msg.choices:
             self.timer.on_tokens(len(delta.token_ids))
             self.text.append(delta.text)
+            self.logprobs.extend(delta.logprobs)
             if delta.HasField("final"):
                 self.final = delta.final
                 err = shapes.finish_error(delta.final)
@@ -189,7 +259,30 @@ class _ResponseRun:
             store.put(self.object(), self.req.conversation + rp.output_messages(self.output))
 
 
+async def _in_background(run: _ResponseRun, store: ResponseStore) -> None:
+    """A background response's generation; the engine request id is the response id (the
+    client's X-Request-Id is free again once the create call answered)."""
+    conversation = run.req.conversation
+    outcome = "error"
+    try:
+        store.put(run.object("in_progress"), conversation)
+        async with contextlib.aclosing(run_plan(run.state.link, run.plan, run.id, run.state.ending)) as stream:
+            await _gather(run, stream)
+        outcome = "ok"
+    except ApiError as err:
+        err = rp.renamed(err)
+        store.put(run.object("failed", {"code": err.code or err.type, "message": err.message}), conversation)
+    finally:
+        run.close(outcome, store)
+
+
 async def _collect(run: _ResponseRun, stream) -> web.Response:
+    await _gather(run, stream)
+    return web.json_response(run.object())
+
+
+async def _gather(run: _ResponseRun, stream) -> None:
+    """The whole answer into ``run.output``."""
     async for _, msg in stream:
         run.add(msg)
     if run.final is None:
@@ -200,9 +293,9 @@ async def _collect(run: _ResponseRun, stream) -> web.Response:
         content, calls = split_calls(text, run.plan.tool_names)
         text = content or ""
     if text or not calls:
-        run.output.append(rp.message_item(rp.new_id("msg"), text))
+        logprobs = shapes.chat_logprobs(run.logprobs)["content"]
+        run.output.append(rp.message_item(rp.new_id("msg"), text, logprobs=logprobs))
     run.output.extend(rp.call_item(rp.new_id("fc"), c) for c in calls)
-    return web.json_response(run.object())
 
 
 class _Events:
@@ -225,29 +318,32 @@ class _StreamItems:
         self.run, self.events = run, events
         self.message: dict | None = None      # the message item open now
         self.message_text: list[str] = []
+        self.message_logprobs: list[dict] = []
         self.call: dict | None = None         # the function call being sent
 
-    async def content(self, text: str) -> None:
+    async def content(self, text: str, logprobs: list[dict]) -> None:
         if self.message is None:
             self.message = rp.message_item(rp.new_id("msg"), "", "in_progress")
-            self.message_text = []
+            self.message_text, self.message_logprobs = [], []
             await self.events.send("response.output_item.added", output_index=len(self.run.output),
                                    item=self.message)
             await self.events.send("response.content_part.added", item_id=self.message["id"],
                                    output_index=len(self.run.output), content_index=0, part=rp.text_part(""))
         self.message_text.append(text)
+        self.message_logprobs.extend(logprobs)
         await self.events.send("response.output_text.delta", item_id=self.message["id"],
-                               output_index=len(self.run.output), content_index=0, delta=text, logprobs=[])
+                               output_index=len(self.run.output), content_index=0, delta=text, logprobs=logprobs)
 
     async def close_message(self) -> None:
         if self.message is None:
             return
         text, index, item_id = "".join(self.message_text), len(self.run.output), self.message["id"]
+        logprobs = self.message_logprobs
         await self.events.send("response.output_text.done", item_id=item_id, output_index=index, content_index=0,
-                               text=text, logprobs=[])
+                               text=text, logprobs=logprobs)
         await self.events.send("response.content_part.done", item_id=item_id, output_index=index, content_index=0,
-                               part=rp.text_part(text))
-        item = rp.message_item(item_id, text)
+                               part=rp.text_part(text, logprobs))
+        item = rp.message_item(item_id, text, logprobs=logprobs)
         await self.events.send("response.output_item.done", output_index=index, item=item)
         self.run.output.append(item)
         self.message = None
@@ -276,8 +372,8 @@ class _StreamItems:
         for body in bodies:
             if body.get("tool_calls"):
                 await self.tool_call(body)
-            elif body.get("content"):
-                await self.content(body["content"])
+            elif body.get("content") or body.get("logprobs"):   # a token may end inside a character
+                await self.content(body["content"], body.get("logprobs", []))
 
 
 async def _stream(request: web.Request, run: _ResponseRun, stream) -> web.StreamResponse:
@@ -292,7 +388,8 @@ async def _stream(request: web.Request, run: _ResponseRun, stream) -> web.Stream
         msg = first[1]
         while True:
             for delta in run.add(msg):
-                await items.feed(scanner.feed(delta.text) if scanner else [{"content": delta.text}])
+                await items.feed(scanner.feed(delta.text) if scanner else
+                                 [{"content": delta.text, "logprobs": shapes.chat_logprobs(delta.logprobs)["content"]}])
             try:
                 msg = (await iterator.__anext__())[1]
             except StopAsyncIteration:

@@ -365,7 +365,18 @@ async def test_store_false_is_not_retrievable(http):
     ({"model": MODEL, "input": "x", "temperature": "hot"}, "temperature", "number"),
     ({"model": MODEL, "input": "x", "metadata": {"k": 1}}, "metadata", "does not match the documented types"),
     ({"model": MODEL, "input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata", "at most 16"),
-    ({"model": MODEL, "input": "x", "background": True}, "background", "not supported"),
+    ({"model": MODEL, "input": "x", "background": True, "store": False}, "background", "store false"),
+    ({"model": MODEL, "input": "x", "background": True, "stream": True}, "stream", "cannot be streamed"),
+    ({"model": MODEL, "input": "x", "include": ["file_search_call.results"]}, "include",
+     "'file_search_call.results' is not supported"),
+    ({"model": MODEL, "input": "x", "include": "message.output_text.logprobs"}, "include", "list of strings"),
+    ({"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"], "tools": [WEATHER]}, "include",
+     "cannot be combined with tools"),
+    ({"model": MODEL, "input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21},
+     "top_logprobs", "20"),
+    ({"model": MODEL, "input": "x", "reasoning": {"effort": "low"}}, "reasoning.effort", "no reasoning mode"),
+    ({"model": MODEL, "input": "x", "reasoning": {"effort": None, "summary": "auto"}}, "reasoning.summary",
+     "not supported with this model"),
     ({"model": MODEL, "input": "x", "truncation": "auto"}, "truncation", "disabled"),
     ({"model": MODEL, "input": "x", "previous_response_id": 7}, "previous_response_id", "string"),
 ])
@@ -392,6 +403,82 @@ async def test_responses_error_mid_stream_is_an_error_event_and_nothing_is_store
     failed = events[-1][1]["response"]
     assert failed["status"] == "failed" and "injected fault" in failed["error"]["message"]
     await _error(await client.get(f"/v1/responses/{failed['id']}"), 404, "response_id", "no stored response")
+
+
+async def test_responses_include_output_text_logprobs_whole_and_streamed(http):
+    client, fake = http
+    ask = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "include": ["message.output_text.logprobs"],
+           "top_logprobs": 1, "reasoning": {"effort": None}}
+    body = await (await client.post("/v1/responses", json=ask)).json()
+    assert fake.requests[-1].sampling.logprobs and fake.requests[-1].sampling.top_logprobs == 1
+    part = body["output"][0]["content"][0]
+    assert part["text"] == "c0w0 c0w1 " and [lp["token"] for lp in part["logprobs"]] == ["c0w0 ", "c0w1 "]
+    assert part["logprobs"][0]["logprob"] == -0.25 and part["logprobs"][0]["bytes"] == list(b"c0w0 ")
+    assert part["logprobs"][0]["top_logprobs"] == [{"token": "alt0", "logprob": -0.25, "bytes": list(b"alt0")}]
+    events = await _events(await client.post("/v1/responses", json={**ask, "stream": True}))
+    deltas = [e for k, e in events if k == "response.output_text.delta"]
+    assert [[lp["token"] for lp in d["logprobs"]] for d in deltas] == [["c0w0 "], ["c0w1 "]]
+    assert events[-1][1]["response"]["output"][0]["content"][0]["logprobs"] == part["logprobs"]
+    plain = await (await client.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1})
+                   ).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == [] and not fake.requests[-1].sampling.logprobs
+
+
+async def _settled(client, resp_id: str) -> dict:
+    for _ in range(200):
+        got = await (await client.get(f"/v1/responses/{resp_id}")).json()
+        if got["status"] not in ("queued", "in_progress"):
+            return got
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{resp_id} still {got['status']}")
+
+
+async def test_background_response_runs_after_the_answer_and_is_retrieved(http):
+    client, fake = http
+    resp = await client.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 2,
+                                                    "background": True})
+    queued = await resp.json()
+    assert resp.status == 200 and queued["status"] == "queued" and queued["background"] is True
+    assert queued["output"] == [] and queued["usage"] is None
+    done = await _settled(client, queued["id"])
+    assert done["status"] == "incomplete" and done["output"][0]["content"][0]["text"] == "c0w0 c0w1 "
+    assert done["usage"]["output_tokens"] == 2 and fake.requests[-1].request_id == f"{queued['id']}-0"
+    again = await client.post(f"/v1/responses/{queued['id']}/cancel")   # finished: answered as it is
+    assert (await again.json()) == done
+    plain = await (await client.post("/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 1})
+                   ).json()
+    assert plain["background"] is False
+    await _error(await client.post(f"/v1/responses/{plain['id']}/cancel"), 400, "response_id", "background true")
+    await _error(await client.post("/v1/responses/resp_nope/cancel"), 404, "response_id", "no stored response")
+
+
+async def test_background_response_cancelled_aborts_the_engine_request(http):
+    client, fake = http
+    queued = await (await client.post("/v1/responses", json={"model": MODEL, "input": "slow", "background": True})
+                    ).json()
+    rid = f"{queued['id']}-0"
+    for _ in range(200):
+        if rid in fake.active:
+            break
+        await asyncio.sleep(0.01)
+    got = await (await client.get(f"/v1/responses/{queued['id']}")).json()
+    assert got["status"] == "in_progress"
+    await _error(await client.post("/v1/responses", json={"model": MODEL, "input": "more",
+                                                          "previous_response_id": queued["id"]}),
+                 400, "previous_response_id", "still in_progress")
+    cancelled = await (await client.post(f"/v1/responses/{queued['id']}/cancel")).json()
+    assert cancelled["status"] == "cancelled" and cancelled["id"] == queued["id"]
+    for _ in range(200):
+        if rid in fake.aborted and rid not in fake.active:
+            break
+        await asyncio.sleep(0.01)
+    assert rid in fake.aborted and rid not in fake.active           # the engine request is gone
+    assert (await (await client.get(f"/v1/responses/{queued['id']}")).json())["status"] == "cancelled"
+    second = await (await client.post("/v1/responses", json={"model": MODEL, "input": "slow", "background": True})
+                    ).json()
+    await asyncio.sleep(0.05)
+    deleted = await client.delete(f"/v1/responses/{second['id']}")     # deleting a running one cancels it
+    assert deleted.status == 200 and f"{second['id']}-0" in fake.aborted
 
 
 def test_store_is_bounded_by_count_and_bytes():
