@@ -5,6 +5,8 @@ the quality of the words), with the packaged MiniLM as its encoder.
 * the official ``openai`` SDK on ``/v1/responses``: ``client.responses.create`` whole and streamed
   (the documented event types, in order), with a function tool (``tool_choice`` "required": the
   grammar makes the call), ``previous_response_id`` with the tool's output, retrieve and delete;
+  ``background`` (retrieved when done; cancelled mid-generation, the engine request gone),
+  ``include`` logprobs (the chat path's, token for token) and ``reasoning`` refused by name;
 * a FIM request (``prompt`` + ``suffix``) through ``client.completions.create``;
 * ``/tokenize`` and ``/detokenize`` as vLLM's and llama.cpp's clients send them, checked against
   the engine's own gRPC Tokenize; token strings (``return_token_strs``, ``with_pieces``) against
@@ -17,6 +19,7 @@ the quality of the words), with the packaged MiniLM as its encoder.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -120,6 +123,59 @@ def test_responses_with_a_tool_and_previous_response_id(serve, sdk):
     with pytest.raises(Exception) as err:
         sdk.responses.retrieve(first.id)
     assert getattr(err.value, "status_code", None) == 404
+
+
+def _settled(sdk: OpenAI, resp_id: str):
+    for _ in range(600):
+        got = sdk.responses.retrieve(resp_id)
+        if got.status not in ("queued", "in_progress"):
+            return got
+        time.sleep(0.1)
+    raise AssertionError(f"{resp_id} is still {got.status}")
+
+
+def test_responses_background_retrieve_and_cancel(serve, sdk):
+    queued = sdk.responses.create(model=serve.model, input="Say hi.", max_output_tokens=6, temperature=0,
+                                  background=True)
+    assert queued.background and queued.status in ("queued", "in_progress", "completed", "incomplete")
+    done = _settled(sdk, queued.id)
+    whole = sdk.responses.create(model=serve.model, input="Say hi.", max_output_tokens=6, temperature=0)
+    assert (done.status, done.output_text) == (whole.status, whole.output_text)    # greedy: the same answer
+    long = sdk.responses.create(model=serve.model, input="Count to a thousand.", max_output_tokens=3000,
+                                temperature=0, background=True)
+    with EngineClient(serve.engine_target, timeout=60) as engine:
+        for _ in range(300):
+            if engine.load().num_running == 1:
+                break
+            time.sleep(0.05)
+        assert sdk.responses.retrieve(long.id).status == "in_progress"
+        cancelled = sdk.responses.cancel(long.id)
+        assert cancelled.status == "cancelled" and cancelled.id == long.id
+        for _ in range(100):
+            load = engine.load()
+            if load.num_in_flight == 0 and load.num_running == 0:
+                break
+            time.sleep(0.05)
+        assert load.num_in_flight == 0 and load.num_running == 0          # aborted: its KV is free
+    assert sdk.responses.retrieve(long.id).status == "cancelled"
+
+
+def test_responses_include_logprobs_and_reasoning(serve, sdk):
+    import openai
+
+    resp = sdk.responses.create(model=serve.model, input="Say hi.", max_output_tokens=4, temperature=0,
+                                include=["message.output_text.logprobs"], top_logprobs=2,
+                                reasoning={"effort": None})
+    chat = sdk.chat.completions.create(model=serve.model, messages=[{"role": "user", "content": "Say hi."}],
+                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    got = [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in resp.output[0].content[0].logprobs]
+    want = [(lp.token, lp.logprob, [t.token for t in lp.top_logprobs]) for lp in chat.choices[0].logprobs.content]
+    assert got == want and len(got) == resp.usage.output_tokens             # the engine's, as chat has them
+    for kwargs, param in (({"reasoning": {"effort": "high"}}, "reasoning.effort"),
+                          ({"include": ["reasoning.encrypted_content"]}, "include")):
+        with pytest.raises(openai.BadRequestError) as err:
+            sdk.responses.create(model=serve.model, input="hi", max_output_tokens=2, **kwargs)
+        assert err.value.body["param"] == param
 
 
 def test_fim_completion_with_suffix(serve, sdk):
