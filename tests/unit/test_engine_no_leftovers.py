@@ -25,7 +25,8 @@ import torch.nn.functional as F
 from sluice.engine.async_engine import AsyncEngine
 from sluice.engine.llm import LLM
 from sluice.engine.loaders import load_model
-from sluice.engine.models.llama import _Linear, cpu_packing_available, row_bucket
+from sluice.engine.models.cpu_linear import cpu_packing_available, row_bucket
+from sluice.engine.models.llama import _Linear
 from sluice.engine.sampling_params import SamplingParams
 from tests.tiny_model import prompt, write_tiny_folder
 
