@@ -39,13 +39,13 @@ class SpecStats:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, hooks: SpecRunnerHooks | None = None) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, hooks: SpecRunnerHooks) -> None:
         self.config = config
         self.proposer = proposer
         self.k = config.spec_draft_length
         self.max_drafts = config.num_speculative_tokens   # a tree's nodes: up to K * width
         self.stats = SpecStats(accepted_per_position=[0] * self.k)
-        self.hooks = SpecRunnerHooks() if hooks is None else hooks   # the target runner's (build_spec_decoder)
+        self.hooks = hooks            # the target runner's (build_spec_decoder): draft distributions go there
         # The hidden states of the last step the runner ran (RunnerOutput.hidden_states).
         self._hidden_states: dict = {}
 
