@@ -1,69 +1,125 @@
 """AFS (Formosa Foundation Model API) requests: validation and translation to engine requests.
 
-Parameters (``parameters`` object; a missing key or ``null`` takes the default, except ``seed``
-where ``null`` means "random"):
-
-============================  ========  =====================================================
-name                          default   range / meaning
-============================  ========  =====================================================
-``max_new_tokens``            350       integer > 0
-``temperature``               1.0       number > 0
-``top_p``                     1.0       number in (0, 1]
-``top_k``                     50        integer in [1, 100]
-``frequence_penalty``         1.0       number > 0; multiplicative repetition penalty, 1.0 = none
-``stop_sequences`` (``stop``) none      at most 4 non-empty strings, not included in the output
-``show_probabilities``        false     boolean: ``details`` carries each token's log-probability
-``seed``                      42        ``null`` (random) or an integer >= 0
-============================  ========  =====================================================
+Parameters (the ``parameters`` object): ``max_new_tokens``, ``temperature``, ``top_p``,
+``top_k``, ``frequence_penalty`` (a multiplicative repetition penalty), ``stop_sequences`` (not
+included in the output), ``show_probabilities`` (``details`` carries each token's
+log-probability) and ``seed``; their defaults and ranges are ``api_models.AfsParameters``'. A
+missing key or ``null`` takes the default, except ``seed``, where ``null`` means "random".
 
 ``stop`` is accepted as a synonym of ``stop_sequences`` because the seed's LangChain wrappers
 send ``"stop": []``. Unknown keys are ignored (as the AFS service does).
 
-Every violation is an ``ApiError`` with status 422 naming the parameter (the AFS service is a
-FastAPI app: request validation failures are 422 there); ``afs_errors`` documents the body.
+The requests' types, ranges and defaults are the AFS models of ``api_models`` (the same ones
+``/openapi.json`` shows): ``check`` validates a body with them. Every violation is an
+``ApiError`` with status 422 naming the parameter (the AFS service is a FastAPI app: request
+validation failures are 422 there); ``afs_errors`` documents the body. This module keeps what
+needs more than a type: the ``stop`` synonym, a function message's name, ``<FILL_ME>``.
 """
 from __future__ import annotations
 
 import json
+import types
+import typing
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
+
 from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade import api_models as am
 from sluice.http_facade.afs_errors import invalid
 from sluice.http_facade.afs_functions import FunctionSpec, call_text, parse_functions, with_function_prompt
 from sluice.http_facade.limits import RequestLimits
 from sluice.http_facade.protocol import check_json_size, check_message_caps, check_prompt_caps
 from sluice.http_facade.tools import call_constraint
 
-DEFAULT_SEED = 42
 MAX_STOP_SEQUENCES = 4
-_INT64_MAX = (1 << 63) - 1
-_INT32_MAX = (1 << 31) - 1
 FILL_ME = "<FILL_ME>"
 
 _ROLES = {"system": pb.ROLE_SYSTEM, "human": pb.ROLE_USER, "user": pb.ROLE_USER,
           "assistant": pb.ROLE_ASSISTANT, "function": pb.ROLE_TOOL}
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+# ------------------------------------------------------------------------------- validation
+def check(model: type[BaseModel], body: dict) -> Any:
+    """``body`` as ``model`` (an AFS request of ``api_models``). ``null`` is a missing key (the
+    default), except ``seed``, where it means "random"."""
+    try:
+        return model.model_validate(_nulls_dropped(body))
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param, description = _described(model, err["loc"])
+        if err["type"] == "missing":
+            message = f"{param}: required" + (f" ({description})" if description else "")
+        else:
+            wanted = description or ("an object" if err["type"] in _OBJECT_ERRORS else None)
+            got = repr(err.get("input"))[:200]
+            message = f"{param}: must be {wanted}, got {got}" if wanted else f"{param}: {err['msg']}"
+        raise invalid(message, param) from None
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+_OBJECT_ERRORS = ("model_type", "model_attributes_type", "dict_type")
+
+
+def _nulls_dropped(body: dict) -> dict:
+    out = {k: v for k, v in body.items() if v is not None}
+    if isinstance(out.get("parameters"), dict):
+        out["parameters"] = {k: v for k, v in out["parameters"].items() if v is not None or k == "seed"}
+    return out
+
+
+def _described(model: type[BaseModel], loc: tuple) -> tuple[str, str | None]:
+    """The parameter at pydantic's ``loc`` as AFS names it (``messages[0].role``; a field of
+    ``parameters`` by its bare name) and its description; a union's tag in ``loc`` ends the walk."""
+    param, description, annotation = "", None, model
+    for part in loc:
+        if isinstance(part, int):
+            annotation, info = _item_of(annotation)
+            param += f"[{part}]"
+            description = info.description if info is not None else None
+        elif (fields := _fields_of(annotation)) and part in fields:
+            info = fields[part]
+            param = part if param == "parameters" else f"{param}.{part}" if param else part
+            annotation, description = info.annotation, info.description
+        else:
+            break
+    return param, description
+
+
+def _optional_of(annotation: Any) -> Any:
+    """``X`` of ``X | None``; anything else as it is."""
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return annotation
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 else annotation
+
+
+def _fields_of(annotation: Any) -> dict[str, FieldInfo]:
+    annotation = _optional_of(annotation)
+    return annotation.model_fields if isinstance(annotation, type) and issubclass(annotation, BaseModel) else {}
+
+
+def _item_of(annotation: Any) -> tuple[Any, FieldInfo | None]:
+    """A list's item type, and the ``Field`` its ``Annotated`` carries (if any)."""
+    args = typing.get_args(_optional_of(annotation))
+    item = args[0] if args else Any
+    info = next((m for m in getattr(item, "__metadata__", ()) if isinstance(m, FieldInfo)), None)
+    return item, info
 
 
 # ------------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
 class AfsParams:
-    max_new_tokens: int = 350
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 50
-    frequence_penalty: float = 1.0
-    stop_sequences: tuple[str, ...] = ()
-    show_probabilities: bool = False
-    seed: int | None = DEFAULT_SEED
+    """The validated ``parameters`` (``api_models.AfsParameters`` holds their defaults and ranges)."""
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    frequence_penalty: float
+    stop_sequences: tuple[str, ...]
+    show_probabilities: bool
+    seed: int | None
 
     def sampling(self) -> pb.SamplingParams:
         sp = pb.SamplingParams(max_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
@@ -74,26 +130,6 @@ class AfsParams:
         if self.show_probabilities:
             sp.logprobs = True
         return sp
-
-
-def _number(params: dict, name: str, default: float, low: float, high: float | None = None) -> float:
-    """A number > ``low`` (and <= ``high`` when given)."""
-    v = params.get(name)
-    if v is None:
-        return default
-    bound = f"> {low:g}" + ("" if high is None else f" and <= {high:g}")
-    if not _is_num(v) or not (v > low and (high is None or v <= high)):
-        raise invalid(f"{name}: must be a number {bound}, got {v!r}", name)
-    return float(v)
-
-
-def _integer(params: dict, name: str, default: int, low: int, high: int) -> int:
-    v = params.get(name)
-    if v is None:
-        return default
-    if not _is_int(v) or not low <= v <= high:
-        raise invalid(f"{name}: must be an integer in [{low}, {high}], got {v!r}", name)
-    return v
 
 
 def _stop_sequences(params: dict) -> tuple[str, ...]:
@@ -113,27 +149,21 @@ def _stop_sequences(params: dict) -> tuple[str, ...]:
 
 
 def parse_params(body: dict) -> AfsParams:
-    params = body.get("parameters")
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise invalid("parameters: must be an object", "parameters")
-    show = params.get("show_probabilities")
-    if show is not None and not isinstance(show, bool):
-        raise invalid(f"show_probabilities: must be true or false, got {show!r}", "show_probabilities")
-    seed = params.get("seed", DEFAULT_SEED)
-    if seed is not None and (not _is_int(seed) or not 0 <= seed <= _INT64_MAX):
-        raise invalid(f"seed: must be null or an integer >= 0, got {seed!r}", "seed")
-    return AfsParams(
-        max_new_tokens=_integer(params, "max_new_tokens", 350, 1, _INT32_MAX),
-        temperature=_number(params, "temperature", 1.0, 0.0),
-        top_p=_number(params, "top_p", 1.0, 0.0, 1.0),
-        top_k=_integer(params, "top_k", 50, 1, 100),
-        frequence_penalty=_number(params, "frequence_penalty", 1.0, 0.0),
-        stop_sequences=_stop_sequences(params),
-        show_probabilities=bool(show),
-        seed=seed,
-    )
+    """``body["parameters"]`` alone, validated."""
+    return _params(check(_ParametersOnly, {"parameters": body.get("parameters")}).parameters, body)
+
+
+def _params(p: am.AfsParameters | None, body: dict) -> AfsParams:
+    """The checked ``parameters`` (``None``: all defaults) and the stop sequences of the raw body."""
+    p = p or am.AfsParameters()
+    raw = body.get("parameters")
+    return AfsParams(p.max_new_tokens, float(p.temperature), float(p.top_p), p.top_k, float(p.frequence_penalty),
+                     _stop_sequences(raw if isinstance(raw, dict) else {}), p.show_probabilities, p.seed)
+
+
+class _ParametersOnly(BaseModel):
+    """``parameters`` alone (text infilling checks its ``inputs`` itself)."""
+    parameters: am.AfsParameters | None = None
 
 
 # ------------------------------------------------------------------------------------ caps
@@ -158,70 +188,34 @@ class AfsGeneration:
     functions: tuple[FunctionSpec, ...] = ()
 
 
-def parse_model(body: dict) -> str:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid("model: a model name is required", "model")
-    return model
-
-
-def parse_stream(body: dict) -> bool:
-    v = body.get("stream")
-    if v is None:
-        return False
-    if not isinstance(v, bool):
-        raise invalid(f"stream: must be true or false, got {v!r}", "stream")
-    return v
-
-
-def _inputs_text(body: dict) -> str:
-    text = body.get("inputs")
-    if not isinstance(text, str) or not text:
-        raise invalid("inputs: must be a non-empty string", "inputs")
-    return text
-
-
-def _content(m: dict, where: str, allow_null: bool) -> str:
-    content = m.get("content")
-    if content is None and allow_null:
-        return ""
-    if not isinstance(content, str):
+def _content(m: am.AfsMessage, where: str, allow_null: bool) -> str:
+    if m.content is None and not allow_null:
         raise invalid(f"{where}.content: must be a string", f"{where}.content")
-    return content
+    return m.content or ""
 
 
-def _message(m: Any, i: int) -> pb.ChatMessage:
+def _message(m: am.AfsMessage, i: int) -> pb.ChatMessage:
     where = f"messages[{i}]"
-    if not isinstance(m, dict):
-        raise invalid(f"{where}: must be an object", where)
-    role = m.get("role")
-    if not isinstance(role, str) or role not in _ROLES:
-        raise invalid(f"{where}.role: must be one of system, human, user, assistant, function; got {role!r}",
-                      f"{where}.role")
-    call = m.get("function_call") if role == "assistant" else None
+    call = m.function_call if m.role == "assistant" else None
     content = _content(m, where, allow_null=call is not None)
-    msg = pb.ChatMessage(role=_ROLES[role], content=content)
+    msg = pb.ChatMessage(role=_ROLES[m.role], content=content)
     if call is not None:
         msg.content = "\n".join(filter(None, [content, call_text(call, f"{where}.function_call")]))
-    if role == "function":
-        name = m.get("name")
-        if not isinstance(name, str) or not name:
+    if m.role == "function":
+        if not m.name:
             raise invalid(f"{where}.name: the function's name is required on a function message", f"{where}.name")
         # a tool result in the engine's terms; the id pairs it with the call it answers
-        msg.name, msg.tool_call_id = name, f"call_{i}"
+        msg.name, msg.tool_call_id = m.name, f"call_{i}"
     return msg
 
 
 def parse_conversation(body: dict) -> AfsGeneration:
-    model = parse_model(body)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages: must be a non-empty list of messages", "messages")
-    chat_messages = [_message(m, i) for i, m in enumerate(messages)]
+    req = check(am.AfsConversationRequest, body)
+    chat_messages = [_message(m, i) for i, m in enumerate(req.messages)]
     functions = parse_functions(body.get("functions"))
     if functions:
         chat_messages = with_function_prompt(chat_messages, functions)
-    params = parse_params(body)
+    params = _params(req.parameters, body)
     sampling = params.sampling()
     if functions:
         # The model may answer, or call one function: once it writes {"name" the call is held to a
@@ -229,14 +223,23 @@ def parse_conversation(body: dict) -> AfsGeneration:
         sampling.structured_output.CopyFrom(call_constraint(
             [(f.name, json.loads(f.schema_json)["parameters"]) for f in functions], "functions", True))
     request = pb.GenerateRequest(chat=pb.ChatInput(messages=chat_messages), sampling=sampling)
-    return AfsGeneration(model, request, params, parse_stream(body), functions)
+    return AfsGeneration(req.model, request, params, req.stream, functions)
 
 
 def parse_generate(body: dict) -> AfsGeneration:
-    model = parse_model(body)
-    params = parse_params(body)
-    request = pb.GenerateRequest(text=_inputs_text(body), sampling=params.sampling())
-    return AfsGeneration(model, request, params, parse_stream(body))
+    req = check(am.AfsGenerateRequest, body)
+    params = _params(req.parameters, body)
+    request = pb.GenerateRequest(text=req.inputs, sampling=params.sampling())
+    return AfsGeneration(req.model, request, params, req.stream)
+
+
+def parse_infilling(body: dict) -> AfsGeneration:
+    """``/models/text_infilling``: ``inputs`` around one ``<FILL_ME>``."""
+    req = check(am.AfsGenerateRequest, body)
+    prefix, suffix = split_fill_me(req.inputs)
+    params = _params(req.parameters, body)
+    request = pb.GenerateRequest(infill=pb.InfillInput(prefix=prefix, suffix=suffix), sampling=params.sampling())
+    return AfsGeneration(req.model, request, params, req.stream)
 
 
 def split_fill_me(text: str) -> tuple[str, str]:

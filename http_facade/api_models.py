@@ -267,24 +267,35 @@ class ResponseCreateRequest(_Open):
 
 
 # ---------------------------------------------------------------------- AFS (/models/...)
-# The requests document what afs_protocol / routes_afs validate, in AFS's own messages and 422s:
-# they are the source of /openapi.json for the dialect, not a check of their own.
+# The AFS dialect's requests: the validation of its routes (``afs_protocol.check``, whose 422
+# names the parameter as AFS does, ``temperature`` inside ``parameters`` by its bare name) and the
+# dialect's part of /openapi.json. A field's ``description`` is what it "must be" in the error
+# message too ("top_k: must be an integer in [1, 100], got 0"). What needs more than a type stays
+# with the parsers: which of two alternatives was given, ``<FILL_ME>``, a function message's
+# name; ``shaped`` fields (stop sequences and their ``stop`` synonym, functions, embedding inputs,
+# rerank pairs) are checked by the code both dialects share or by afs_functions.
+_INT32_MAX = (1 << 31) - 1
+_INT64_MAX = (1 << 63) - 1
+
+
 class AfsParameters(_Open):
-    max_new_tokens: int = Field(350, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(50, ge=1, le=100)
-    frequence_penalty: float = Field(1.0, gt=0)
-    stop_sequences: list[str] = Field(default_factory=list, max_length=4)
-    show_probabilities: bool = False
-    seed: int | None = Field(42, ge=0)
+    """A missing key or ``null`` takes the default, except ``seed`` (``null``: random)."""
+    max_new_tokens: StrictInt = Field(350, ge=1, le=_INT32_MAX, description=f"an integer in [1, {_INT32_MAX}]")
+    temperature: StrictFloat = Field(1.0, gt=0, description="a number > 0")
+    top_p: StrictFloat = Field(1.0, gt=0, le=1, description="a number > 0 and <= 1")
+    top_k: StrictInt = Field(50, ge=1, le=100, description="an integer in [1, 100]")
+    frequence_penalty: StrictFloat = Field(1.0, gt=0, description="a number > 0 (multiplicative; 1.0 = none)")
+    stop_sequences: shaped(Annotated[list[str], Field(max_length=4)]) = None
+    show_probabilities: StrictBool = Field(False, description="true or false")
+    seed: StrictInt | None = Field(42, ge=0, le=_INT64_MAX, description="null (random) or an integer >= 0")
 
 
 class AfsMessage(_Open):
-    role: Literal["system", "human", "user", "assistant", "function"]
-    content: str | None = None
-    name: str | None = None
-    function_call: dict[str, Any] | None = None
+    role: Literal["system", "human", "user", "assistant", "function"] = Field(
+        description="one of system, human, user, assistant, function")
+    content: StrictStr | None = Field(None, description="a string (null only beside a function_call)")
+    name: StrictStr | None = Field(None, description="a string (the function's name, on a function message)")
+    function_call: dict[str, Any] | None = Field(None, description="an object: name and arguments")
 
 
 class AfsFunction(_Open):
@@ -293,48 +304,51 @@ class AfsFunction(_Open):
     parameters: dict[str, Any] | None = None
 
 
-class AfsConversationRequest(_Open):
-    model: str
-    messages: list[AfsMessage]
-    functions: list[AfsFunction] | None = None
-    parameters: AfsParameters | None = None
-    stream: bool = False
+class _AfsRequest(_Open):
+    """What every AFS request has."""
+    model: StrictStr = Field(min_length=1, description="a served model's name")
 
 
-class AfsGenerateRequest(_Open):
+class _AfsGeneration(_AfsRequest):
+    parameters: AfsParameters | None = Field(None, description="an object")
+    stream: StrictBool = Field(False, description="true or false")
+
+
+class AfsConversationRequest(_AfsGeneration):
+    messages: list[AfsMessage] = Field(min_length=1, description="a non-empty list of messages")
+    functions: shaped(list[AfsFunction] | None) = None
+
+
+class AfsGenerateRequest(_AfsGeneration):
     """``/models/generate``; ``/models/text_infilling`` too, its ``inputs`` holding one ``<FILL_ME>``."""
-    model: str
-    inputs: str
-    parameters: AfsParameters | None = None
-    stream: bool = False
+    inputs: StrictStr = Field(min_length=1, description="a non-empty string")
 
 
 class AfsEmbedParameters(_Open):
-    input_type: Literal["query", "document"] = "document"
-    normalize: bool = True
+    input_type: Literal["query", "document"] = Field("document", description="'query' or 'document'")
+    normalize: StrictBool = Field(True, description="true or false")
 
 
-class AfsEmbeddingsRequest(_Open):
+class AfsEmbeddingsRequest(_AfsRequest):
     """V1 ``inputs`` (strings) or V2 / OpenAI-style ``input``: exactly one."""
-    model: str
-    inputs: list[str] | None = None
+    inputs: shaped(list[str] | None) = None
     input: shaped(Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]) = None
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int = Field(0, ge=0)
-    parameters: AfsEmbedParameters | None = None
+    encoding_format: shaped(Literal["float", "base64"]) = "float"
+    dimensions: shaped(Annotated[int, Field(ge=0)]) = 0
+    parameters: AfsEmbedParameters | None = Field(None, description="an object")
 
 
 class AfsRerankParameters(_Open):
-    top_n: int = Field(3, ge=1)
+    top_n: StrictInt = Field(3, ge=1, description="an integer >= 1")
 
 
-class AfsRerankRequest(_Open):
+class AfsRerankRequest(_AfsRequest):
     """``inputs`` as [query, document] pairs, or ``query`` + ``documents``."""
-    model: str
-    inputs: list[Annotated[list[str], Field(min_length=2, max_length=2)]] | None = None
-    query: str | None = None
-    documents: list[str] | None = None
-    parameters: AfsRerankParameters | None = None
+    inputs: shaped(list[Annotated[list[str], Field(min_length=2, max_length=2)]] | None) = None
+    query: StrictStr | None = Field(None, min_length=1, description="a non-empty string (or send inputs pairs)")
+    documents: list[Annotated[StrictStr, Field(min_length=1, description="a non-empty string")]] | None = Field(
+        None, min_length=1, description="a non-empty list of non-empty strings")
+    parameters: AfsRerankParameters | None = Field(None, description="an object")
 
 
 # ---------------------------------------------------------------------------- validation

@@ -29,6 +29,7 @@ from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade import afs_protocol as ap
+from sluice.http_facade import api_models as am
 from sluice.http_facade.afs_errors import invalid, unsupported
 from sluice.http_facade.afs_generation import run_afs
 from sluice.http_facade.errors import ApiError
@@ -37,8 +38,6 @@ from sluice.http_facade.request_context import request_id_of
 from sluice.http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
                                            encoding_format, resolve_encoder)
 from sluice.http_facade.state import state_of
-
-DEFAULT_TOP_N = 3
 
 
 @dataclass(frozen=True)
@@ -88,36 +87,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 
 async def text_infilling(request: web.Request) -> web.StreamResponse:
-    body = await _body(request)
-    model = ap.parse_model(body)
-    text = body.get("inputs")
-    if not isinstance(text, str) or not text:
-        raise invalid("inputs: must be a non-empty string", "inputs")
-    prefix, suffix = ap.split_fill_me(text)
-    params = ap.parse_params(body)
-    req = pb.GenerateRequest(infill=pb.InfillInput(prefix=prefix, suffix=suffix), sampling=params.sampling())
-    return await _generate(request, ap.AfsGeneration(model, req, params, ap.parse_stream(body)), "infilling")
+    return await _generate(request, ap.parse_infilling(await _body(request)), "infilling")
 
 
 # ------------------------------------------------------------------------------ embeddings
-def _sub_params(body: dict) -> dict:
-    params = body.get("parameters")
-    if params is None:
-        return {}
-    if not isinstance(params, dict):
-        raise invalid("parameters: must be an object", "parameters")
-    return params
-
-
-def _embed_options(body: dict, config: AfsConfig) -> dict[str, Any]:
-    params = _sub_params(body)
-    kind = params.get("input_type", "document")
-    if kind not in ("query", "document"):
-        raise invalid(f"input_type: must be 'query' or 'document', got {kind!r}", "input_type")
-    normalize = params.get("normalize", True)
-    if not isinstance(normalize, bool):
-        raise invalid(f"normalize: must be true or false, got {normalize!r}", "normalize")
-    options: dict[str, Any] = {"normalize": normalize, "dimensions": dimensions(body, allow_zero=True)}
+def _embed_options(body: dict, params: am.AfsEmbedParameters, config: AfsConfig) -> dict[str, Any]:
+    kind = params.input_type
+    options: dict[str, Any] = {"normalize": params.normalize, "dimensions": dimensions(body, allow_zero=True)}
     if kind == "query" and config.query_prefix is not None:
         options["prefix"] = config.query_prefix
     else:
@@ -136,10 +112,12 @@ async def embeddings(request: web.Request) -> web.Response:
     start = time.monotonic()
     state = state_of(request)
     body = await _body(request)
-    model = await resolve_encoder(state, ap.parse_model(body), "embeddings")
+    checked = ap.check(am.AfsEmbeddingsRequest, body)
+    model = await resolve_encoder(state, checked.model, "embeddings")
     inputs = _validated(_embedding_inputs, body)
     fmt = _validated(encoding_format, body)
-    req = embed_request(inputs, **_validated(_embed_options, body, _config(request)))
+    params = checked.parameters or am.AfsEmbedParameters()
+    req = embed_request(inputs, **_validated(_embed_options, body, params, _config(request)))
     resp = await call_encoder(state.link.embed, req, model, "embeddings")
     data = [{"embedding": encode(list(e.values), fmt), "index": i, "object": "embedding"}
             for i, e in enumerate(resp.embeddings)]
@@ -170,33 +148,27 @@ def _pairs(value: Any) -> list[pb.RerankPair]:
     return pairs
 
 
-def _rerank_request(body: dict) -> pb.RerankRequest:
+def _rerank_request(body: dict, req: am.AfsRerankRequest) -> pb.RerankRequest:
+    """``req``: ``body`` checked by its model (types, non-empty strings, ``top_n``)."""
     if body.get("inputs") is not None:
-        if body.get("query") is not None or body.get("documents") is not None:
+        if req.query is not None or req.documents is not None:
             raise invalid("inputs: give inputs pairs, or query and documents, not both", "inputs")
         return pb.RerankRequest(pairs=_pairs(body["inputs"]))
-    query, docs = body.get("query"), body.get("documents")
-    if not isinstance(query, str) or not query:
-        raise invalid("query: must be a non-empty string (or send inputs pairs)", "query")
-    if not isinstance(docs, list) or not docs:
-        raise invalid("documents: must be a non-empty list of strings", "documents")
-    bad = next((i for i, d in enumerate(docs) if not isinstance(d, str) or not d), None)
-    if bad is not None:
-        raise invalid(f"documents[{bad}]: must be a non-empty string", f"documents[{bad}]")
-    top_n = _sub_params(body).get("top_n", DEFAULT_TOP_N)
-    if top_n is None:
-        top_n = DEFAULT_TOP_N
-    if not isinstance(top_n, int) or isinstance(top_n, bool) or top_n < 1:
-        raise invalid(f"top_n: must be an integer >= 1, got {top_n!r}", "top_n")
-    return pb.RerankRequest(query=query, documents=docs, top_n=min(top_n, len(docs)))
+    if req.query is None:
+        raise invalid("query: required (a non-empty string, or send inputs pairs)", "query")
+    if req.documents is None:
+        raise invalid("documents: required (a non-empty list of non-empty strings)", "documents")
+    top_n = (req.parameters or am.AfsRerankParameters()).top_n
+    return pb.RerankRequest(query=req.query, documents=req.documents, top_n=min(top_n, len(req.documents)))
 
 
 async def rerank(request: web.Request) -> web.Response:
     start = time.monotonic()
     state = state_of(request)
     body = await _body(request)
-    model = await resolve_encoder(state, ap.parse_model(body), "rerank")
-    req = _rerank_request(body)
+    checked = ap.check(am.AfsRerankRequest, body)
+    model = await resolve_encoder(state, checked.model, "rerank")
+    req = _rerank_request(body, checked)
     resp = await call_encoder(state.link.rerank, req, model, "rerank")
     tokens = resp.usage.prompt_tokens
     out: dict[str, Any] = ({"scores": list(resp.scores)} if req.pairs else

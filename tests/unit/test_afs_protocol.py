@@ -2,7 +2,8 @@
 and ranges of the seed (each violation is a 422 naming the parameter), ``seed: null`` = random,
 ``stop`` as a synonym of ``stop_sequences``, the role mapping (human → user, function → a tool
 result), the function prompt in the system message, ``<FILL_ME>`` counting, and the parser that
-finds a JSON function call in a model's answer."""
+finds a JSON function call in a model's answer. The rules are the models of ``api_models`` (what
+/openapi.json shows): a violation's message is the field's documented description."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,7 @@ import pytest
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.http_facade import afs_functions as af
 from sluice.http_facade import afs_protocol as ap
+from sluice.http_facade import api_models as am
 from sluice.http_facade.errors import ApiError
 
 WEATHER = {"name": "get_current_weather", "description": "Get the current weather in a given location",
@@ -57,6 +59,33 @@ def test_range_violations_are_422_naming_the_parameter(name, value):
     with pytest.raises(ApiError) as info:
         ap.parse_params({"parameters": {name: value}})
     assert info.value.status == 422 and info.value.param == name and info.value.message.startswith(name)
+
+
+@pytest.mark.parametrize("model, body, param, value", [
+    (am.AfsParameters, {"parameters": {"top_k": 101}}, "top_k", 101),
+    (am.AfsParameters, {"parameters": {"top_p": 0}}, "top_p", 0),
+    (am.AfsParameters, {"parameters": {"seed": "42"}}, "seed", "42"),
+    (am.AfsGenerateRequest, {"model": "m", "inputs": ""}, "inputs", ""),
+    (am.AfsMessage, _conv(messages=[{"role": "robot", "content": "x"}]), "role", "robot"),
+    (am.AfsRerankParameters, {"model": "m", "query": "q", "documents": ["d"], "parameters": {"top_n": 0}}, "top_n", 0),
+    (am.AfsEmbedParameters, {"model": "m", "input": "x", "parameters": {"normalize": "no"}}, "normalize", "no"),
+])
+def test_a_violation_says_what_the_model_documents(model, body, param, value):
+    request = (am.AfsRerankRequest if "query" in body else am.AfsEmbeddingsRequest if "input" in body
+               else am.AfsConversationRequest if "messages" in body else am.AfsGenerateRequest)
+    with pytest.raises(ApiError) as info:
+        ap.check(request, {"model": "m", "inputs": "x", **body} if request is am.AfsGenerateRequest else body)
+    wanted = model.model_fields[param].description
+    assert info.value.status == 422 and info.value.message == f"{info.value.param}: must be {wanted}, got {value!r}"
+    assert info.value.param.endswith(param)
+
+
+def test_null_takes_the_default_except_for_seed():
+    gen = ap.parse_generate({"model": "m", "inputs": "x", "stream": None,
+                             "parameters": {"temperature": None, "top_k": None, "seed": None}})
+    sp = gen.request.sampling
+    assert not gen.stream and sp.temperature == 1.0 and sp.top_k == 50 and not sp.HasField("seed")
+    assert ap.parse_generate({"model": "m", "inputs": "x"}).request.sampling.seed == 42
 
 
 def test_request_shape_errors():

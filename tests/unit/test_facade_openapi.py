@@ -83,7 +83,8 @@ def test_every_request_example_fits_its_own_schema():
                 examples += 1
     assert examples == 6
     afs = doc.doc["components"]["schemas"]["AfsParameters"]["properties"]
-    assert afs["top_k"] == {"default": 50, "maximum": 100, "minimum": 1, "title": "Top K", "type": "integer"}
+    assert afs["top_k"] == {"default": 50, "maximum": 100, "minimum": 1, "title": "Top K", "type": "integer",
+                            "description": "an integer in [1, 100]"}    # also what its 422 says it must be
 
 
 async def _events(resp) -> list[dict]:
