@@ -1,7 +1,7 @@
 """Typed request models (pydantic v2) of the OpenAI dialect, of the endpoints beside it
 (responses, rerank, score, tokenize) and of AFS: the source of ``/openapi.json`` (openapi.py)
-and the first validation step of each OpenAI-dialect request (``check``). The response models
-are in ``api_responses``.
+and the first validation step of each request (``check`` here; ``afs_protocol.check`` for AFS).
+The response models are in ``api_responses``.
 
 ``check(Model, body)`` validates the JSON body before the route's own parser runs: types, required
 fields, enumerations and bounds that the model states. Its 400 names the parameter as the

@@ -6,8 +6,8 @@ dialect and the endpoints beside it are described by their pydantic models (``ap
 ``api_responses``): the request bodies the routes check against and the response bodies they
 send, whole and, for
 streams, per server-sent event (``text/event-stream``, with the event's schema under
-``itemSchema``). The AFS dialect's requests and responses are models too; its requests are
-validated by its own parsers (``afs_protocol``), in AFS's error shape.
+``itemSchema``). The AFS dialect's requests and responses are models too, and its routes check
+requests against them as well (``afs_protocol.check``, in AFS's error shape).
 """
 from __future__ import annotations
 

@@ -16,7 +16,8 @@
   index}]}`` best first. Both with ``usage`` and ``total_time_taken``.
 
 Keys: ``X-API-KEY`` (or ``Authorization: Bearer``), the same keys; ``X-API-HOST`` is ignored.
-Errors: ``afs_errors``. The model a request names must be served (404 otherwise); for
+Errors: ``afs_errors``. Each request is checked against its model in ``api_models`` first
+(``afs_protocol.check``). The model a request names must be served (404 otherwise); for
 embeddings and rerank the embedding model's own name is accepted too.
 """
 from __future__ import annotations
