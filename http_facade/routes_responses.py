@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import logging
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -43,6 +44,8 @@ from sluice.http_facade.request_context import TIMER, request_id_of
 from sluice.http_facade.sse import SSEWriter
 from sluice.http_facade.state import FacadeState, state_of
 from sluice.http_facade.tools import CallScanner, split_calls
+
+log = logging.getLogger("sluice.facade.responses")
 
 DEFAULT_MAX_ENTRIES = 1024
 DEFAULT_MAX_BYTES = 64 << 20
@@ -272,6 +275,9 @@ async def _in_background(run: _ResponseRun, store: ResponseStore) -> None:
     except ApiError as err:
         err = rp.renamed(err)
         store.put(run.object("failed", {"code": err.code or err.type, "message": err.message}), conversation)
+    except Exception:  # noqa: BLE001 - no one awaits this task: the stored status must still end
+        log.exception("background response %s failed", run.id)
+        store.put(run.object("failed", {"code": "server_error", "message": "internal error"}), conversation)
     finally:
         run.close(outcome, store)
 

@@ -452,6 +452,14 @@ async def test_background_response_runs_after_the_answer_and_is_retrieved(http):
     await _error(await client.post("/v1/responses/resp_nope/cancel"), 404, "response_id", "no stored response")
 
 
+async def test_background_response_that_fails_is_stored_failed(http):
+    client, _ = http
+    queued = await (await client.post("/v1/responses", json={"model": MODEL, "input": "fail-midway",
+                                                             "background": True})).json()
+    failed = await _settled(client, queued["id"])
+    assert failed["status"] == "failed" and "injected fault" in failed["error"]["message"]
+
+
 async def test_background_response_cancelled_aborts_the_engine_request(http):
     client, fake = http
     queued = await (await client.post("/v1/responses", json={"model": MODEL, "input": "slow", "background": True})
