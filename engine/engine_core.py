@@ -377,6 +377,7 @@ class EngineCore:
         # Whatever finished a request since the last step (including schedule() itself, which
         # ends a request that alone outgrows the KV pool) sends it out through _collect.
         self._mark_dirty(out.finished_ids)
+        res = None
         if out.scheduled:
             try:
                 res = self.runner.execute(out)
@@ -392,11 +393,10 @@ class EngineCore:
                 for req in updated:
                     self._process(req, res)
         elif out.finished_ids:
-            self.runner.execute(out)   # lets the runner drop per-request state
+            res = self.runner.execute(out)   # lets the runner drop per-request state
         if self.spec is not None:
             # Also those finished in this step (schedule() reports them next): an idle engine keeps no EAGLE cache.
-            self.spec.drop((*out.finished_ids, *self.scheduler.finished_since_schedule))
-            self.spec.propose(self.scheduler.running)
+            self.spec.after_step(out, res, self.scheduler.running, self.scheduler.finished_since_schedule)
         outputs = self._collect()
         if self._check_each_step:
             self.check_invariants()
