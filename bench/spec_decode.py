@@ -103,7 +103,7 @@ def heads_folder(args) -> Path | None:
         return Path(args.heads)
     cache = Path(args.heads_cache or Path.home() / ".cache" / "sluice" / "heads" / Path(args.model).name)
     if not ((cache / "eagle" / "config.json").is_file() and (cache / "medusa" / "config.json").is_file()):
-        from sluice.engine.spec_decode import train
+        from sluice.engine.training import train
 
         print(f"training heads into {cache} (sluice train-heads {args.model} --out {cache})", flush=True)
         extra = ["--num-prompts", "8", "--max-tokens", "16", "--medusa-epochs", "1", "--eagle-epochs", "1"] \

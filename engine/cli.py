@@ -29,10 +29,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from sluice.engine.config import QUANTIZATIONS   # no torch import there
 from sluice.engine.errors import EngineError
 from sluice.engine.overrides import MODES, check_mode, check_speculative, parse_overrides
-
-QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")   # engine.config's; no torch import here
 
 DEFAULT_MODEL = "smollm2"
 DEFAULT_EMBEDDING = "auto"      # the packaged all-MiniLM-L6-v2 if installed, else none
@@ -119,7 +118,7 @@ def _build_parser() -> argparse.ArgumentParser:
     _add_sampling_options(chat, max_tokens=256)
     chat.set_defaults(func=_cmd_chat)
 
-    from sluice.engine.spec_decode.train_args import build_parser as add_train_arguments
+    from sluice.engine.training.args import build_parser as add_train_arguments
 
     heads = sub.add_parser("train-heads", help="self-distil Medusa and EAGLE draft heads for a model, on CPU",
                            description="Self-distil draft heads for --speculative-mode eagle|medusa from the "
@@ -232,7 +231,7 @@ def _stream(llm, prompt: str, params, add_special_tokens: bool) -> str:
 
 
 def _cmd_train_heads(args: argparse.Namespace) -> int:
-    from sluice.engine.spec_decode.train import run
+    from sluice.engine.training.train import run
 
     return run(args)
 

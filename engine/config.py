@@ -16,7 +16,7 @@ _DTYPES = ("auto", "float32", "float16", "bfloat16")
 _KV_DTYPES = ("auto", "float32", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # Weight formats (engine.models.quant): none = float32; the others are CPU-only.
-_QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
+QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
 
 
 def _positive(name: str, value: int) -> None:
@@ -90,8 +90,8 @@ class DeviceConfig:
             raise ValueError(f"sampler_backend: must be auto, torch or triton, got {self.sampler_backend!r}")
         if self.num_threads is not None:
             _positive("num_threads", self.num_threads)
-        if self.quantization not in _QUANTIZATIONS:
-            raise ValueError(f"quantization: must be one of {', '.join(_QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.quantization not in ("none", "auto") and d.startswith("cuda"):
             raise ValueError(f"quantization: {self.quantization} runs on CPU only; use none (or auto) "
                              f"with device {d}")

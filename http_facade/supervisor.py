@@ -34,7 +34,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from sluice.http_facade.auth import ENV_KEYS
-from sluice.http_facade.cli import afs_config, facade_config, operations_flags
+from sluice.http_facade.options import afs_config, facade_config, operations_flags
 from sluice.http_facade.limits import ENGINE_KEYS, RequestLimits
 
 log = logging.getLogger("sluice.serve")

@@ -8,7 +8,8 @@ import argparse
 
 import pytest
 
-from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, afs_config
+from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments
+from sluice.http_facade.options import afs_config
 from sluice.http_facade.supervisor import build_plan, serve_from_args
 
 

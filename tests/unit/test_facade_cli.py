@@ -9,7 +9,8 @@ import argparse
 import pytest
 
 from sluice.http_facade.auth import AuthPolicy, load_keys
-from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, facade_config
+from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments
+from sluice.http_facade.options import facade_config
 from sluice.http_facade.cors import parse_json_list
 from sluice.http_facade.supervisor import build_plan, serve_from_args
 

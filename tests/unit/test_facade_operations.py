@@ -14,7 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from sluice.engine.cli import _build_parser
 from sluice.http_facade.app import build_app
 from sluice.http_facade.auth import AuthPolicy, PUBLIC_PATHS
-from sluice.http_facade.cli import facade_config, operations_flags
+from sluice.http_facade.options import facade_config, operations_flags
 from sluice.http_facade.request_context import request_log
 from sluice.http_facade.state import FacadeConfig
 from tests.unit.test_facade_fake_engine import MODEL, fake_engine  # noqa: F401 - fixture

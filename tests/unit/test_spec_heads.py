@@ -705,7 +705,7 @@ def test_training_second_drafts_are_what_serving_drafts_second(tiny):
     serving computes for a second draft there: the cache filled with pairs 0..p-1, the head's
     output at p-1 fed back as the hidden state of the pair at p."""
     from sluice.engine.spec_decode.heads import eagle_config
-    from sluice.engine.spec_decode.train import _second_drafts
+    from sluice.engine.training.train import _second_drafts
 
     torch.manual_seed(1)
     head = EagleHead(ModelArchConfig.from_hf_config(eagle_config(tiny.arch)))

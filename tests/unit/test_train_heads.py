@@ -17,7 +17,7 @@ from sluice.engine.cli import main as cli_main
 from sluice.engine.llm import LLM
 from sluice.engine.loaders import load_model
 from sluice.engine.sampling_params import SamplingParams
-from sluice.engine.spec_decode import train
+from sluice.engine.training import train
 from sluice.engine.spec_decode.heads import load_eagle, load_medusa
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,11 +1,11 @@
-"""The arguments of ``sluice train-heads`` (``spec_decode.train``), apart from the training code:
+"""The arguments of ``sluice train-heads`` (``training.train``), apart from the training code:
 every ``sluice`` command builds its whole parser, and this module, unlike ``train``, imports no
 torch (``sluice serve``'s supervising process never needs it)."""
 from __future__ import annotations
 
 import argparse
 
-from sluice.engine.cli import QUANTIZATIONS   # no torch import there either
+from sluice.engine.config import QUANTIZATIONS   # no torch import there either
 
 DESCRIPTION = "Self-distilled draft heads: ``sluice train-heads MODEL --kind medusa|eagle --out FOLDER``."
 

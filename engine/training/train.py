@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from sluice.engine.spec_decode.train_args import build_parser
+from sluice.engine.training.args import build_parser
 
 TASKS = (
     "Write a short story about {}.", "Explain {} to a ten-year-old.", "Give me five facts about {}.",
@@ -432,13 +432,14 @@ def train_eagle(features, labels, sequences, starts, loaded, lm_weight, epochs: 
 
 
 # ---- the command ---------------------------------------------------------------------------
-# Its arguments live in train_args, which imports no torch: every ``sluice`` command builds them.
+# Its arguments live in training.args, which imports no torch: every ``sluice`` command builds them.
 
 
 def run(args) -> int:
     from sluice.engine.llm import LLM
     from sluice.engine.loaders import load_model
-    from sluice.engine.spec_decode.heads import save_eagle, save_medusa, target_lm_weight
+    from sluice.engine.spec_decode.heads import target_lm_weight
+    from sluice.engine.training.save import save_eagle, save_medusa
 
     if args.threads:
         torch.set_num_threads(args.threads)
