@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from sluice.engine.config import QUANTIZATIONS
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models import kquant, quant
 from sluice.engine.models.llama import _take
@@ -50,8 +51,8 @@ _PROJECTIONS = ("_proj.weight",)
 
 def check_quantization(quantization: str, device: torch.device, dtype: torch.dtype) -> None:
     """ValueError naming ``quantization`` when the format cannot run here."""
-    if quantization not in quant.QUANTIZATIONS:
-        raise ValueError(f"quantization: must be one of {', '.join(quant.QUANTIZATIONS)}, got {quantization!r}")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization: must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}")
     if quantization in QUANTIZED and device.type != "cpu":
         raise ValueError(f"quantization: {quantization} runs on CPU only (device is {device}); "
                          "use quantization=none on CUDA")

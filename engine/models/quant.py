@@ -39,7 +39,6 @@ import torch
 
 from sluice.engine.models.cpu_linear import pack_cpu_weight, packed_linear
 
-from sluice.engine.config import QUANTIZATIONS  # noqa: E402  (the one list, re-exported)
 GROUP = 32                      # int4 group size along the input (= the GGUF block size)
 _INT8_K_MULTIPLE = 16           # _weight_int8pack_mm's row length granule (see Int8Linear)
 _INT4_ROW_PAD = 64              # int4 rows are zero-padded to a multiple of every row tile below
