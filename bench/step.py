@@ -36,8 +36,12 @@ def instrument(core) -> StepTimers:
     runner, model = core.runner, core.loaded.model
     timers.wrap(core.scheduler, "schedule", "schedule")
     timers.wrap(core.scheduler, "update_from_output", "outputs")
-    timers.wrap(core, "_process", "outputs")
-    timers.wrap(core, "_collect", "outputs")
+    if hasattr(core, "outputs"):   # the output processor (before it, the core's own methods)
+        timers.wrap(core.outputs, "process", "outputs")
+        timers.wrap(core.outputs, "collect", "outputs")
+    else:
+        timers.wrap(core, "_process", "outputs")
+        timers.wrap(core, "_collect", "outputs")
     timers.wrap(runner, "prepare", "inputs")
     timers.wrap(runner, "forward", "forward")            # split below into layers + Python
     timers.wrap(runner, "sample", "sample")              # split into LM head, batch, sampler, rest

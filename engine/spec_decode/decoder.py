@@ -77,25 +77,17 @@ class SpecDecoder:
             req.spec_parents = None if draft.parents is None else list(draft.parents[:self.max_drafts])
             self.hooks.expect(rid, draft.probs)
 
-    @staticmethod
-    def drafted(out) -> list[tuple[Request, int]]:
-        """(request, drafts it runs) for this step's drafted sequences; read before the update,
-        which consumes the drafts."""
-        pairs = []
+    def record(self, out, res) -> None:
+        """Count what the step verified, per request (its usage) and in total (metrics). Called
+        before the scheduler's update, which consumes the drafts this reads off ``out``."""
+        rejected = res.num_rejected_tokens
         for s in out.scheduled:
-            k = s.num_computed_tokens + s.num_new_tokens - s.request.num_tokens
-            if s.sample and k > 0:
-                pairs.append((s.request, k))
-        return pairs
-
-    def record(self, drafted: list[tuple[Request, int]], rejected: dict[str, int]) -> None:
-        """Count what the step verified, per request (its usage) and in total (metrics)."""
-        for req, k in drafted:
-            if req.request_id not in rejected:
-                continue   # aborted while the step ran: nothing was verified for it
-            accepted = k - rejected[req.request_id]
-            req.num_draft_tokens += k
-            req.num_accepted_tokens += accepted
+            k = s.num_computed_tokens + s.num_new_tokens - s.request.num_tokens   # drafts it ran
+            if not s.sample or k <= 0 or s.request.request_id not in rejected:
+                continue   # no drafts, or aborted while the step ran: nothing was verified for it
+            accepted = k - rejected[s.request.request_id]
+            s.request.num_draft_tokens += k
+            s.request.num_accepted_tokens += accepted
             self.stats.record(k, accepted)
 
     def drop(self, request_ids: Iterable[str]) -> None:

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from sluice.engine.client import EngineClient, EngineRpcError
-from sluice.engine.engine_core import build_infill_prompt
+from sluice.engine.input_processor import build_infill_prompt
 from sluice.engine.tokenizer import Tokenizer
 from tests.integration.conftest import REPO, EngineProcess, free_port, wait_serving
 from tests.unit.test_infill import CODELLAMA_FIM, codellama_tokenizer_folder

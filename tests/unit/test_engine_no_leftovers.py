@@ -73,7 +73,8 @@ def _leftovers(engine: AsyncEngine) -> dict[str, int]:
     kv, runner = core.kv, core.runner
     sizes = {
         "async._streams": len(engine._streams), "async._live": len(engine._live),
-        "core._groups": len(core._groups), "core._choice_of": len(core._choice_of), "core._dirty": len(core._dirty),
+        "outputs.groups": len(core.outputs.groups), "outputs.choice_of": len(core.outputs.choice_of),
+        "outputs.dirty": len(core.outputs.dirty),
         # Not scheduler._finished_ids: the ids finished since the last step, a hand-off that the
         # next schedule() drains; a request aborted after the last step stays in it until then.
         "scheduler._requests": len(core.scheduler._requests),

@@ -18,7 +18,7 @@ import pytest
 from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, models, normalizers, pre_tokenizers, \
     processors, trainers
 
-from sluice.engine.engine_core import build_infill_prompt
+from sluice.engine.input_processor import build_infill_prompt
 from sluice.engine.errors import UnsupportedError
 from sluice.engine.tokenizer import Tokenizer
 
