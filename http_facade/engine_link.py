@@ -32,6 +32,12 @@ _MODELS_TTL_S = 5.0
 _ENCODER_TIMEOUT_FACTOR = 6
 
 
+# Reconnect within a second of an engine (re)starting: gRPC's default backoff grows to 120 s, so
+# an engine that loads for 10 s, or comes back after a crash, would be reached only much later.
+_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+              ("grpc.max_reconnect_backoff_ms", 1000))
+
+
 class EngineLink:
     def __init__(self, address: str, unary_timeout_s: float = _UNARY_TIMEOUT_S) -> None:
         self.address = address
@@ -43,7 +49,8 @@ class EngineLink:
         if self._channel is None:
             self._channel = grpc.aio.insecure_channel(
                 self.address, options=[("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES)])
+                                       ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+                                       *_RECONNECT])
         return self._channel
 
     @property

@@ -3,9 +3,9 @@
 Start each engine (``python -m sluice.engine.cli engine MODEL --port <free port> --ready-fd N``):
 one, or ``--data-parallel N`` replicas of the model (each on its share of the cores, or on its
 own GPU), plus one per model of ``--additional-models`` when no speculative mode uses them. Wait
-for each to write "ready" to its pipe (it does once its gRPC health says SERVING), start the
-facade (``python -m sluice.http_facade.cli facade --engine A --engine B ...``), wait for its
-``/health``, then watch them all:
+for each to write "ready" to its pipe (it does once its gRPC health says SERVING) while the
+facade (``python -m sluice.http_facade.cli facade --engine A --engine B ...``) starts beside them,
+wait for the facade's ``/ready``, then watch them all:
 
 * the facade exits, or the only engine → the rest are stopped and ``serve`` exits non-zero
   (never a hung port);
@@ -154,6 +154,10 @@ class Supervisor:
     def _run(self) -> int:
         for i in range(len(self.plan.engines)):
             self._start_engine(i, ready=True)
+        # The facade starts while the engines load (its start-up, ~1 s of imports, overlaps
+        # theirs); it marks an engine up at its first SERVING health check, so "ready" waits for
+        # its /ready after the engines' pipes: the first request finds the engines routed to.
+        self.facade = self._spawn(self.plan.facade_cmd, self.plan.facade_env)
         try:
             what = "the engine to load" if len(self.engines) == 1 else "the engines to load"
             if not self._wait(self._engines_serving, self.plan.ready_timeout_s, what):
@@ -163,8 +167,7 @@ class Supervisor:
                 if fd >= 0:
                     os.close(fd)
             self._ready_r = []
-        self.facade = self._spawn(self.plan.facade_cmd, self.plan.facade_env)
-        if not self._wait(self._facade_healthy, _FACADE_START_S, "the facade to listen"):
+        if not self._wait(self._facade_ready, _FACADE_START_S, "the facade to see the engines"):
             return 0 if self.stopping else 1
         addrs = ", ".join(e.addr for e in self.plan.engines)
         print(f"sluice serve: ready on {self.plan.facade_url} (engine{'s' * (len(self.engines) > 1)} {addrs})",
@@ -237,9 +240,10 @@ class Supervisor:
                     os.close(fd)
         return all(fd < 0 for fd in self._ready_r)
 
-    def _facade_healthy(self) -> bool:
+    def _facade_ready(self) -> bool:
+        """The facade's /ready is 200: it listens and has checked that an engine serves."""
         try:
-            with urllib.request.urlopen(self.plan.facade_url + "/health", timeout=1.0) as resp:
+            with urllib.request.urlopen(self.plan.facade_url + "/ready", timeout=2.0) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
