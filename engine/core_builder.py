@@ -97,7 +97,8 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
     shared = draft if config.cache.max_total_tokens is None else None
     num_blocks = shared_num_blocks(_num_blocks(config, arch, kv_dtype, device), arch, shared,
                                    torch.tensor([], dtype=kv_dtype).element_size(), block_size)
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching)
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
+                        sliding_window=_kv_window(arch, draft))
     speculative = resolve_tree_width(config.speculative, loaded.model, attn)   # draft trees or chains
     sched_config = replace(config.scheduler, num_speculative_tokens=speculative.num_speculative_tokens)
     scheduler = Scheduler(sched_config, kv, block_size, max_model_len)
@@ -152,15 +153,18 @@ def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool,
 
 
 def _max_model_len(config: EngineConfig, arch) -> int:
-    own = min(arch.max_position_embeddings, arch.sliding_window or arch.max_position_embeddings)
-    why = "" if own == arch.max_position_embeddings else \
-        ": its sliding window; sluice attends over whole contexts, so sequences stop at the window"
+    own = arch.max_position_embeddings
     asked = config.max_model_len
     if asked is not None and asked > own:
-        raise ValueError(f"max_model_len: {asked} exceeds the model's context window ({own}{why})")
-    if why:
-        log.warning("model %s: context window capped at its sliding window of %d tokens", config.model, own)
+        raise ValueError(f"max_model_len: {asked} exceeds the model's context window ({own})")
     return asked or own
+
+
+def _kv_window(arch, draft) -> int | None:
+    """The window past which the KV manager frees blocks: None unless every layer of the target
+    and of a draft model (which reads the same block tables) slides."""
+    windows = [arch.kv_window] + ([] if draft is None else [draft.arch.kv_window])
+    return None if None in windows else max(windows)
 
 
 def _num_blocks(config: EngineConfig, arch, dtype: torch.dtype, device: torch.device) -> int:

@@ -120,7 +120,9 @@ class Scheduler:
         if n >= self.max_model_len:
             raise ContextLengthError(f"prompt: {n} tokens leave no room to generate within "
                                      f"max_model_len {self.max_model_len}")
-        need = -(-n // self.block_size)
+        # With a sliding window a long prompt holds only its window's blocks and a chunk's.
+        chunk = min(n, self.config.max_num_batched_tokens) if self.config.enable_chunked_prefill else n
+        need = self.kv.max_blocks_for(n, chunk)
         if need > self.kv.num_total_blocks:
             raise ValueError(f"prompt: {n} tokens need {need} KV blocks of {self.block_size} "
                              f"tokens, the pool has {self.kv.num_total_blocks}")

@@ -8,6 +8,12 @@ import torch
 from sluice.kernels._checks import FLOAT_DTYPES, check_last_dim_contiguous, check_same_dtype, check_shape, check_tensor
 
 LOG2E = math.log2(math.e)
+NO_WINDOW = 1 << 30      # the kernels' window argument when attention spans the whole prefix
+
+
+def check_window(window: int | None) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or not 1 <= window < NO_WINDOW):
+        raise ValueError(f"window: must be None or a positive integer below {NO_WINDOW}, got {window!r}")
 
 
 def check_paged_inputs(
@@ -62,12 +68,36 @@ def tree_seen(node_start: torch.Tensor, visible: torch.Tensor, seq_len: int) -> 
     return (cols <= rows) & ((cols < first) | marked)
 
 
+def tree_positions(node_start: torch.Tensor, visible: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[Q] int64: the positions of a sequence's last Q query rows with draft trees. A known
+    token's row sits at its index; a node at node_start - 1 + its depth, and its depth is the
+    number of nodes it sees (its ancestors and itself)."""
+    q = node_start.shape[0]
+    index = torch.arange(seq_len - q, seq_len, device=node_start.device)
+    first = node_start.long()
+    depth = (visible != 0).sum(1)
+    return torch.where(index >= first, first - 1 + depth, index)
+
+
+def window_seen(seen: torch.Tensor, q_positions: torch.Tensor, window: int,
+                node_start: torch.Tensor | None = None) -> torch.Tensor:
+    """``seen`` [Q, L] less the keys before each row's window (key index c at position c), except
+    a draft tree's nodes (c >= node_start), which are the row's ancestors, within any window
+    longer than the tree is deep."""
+    cols = torch.arange(seen.shape[1], device=seen.device)[None, :]
+    out = cols <= q_positions.long()[:, None] - window
+    if node_start is not None:
+        out &= cols < node_start.long()[:, None]
+    return seen & ~out
+
+
 def attention_ref(
     query: torch.Tensor,   # [q_len, num_heads, head_dim]: positions seq_len-q_len .. seq_len-1
     key: torch.Tensor,     # [seq_len, num_kv_heads, head_dim]
     value: torch.Tensor,   # [seq_len, num_kv_heads, head_dim]
     scale: float,
     seen: torch.Tensor | None = None,   # [q_len, seq_len] bool in place of the causal mask (tree_seen)
+    window: int | None = None,          # sliding window (without seen): a query at p sees p - window + 1 .. p
 ) -> torch.Tensor:         # [q_len, num_heads, head_dim], in fp32
     q_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = key.shape
@@ -79,5 +109,9 @@ def attention_ref(
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
     k_pos = torch.arange(seq_len, device=query.device)
     hidden = k_pos[None, :] > q_pos[:, None] if seen is None else ~seen
+    if window is not None:
+        if seen is not None:
+            raise ValueError("window: pass seen with the window applied (window_seen) instead")
+        hidden = hidden | (k_pos[None, :] <= q_pos[:, None] - window)
     scores = scores.masked_fill(hidden[None], float("-inf"))
     return (scores.softmax(-1) @ v).transpose(0, 1)

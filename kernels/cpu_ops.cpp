@@ -576,9 +576,13 @@ void attend_one_chunk(ChunkFn<T> fixed, const float* q, const Partial& part, int
 // Draft-tree rows (optional): tail_start [B] int32 and tail_slots [B, W] int64; row b reads its
 // tokens from tail_start[b] on at the slots tail_slots[b, :] (RowKeys). A row without a tail has
 // tail_start[b] >= seq_lens[b].
+// A sliding window (window > 0; 0: none) limits row b to its last `window` tokens, positions
+// seq_lens[b] - window .. seq_lens[b] - 1: the chunks start there, and no earlier block-table
+// entry is read (the KV manager may have freed those blocks).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
-                           std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
+                           std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots,
+                           int64_t window) {
   check_cache(kc, vc);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32 [B, Hq, D]");
   auto qc = q.contiguous();
@@ -590,6 +594,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) == batch && sl.numel() == batch, "paged_decode: one table and length per row");
   const int64_t group = heads / kv_heads, width = bt.size(1);
   const int32_t* lens = sl.data_ptr<int32_t>();
+  TORCH_CHECK(window >= 0, "paged_decode: window must be >= 0 (0: none), got ", window);
+  // Row b's first token.
+  auto row_start = [&](int64_t b) -> int64_t { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
   TORCH_CHECK(tail_start.has_value() == tail_slots.has_value(), "paged_decode: tail_start and tail_slots go together");
   torch::Tensor ts, tt;
   if (tail_start.has_value()) {
@@ -623,7 +630,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   for (int64_t b = 0; b < batch; ++b) {
     TORCH_CHECK(lens[b] >= 1 && lens[b] <= width * block_size, "paged_decode: seq_len ", lens[b],
                 " does not fit the block table");
-    const int64_t n = (lens[b] + kChunk - 1) / kChunk;
+    const int64_t n = (lens[b] - row_start(b) + kChunk - 1) / kChunk;
     first[b + 1] = first[b] + n;
     for (int64_t c = 0; c < n; ++c) slot.push_back(n > 1 ? split++ : -1);
   }
@@ -652,7 +659,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
       std::vector<float> scores, local(static_cast<size_t>(per_part));
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t c = i / kv_heads, kvh = i % kv_heads, b = row_of[c];
-        const int64_t t0 = (c - first[b]) * kChunk, t1 = std::min<int64_t>(lens[b], t0 + kChunk);
+        const int64_t t0 = row_start(b) + (c - first[b]) * kChunk, t1 = std::min<int64_t>(lens[b], t0 + kChunk);
         const float* qh = qp + (b * heads + kvh * group) * dim;
         const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
         attend_one_chunk<T>(fixed, qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
@@ -910,7 +917,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("store_kv", &store_kv);
   mod.def("paged_decode", &paged_decode, pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
-          pybind11::arg("tail_start") = pybind11::none(), pybind11::arg("tail_slots") = pybind11::none());
+          pybind11::arg("tail_start") = pybind11::none(), pybind11::arg("tail_slots") = pybind11::none(),
+          pybind11::arg("window") = 0);
   mod.def("move_slots", &move_slots, "copy slot src[i] to dst[i], in order, in every cache");
   mod.def("argmax_rows", &argmax_rows, "each row's first maximum (or first NaN), as torch.argmax");
   mod.def("top_probs", &top_probs, "each row's k largest logits' softmax probabilities and indices");

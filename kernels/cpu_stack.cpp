@@ -22,7 +22,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale, std::optional<torch::Tensor> tail_start,
-                           std::optional<torch::Tensor> tail_slots);
+                           std::optional<torch::Tensor> tail_slots, int64_t window);
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
 torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, const std::vector<torch::Tensor>& key_caches,
                                      const std::vector<torch::Tensor>& value_caches, const std::vector<int64_t>& before,
@@ -89,10 +89,11 @@ struct StackSpec {
 };
 
 // One layer's weights by name. q_norm and k_norm are [head_dim] with StackSpec::qk_norm, empty
-// otherwise.
+// otherwise. window: the layer's sliding window (its LayerSpec's), 0 for none.
 struct StackLayer {
   torch::Tensor input_norm, post_norm, q_norm, k_norm;
   Projection qkv, o, gate_up, down;
+  int64_t window = 0;
 };
 
 }  // namespace
@@ -151,7 +152,7 @@ class DecoderStack {
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim});
       store_kv(k, v, key_caches[i], value_caches[i], slots);
       auto attn = paged_decode(qk.narrow(1, 0, heads), key_caches[i], value_caches[i], bt, sl, spec_.scale,
-                               tail_start, tail_slots);
+                               tail_start, tail_slots, L.window);
       auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, spec_.eps);
       auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
@@ -287,11 +288,13 @@ void bind_layer_stacks(pybind11::module_& mod) {
            py::arg("qk_norm"));
   py::class_<StackLayer>(mod, "StackLayer", py::module_local())
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, Projection qkv, Projection o,
-                       Projection gate_up, Projection down, torch::Tensor q_norm, torch::Tensor k_norm) {
-             return StackLayer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down};
+                       Projection gate_up, Projection down, torch::Tensor q_norm, torch::Tensor k_norm,
+                       int64_t window) {
+             TORCH_CHECK(window >= 0, "StackLayer: window must be >= 0 (0: none), got ", window);
+             return StackLayer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, window};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"));
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("window") = 0);
   py::class_<DecoderStack>(mod, "DecoderStack", py::module_local())
       .def(py::init<StackSpec, std::vector<StackLayer>, torch::Tensor>(), py::arg("spec"), py::arg("layers"),
            py::arg("final_norm"))

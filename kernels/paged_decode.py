@@ -5,6 +5,10 @@ group as the rows of one tile, so each K/V tile is read once per group (GQA with
 KV). Tokens are gathered one by one through the block table, which makes any block size work,
 1 included. Long contexts are cut into ``num_splits`` token ranges run in parallel; each writes
 a partial output and its log-sum-exp, and a second kernel combines them.
+
+A sliding window (``window``) limits sequence i to its last ``window`` tokens (positions
+seq_len - window .. seq_len - 1): the splits cut that range, and no earlier block-table entry
+is read (the KV manager may have freed those blocks).
 """
 from __future__ import annotations
 
@@ -13,7 +17,8 @@ import triton
 import triton.language as tl
 
 from sluice.kernels._checks import FP_FUSION, next_pow2
-from sluice.kernels._paged_common import LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense
+from sluice.kernels._paged_common import (LOG2E, NO_WINDOW, attention_ref, check_paged_inputs, check_window,
+                                         dot_precision, gather_dense)
 
 # Tuning (H100-class GPUs): 64-token tiles; split only when fewer than ~2 waves of programs
 # would run, and never give a split fewer than 256 tokens; splits are powers of two so that
@@ -34,7 +39,7 @@ def _paged_decode_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_bt_seq, stride_out_seq, stride_out_head,
-    scale_log2, block_size, head_dim, tokens_per_split, num_heads,
+    scale_log2, block_size, head_dim, tokens_per_split, num_heads, window,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -42,7 +47,8 @@ def _paged_decode_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    lo = split * tokens_per_split
+    first = tl.maximum(seq_len - window, 0)                       # the window's first token
+    lo = first + split * tokens_per_split
     hi = tl.minimum(seq_len, lo + tokens_per_split)
 
     g = tl.arange(0, GROUP_PAD)
@@ -126,16 +132,19 @@ def paged_decode(
     scale: float,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    window: int | None = None,    # sliding window: each sequence's last ``window`` tokens only
 ) -> torch.Tensor:                # [num_seqs, num_heads, head_dim]
     check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens)
+    check_window(window)
     num_seqs, num_heads, head_dim = query.shape
     if seq_lens.shape[0] != num_seqs:
         raise ValueError(f"seq_lens: {seq_lens.shape[0]} sequences for {num_seqs} decode query rows")
     _, block_size, num_kv_heads, _ = key_cache.shape
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max().item()) if num_seqs else 0
+    span = max_seq_len if window is None else min(max_seq_len, window)   # tokens a sequence reads
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, span)
     if num_splits < 1:
         raise ValueError(f"num_splits: must be >= 1, got {num_splits}")
     out = torch.empty_like(query)
@@ -143,7 +152,7 @@ def paged_decode(
         return out
     group = num_heads // num_kv_heads
     dim_pad = max(16, next_pow2(head_dim))
-    tokens_per_split = triton.cdiv(max(max_seq_len, 1), num_splits)
+    tokens_per_split = triton.cdiv(max(span, 1), num_splits)
     part_out = part_lse = out  # unused when there is a single split
     if num_splits > 1:
         part_out = torch.empty(num_seqs * num_heads * num_splits, dim_pad, dtype=torch.float32, device=query.device)
@@ -154,7 +163,7 @@ def paged_decode(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2E, block_size, head_dim, tokens_per_split, num_heads,
+        scale * LOG2E, block_size, head_dim, tokens_per_split, num_heads, NO_WINDOW if window is None else window,
         GROUP=group, GROUP_PAD=max(_MIN_GROUP_ROWS, next_pow2(group)), HEAD_DIM_PAD=dim_pad,
         BLOCK_N=_BLOCK_N, NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(query.dtype), num_warps=_NUM_WARPS,
         **FP_FUSION,
@@ -167,7 +176,8 @@ def paged_decode(
     return out
 
 
-def paged_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, scale: float) -> torch.Tensor:
+def paged_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, scale: float,
+                     window: int | None = None) -> torch.Tensor:
     """Plain-torch ``paged_decode``: gather each sequence's KV densely, attend, return query's dtype."""
     out = torch.zeros_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -175,5 +185,5 @@ def paged_decode_ref(query, key_cache, value_cache, block_tables, seq_lens, scal
             continue
         k = gather_dense(key_cache, block_tables[i], seq_len)
         v = gather_dense(value_cache, block_tables[i], seq_len)
-        out[i] = attention_ref(query[i:i + 1], k, v, scale)[0].to(query.dtype)
+        out[i] = attention_ref(query[i:i + 1], k, v, scale, window=window)[0].to(query.dtype)
     return out

@@ -14,6 +14,12 @@ Draft trees (speculative decoding, ``spec_decode.tree``): with ``node_start`` [T
 (c < node_start[row] or visible[row, c - node_start[row]]): the step wrote a tree's nodes after
 the known tokens, and a node sees only its ancestors and itself among them
 (``engine.attention.base.TreeRows``). Without them the kernel is compiled without the test.
+
+A sliding window (``window``) hides the keys at positions <= the row's position - window. A
+row's position is its index, except a tree node's: node_start - 1 + its depth (the nodes it
+sees, ``_paged_common.tree_positions``); the window applies to the known tokens, a node's
+ancestors being within it. A tile's loop starts at its first row's window, so that no earlier
+block-table entry is read (the KV manager may have freed those blocks).
 """
 from __future__ import annotations
 
@@ -22,8 +28,8 @@ import triton
 import triton.language as tl
 
 from sluice.kernels._checks import FP_FUSION, check_last_dim_contiguous, check_shape, check_tensor, next_pow2
-from sluice.kernels._paged_common import (LOG2E, attention_ref, check_paged_inputs, dot_precision, gather_dense,
-                                         tree_seen)
+from sluice.kernels._paged_common import (LOG2E, NO_WINDOW, attention_ref, check_paged_inputs, check_window,
+                                         dot_precision, gather_dense, tree_positions, tree_seen, window_seen)
 
 # Tuning (H100-class GPUs, head_dim <= 128): 64x64 tiles, 4 warps, 2 pipeline stages.
 _BLOCK_M = 64
@@ -49,8 +55,8 @@ def _paged_prefill_kernel(
     stride_kc_block, stride_kc_slot, stride_kc_head,
     stride_vc_block, stride_vc_slot, stride_vc_head,
     stride_bt_seq, stride_out_tok, stride_out_head, stride_vis_tok,
-    scale_log2, block_size, head_dim, num_nodes,
-    GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    scale_log2, block_size, head_dim, num_nodes, window,
+    GROUP: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, NODES_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, TREE: tl.constexpr,
 ):
     m_block = tl.program_id(0)
@@ -73,6 +79,14 @@ def _paged_prefill_kernel(
     if TREE:   # each row's first tree node (rows past the chunk: none), and the tile's first
         node_start = tl.load(node_start_ptr + q_start + rows, mask=rows < q_len, other=1 << 30)
         tree_lo = tl.min(node_start, axis=0)
+        j = tl.arange(0, NODES_PAD)
+        vis = tl.load(visible_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_vis_tok + j[None, :],
+                      mask=(rows < q_len)[:, None] & (j < num_nodes)[None, :], other=0)
+        depth = tl.sum((vis != 0).to(tl.int32), 1)
+        w_pos = tl.where(q_pos >= node_start, node_start - 1 + depth, q_pos)   # [BLOCK_M] positions
+    else:
+        w_pos = q_pos
+    w_lo = tl.min(tl.where(rows < q_len, w_pos, 1 << 30), axis=0) - window + 1
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
@@ -80,7 +94,7 @@ def _paged_prefill_kernel(
     table_ptr = block_tables_ptr + seq * stride_bt_seq
     # The last row of this tile sees up to position context_len + (m_block+1)*BLOCK_M - 1.
     hi = tl.minimum(seq_len, context_len + (m_block + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(tl.maximum(w_lo, 0), hi, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)                        # [BLOCK_N]
         valid = pos < hi
         block = tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
@@ -89,8 +103,11 @@ def _paged_prefill_kernel(
         k = tl.load(key_cache_ptr + block[:, None] * stride_kc_block + slot[:, None] * stride_kc_slot
                     + kv_head * stride_kc_head + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2       # [BLOCK_M, BLOCK_N]
-        # Tile 0 holds position 0, visible to every row, so m is finite from the first tile on.
         seen = valid[None, :] & (pos[None, :] <= q_pos[:, None])
+        if TREE:
+            seen = seen & ((pos[None, :] > w_pos[:, None] - window) | (pos[None, :] >= node_start[:, None]))
+        else:
+            seen = seen & (pos[None, :] > w_pos[:, None] - window)
         if TREE:
             # Past a row's node_start, only the nodes it marks visible: a gather, in the key
             # tiles that reach a tree only (the last one or two of a long sequence).
@@ -101,9 +118,12 @@ def _paged_prefill_kernel(
                                  mask=in_tree, other=0)
                 seen = seen & ((rel < 0) | (marked != 0))
         s = tl.where(seen, s, float("-inf"))
+        # A row may see nothing in a tile (a window starts past it, a tree hides it): its
+        # maximum stays -inf, and the exponents are taken from 0 then (they are all -inf).
         m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(value_cache_ptr + block[:, None] * stride_vc_block + slot[:, None] * stride_vc_slot
                     + kv_head * stride_vc_head + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
@@ -126,8 +146,10 @@ def paged_prefill(
     max_query_len: int | None = None,
     node_start: torch.Tensor | None = None,   # [num_tokens] int32: draft trees (module doc)
     visible: torch.Tensor | None = None,      # [num_tokens, num_nodes] int8
+    window: int | None = None,                # sliding window (module doc)
 ) -> torch.Tensor:                  # [num_tokens, num_heads, head_dim]
     check_paged_inputs(query, key_cache, value_cache, block_tables, seq_lens)
+    check_window(window)
     num_seqs = seq_lens.shape[0]
     check_tensor("query_start_loc", query_start_loc, 1, (torch.int32,), query.device)
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))
@@ -150,8 +172,8 @@ def paged_prefill(
         key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
         value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1), visible.stride(0),
-        scale * LOG2E, block_size, head_dim, visible.shape[1],
-        GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=dim_pad,
+        scale * LOG2E, block_size, head_dim, visible.shape[1], NO_WINDOW if window is None else window,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM_PAD=dim_pad, NODES_PAD=max(16, next_pow2(visible.shape[1])),
         BLOCK_M=block_m, BLOCK_N=block_n_for(query.dtype, dim_pad), DOT_PRECISION=dot_precision(query.dtype),
         TREE=tree, num_warps=_NUM_WARPS, num_stages=_NUM_STAGES, **FP_FUSION,
     )
@@ -175,7 +197,7 @@ def _check_tree(query: torch.Tensor, node_start: torch.Tensor | None, visible: t
 
 
 def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, scale: float,
-                      node_start=None, visible=None):
+                      node_start=None, visible=None, window: int | None = None):
     """Plain-torch ``paged_prefill``: per sequence, gather its KV densely and attend causally (or
     through the draft trees' mask)."""
     out = torch.zeros_like(query)
@@ -186,6 +208,12 @@ def paged_prefill_ref(query, key_cache, value_cache, block_tables, query_start_l
             continue
         k = gather_dense(key_cache, block_tables[i], seq_len)
         v = gather_dense(value_cache, block_tables[i], seq_len)
-        seen = None if node_start is None else tree_seen(node_start[lo:hi], visible[lo:hi], seq_len)
+        if node_start is None:
+            out[lo:hi] = attention_ref(query[lo:hi], k, v, scale, window=window).to(query.dtype)
+            continue
+        seen = tree_seen(node_start[lo:hi], visible[lo:hi], seq_len)
+        if window is not None:
+            at = tree_positions(node_start[lo:hi], visible[lo:hi], seq_len)
+            seen = window_seen(seen, at, window, node_start[lo:hi])
         out[lo:hi] = attention_ref(query[lo:hi], k, v, scale, seen).to(query.dtype)
     return out

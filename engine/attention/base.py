@@ -10,6 +10,11 @@ A batch is varlen: the new tokens of all sequences are flattened in schedule ord
 ``context_lens[i] .. seq_lens[i]-1`` and attend causally to all its earlier tokens. Plain
 prefill, chunked prefill, prefix-cache hits, decode and speculative verification are all this
 one shape.
+
+Sliding windows: ``forward``'s ``window`` (the layer's ``AttentionSpec.sliding_window``) limits a
+query at position p to the keys at positions p - window + 1 .. p (transformers' convention). The
+block-table entries before a sequence's window may name blocks the KV manager has freed (and
+another sequence now writes): a backend must never let them reach its result.
 """
 from __future__ import annotations
 
@@ -110,5 +115,6 @@ class AttentionBackend(ABC):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,  # the layer's sliding window; None: the whole causal prefix
     ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
         ...

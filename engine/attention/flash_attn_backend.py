@@ -37,18 +37,21 @@ class FlashAttnBackend(AttentionBackend):
     def __init__(self, device: torch.device) -> None:
         self._varlen = load_flash_attn_varlen(device)
 
-    def forward(self, query, key, value, kv_cache: KVCache, meta: AttentionMetadata, scale: float):
+    def forward(self, query, key, value, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+                window: int | None = None):
         key_cache, value_cache = kv_cache
         kv_store(key, value, key_cache, value_cache, meta.slot_mapping)
         if meta.is_pure_decode and query.shape[0] == meta.num_seqs:
             return paged_decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                                max_seq_len=meta.max_seq_len)
+                                max_seq_len=meta.max_seq_len, window=window)
         if meta.query_lens_cpu != meta.seq_lens_cpu or query.dtype == torch.float32 or meta.tree is not None:
             # A cached prefix to read, fp32 (which flash-attn lacks) or draft trees: the Triton kernel.
-            return TritonAttentionBackend.extend(query, kv_cache, meta, scale)
+            return TritonAttentionBackend.extend(query, kv_cache, meta, scale, window)
         return self._varlen(
             query, key, value,
             cu_seqlens_q=meta.query_start_loc, cu_seqlens_k=meta.query_start_loc,
             max_seqlen_q=meta.max_query_len, max_seqlen_k=meta.max_query_len,
             softmax_scale=scale, causal=True,
+            # flash-attn's (left, right) reach: a query sees window - 1 earlier keys and itself.
+            **({} if window is None else {"window_size": (window - 1, 0)}),
         )

@@ -8,6 +8,11 @@ contexts (verification of many short requests, short prompts) attend all at once
 (``_short_batch``). Rows with longer queries (prefill, chunked prefill, prefix-hit chunks) run
 one SDPA each, with a causal mask offset by the tokens already in the cache. A draft tree's
 sequence attends through ``_short`` with the tree's mask (``TreeRows``) in place of the causal one.
+
+A sliding window (``window``) is one more condition in each of these masks: key position >
+query position - window. The blocks before a window are still gathered (their entries may name
+blocks freed and rewritten since, which hold finite values: the cache starts zeroed and only
+ever receives K/V), and their scores are -inf, so they weigh exactly 0.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
-from sluice.kernels._paged_common import tree_seen
+from sluice.kernels._paged_common import tree_seen, window_seen
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
@@ -37,6 +42,12 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
     return out if dtype is None else out.to(dtype)
 
 
+def _in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which keys a query sees (broadcast): causal, and within the window when there is one."""
+    seen = k_pos <= q_pos
+    return seen if window is None else seen & (k_pos > q_pos - window)
+
+
 # Queries of 2 to this many tokens attend through _short (one sequence over a longer context) or,
 # when every such sequence is at most _BATCHED_SHORT_MAX_LEN long, all together through
 # _short_batch. One thread, 5-token queries (ms per layer, per-sequence -> batched): 16 sequences
@@ -51,10 +62,11 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_trees = True
 
-    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float):
+    def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None):
         store_kv(key, value, kv_cache, meta.slot_mapping)
         if meta.is_pure_decode:
-            return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale)
+            return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, window)
         out = torch.empty_like(query)
         trees = set() if meta.tree is None else set(meta.tree.tree_seqs)
         decode, short, start = ([], []), ([], []), 0   # (first query row, sequence) of each
@@ -62,6 +74,9 @@ class TorchAttentionBackend(AttentionBackend):
             if i in trees:     # a draft tree's sequence: _short with the tree's mask
                 rows = slice(start, start + q_len)
                 seen = tree_seen(meta.tree.node_start[rows], meta.tree.visible[rows], meta.seq_lens_cpu[i])
+                if window is not None:
+                    # by position (TreeRows.lens: position + 1); the nodes are the row's ancestors
+                    seen = window_seen(seen, meta.tree.lens[rows] - 1, window, meta.tree.node_start[rows])
                 out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale, seen)
             elif q_len <= _SHORT_QUERY:
                 group = decode if q_len == 1 else short
@@ -73,21 +88,22 @@ class TorchAttentionBackend(AttentionBackend):
             rows = torch.tensor(decode[0], dtype=torch.long, device=dev)
             seqs = torch.tensor(decode[1], dtype=torch.long, device=dev)
             out[rows] = self._decode(query[rows], kv_cache, meta.block_tables[seqs], meta.seq_lens[seqs],
-                                     max(meta.seq_lens_cpu[i] for i in decode[1]), scale)
+                                     max(meta.seq_lens_cpu[i] for i in decode[1]), scale, window)
         batched = len(short[1]) > 1 and max(meta.seq_lens_cpu[i] for i in short[1]) <= _BATCHED_SHORT_MAX_LEN
         if batched:
-            self._short_batch(query, out, kv_cache, meta, short[0], short[1], scale)
+            self._short_batch(query, out, kv_cache, meta, short[0], short[1], scale, window)
         start = 0
         for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
             if q_len > 1 and i not in trees and not (batched and q_len <= _SHORT_QUERY):   # the others: above
                 attend = self._short if q_len <= _SHORT_QUERY < seq_len else self._extend
                 out[start:start + q_len] = attend(query[start:start + q_len], kv_cache, meta.block_tables[i],
-                                                  seq_len, scale)
+                                                  seq_len, scale, window=window)
             start += q_len
         return out
 
     @staticmethod
-    def _short(query, kv_cache: KVCache, block_table, seq_len: int, scale: float, seen: torch.Tensor | None = None):
+    def _short(query, kv_cache: KVCache, block_table, seq_len: int, scale: float, seen: torch.Tensor | None = None,
+               window: int | None = None):
         """query [Lq, Hq, D] at positions seq_len-Lq .. seq_len-1 of one sequence, Lq small.
 
         On CPU a masked SDPA for a few query tokens, or one decode row per token (each with its
@@ -106,7 +122,7 @@ class TorchAttentionBackend(AttentionBackend):
         if seen is None:
             k_pos = torch.arange(seq_len, device=query.device)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            seen = k_pos[None, :] <= q_pos[:, None]
+            seen = _in_window(k_pos[None, :], q_pos[:, None], window)
         bias = torch.zeros(q_len, seq_len, dtype=torch.float32, device=query.device).masked_fill_(~seen, float("-inf"))
         scores = torch.baddbmm(bias.repeat(group, 1).expand(num_kv, -1, -1), q.float(),
                                k.float().permute(1, 2, 0), alpha=scale)     # [Hkv, group * Lq, L]
@@ -116,7 +132,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _short_batch(query, out, kv_cache: KVCache, meta: AttentionMetadata, starts: list[int], seqs: list[int],
-                     scale: float) -> None:
+                     scale: float, window: int | None = None) -> None:
         """Writes ``out``'s rows of the sequences ``seqs``, whose queries (rows ``starts[b]`` on, 2
         to _SHORT_QUERY tokens each) are the last positions of their sequences: speculative
         verification, short prefills and chunks. All of them attend at once: ``_short``'s
@@ -146,7 +162,7 @@ class TorchAttentionBackend(AttentionBackend):
         q = query[rows.reshape(-1)].view(batch, q_max, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(batch, num_kv, group * q_max, head_dim).float()
         k_pos = torch.arange(length)
-        masked = (k_pos[None, None, :] > q_pos[:, :, None]).to(dev)                                     # [B, Qm, L]
+        masked = (~_in_window(k_pos[None, None, :], q_pos[:, :, None], window)).to(dev)                 # [B, Qm, L]
         bias = torch.zeros(batch, q_max, length, dtype=torch.float32, device=dev).masked_fill_(masked, float("-inf"))
         scores = torch.matmul(q, k.float().transpose(2, 3)).mul_(scale)                               # [B, Hkv, G*Qm, L]
         scores += bias.repeat(1, group, 1)[:, None]
@@ -157,7 +173,8 @@ class TorchAttentionBackend(AttentionBackend):
         out[rows.reshape(-1)[keep]] = res.reshape(batch * q_max, num_heads, head_dim)[keep].to(out.dtype)
 
     @staticmethod
-    def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float):
+    def _decode(query, kv_cache: KVCache, block_tables, seq_lens, max_seq_len: int, scale: float,
+                window: int | None = None):
         # query [B, Hq, D]; one new token per sequence, already stored in the cache.
         key_cache, value_cache = kv_cache
         batch, block_size = query.shape[0], key_cache.shape[1]
@@ -166,13 +183,14 @@ class TorchAttentionBackend(AttentionBackend):
         k = key_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])    # [B, L, Hkv, D]
         v = value_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])  # [B, L, Hkv, D]
         k, v = k.to(query.dtype), v.to(query.dtype)   # a no-op unless the cache has its own dtype
-        if batch == 1:
+        if batch == 1 and (window is None or max_seq_len <= window):
             k, v, bias = k[:, :max_seq_len], v[:, :max_seq_len], None
         else:
             # An additive float mask: SDPA on CPU takes a much slower path for boolean masks.
             pos = torch.arange(k.shape[1], device=query.device)
+            keep = _in_window(pos[None, :], seq_lens[:, None].long() - 1, window)
             bias = torch.zeros(batch, 1, 1, k.shape[1], dtype=query.dtype, device=query.device)
-            bias.masked_fill_((pos[None, :] >= seq_lens[:, None])[:, None, None, :], float("-inf"))
+            bias.masked_fill_(~keep[:, None, None, :], float("-inf"))
         out = F.scaled_dot_product_attention(
             query.unsqueeze(2),                      # [B, Hq, 1, D]
             k.transpose(1, 2), v.transpose(1, 2),    # [B, Hkv, L, D]
@@ -181,19 +199,19 @@ class TorchAttentionBackend(AttentionBackend):
         return out.squeeze(2)                        # [B, Hq, D]
 
     @staticmethod
-    def _extend(query, kv_cache: KVCache, block_table, seq_len: int, scale: float):
+    def _extend(query, kv_cache: KVCache, block_table, seq_len: int, scale: float, window: int | None = None):
         # query [Lq, Hq, D]: positions seq_len-Lq .. seq_len-1 of one sequence.
         key_cache, value_cache = kv_cache
         q_len = query.shape[0]
         k = gather_kv(key_cache, block_table, seq_len, query.dtype).transpose(0, 1)    # [Hkv, L, D]
         v = gather_kv(value_cache, block_table, seq_len, query.dtype).transpose(0, 1)  # [Hkv, L, D]
         q = query.transpose(0, 1)                                          # [Hq, Lq, D]
-        if q_len == seq_len:
+        if q_len == seq_len and (window is None or seq_len <= window):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             k_pos = torch.arange(seq_len, device=query.device)
             bias = torch.zeros(q_len, seq_len, dtype=query.dtype, device=query.device)
-            bias.masked_fill_(k_pos[None, :] > q_pos[:, None], float("-inf"))   # [Lq, L]
+            bias.masked_fill_(~_in_window(k_pos[None, :], q_pos[:, None], window), float("-inf"))   # [Lq, L]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)                                         # [Lq, Hq, D]

@@ -27,19 +27,21 @@ class TritonAttentionBackend(AttentionBackend):
         kv_cache: KVCache,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
         key_cache, value_cache = kv_cache
         kv_store(key, value, key_cache, value_cache, meta.slot_mapping)
         if meta.is_pure_decode and query.shape[0] == meta.num_seqs:
             return paged_decode(query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale,
-                                max_seq_len=meta.max_seq_len)
-        return self.extend(query, kv_cache, meta, scale)
+                                max_seq_len=meta.max_seq_len, window=window)
+        return self.extend(query, kv_cache, meta, scale, window)
 
     @staticmethod
-    def extend(query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def extend(query: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
+               window: int | None = None) -> torch.Tensor:
         """Varlen attention of the batch's queries over the cache (K/V already stored), through
         the draft trees' mask when the step carries trees."""
         key_cache, value_cache = kv_cache
         tree = {} if meta.tree is None else {"node_start": meta.tree.node_start, "visible": meta.tree.visible}
         return paged_prefill(query, key_cache, value_cache, meta.block_tables, meta.query_start_loc,
-                             meta.seq_lens, scale, max_query_len=meta.max_query_len, **tree)
+                             meta.seq_lens, scale, max_query_len=meta.max_query_len, window=window, **tree)

@@ -10,6 +10,23 @@ collisions) equal prefixes. Blocks are registered in the pool's cache map when t
 known tokens, at the allocation of the step that computes them (the forward of that step writes
 their KV before any later step can read them). A hit is verified against stored tokens and parent
 links in the pool (see ``block_pool``), so a collision can only cost a miss, never wrong KV.
+
+Sliding windows (``sliding_window``, set only when every layer of every model sharing the pool
+slides): a query at position p reads positions p - window + 1 .. p, so once a request's first
+uncomputed position is c, its blocks wholly before position c - window + 1 are never read
+again. ``allocate_slots`` releases them (``_release_out_of_window``) and a request then holds at
+most ceil((window - 1 + new tokens) / block_size) + 1 blocks. Its table keeps its length: a
+released entry still names the block it had (``get_block_ids``), which may since hold another
+request's tokens; the attention kernels never read before a row's window. The request's
+``_req_num_released`` leading entries are no longer its own (not released again by ``free``,
+not counted by ``check_invariants``).
+
+A released block keeps its hash, so it stays a cached block: a later request with the same
+prefix may hit it, which is correct (a block's K/V depend only on the tokens up to it, whatever
+the window) and verified as any hit (tokens and parent links). A hit beyond the window of the
+request's first new token is not taken at all (its entry counts as released from the start).
+A block whose parent entry was released is never registered: the parent object may by then be
+another request's block, and a parent link must name the block matched one level up.
 """
 from __future__ import annotations
 
@@ -26,15 +43,21 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_k
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
+        if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                           or sliding_window < 1):
+            raise ValueError(f"sliding_window: must be None or a positive integer, got {sliding_window!r}")
         self.block_size = block_size
+        self.sliding_window = sliding_window
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_hashes: dict[str, list[int]] = {}        # hashes of the request's full blocks
         self._req_num_registered: dict[str, int] = {}      # leading blocks past registration
+        self._req_num_released: dict[str, int] = {}        # leading entries out of the window
         self._query_tokens = 0
         self._hit_tokens = 0
 
@@ -62,7 +85,28 @@ class KVCacheManager:
         return self.pool.stats()
 
     def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's whole table (released entries included: they are never read)."""
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds a reference on (its table less the released entries)."""
+        return len(self._req_blocks.get(request_id, ())) - self._req_num_released.get(request_id, 0)
+
+    def num_out_of_window(self, num_computed: int) -> int:
+        """Leading blocks that no query at position >= ``num_computed`` reads: those wholly before
+        position num_computed - window + 1 (0 without a window)."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
+
+    def max_blocks_for(self, num_tokens: int, num_new_tokens: int) -> int:
+        """The most blocks a request of ``num_tokens`` tokens holds while it runs at most
+        ``num_new_tokens`` tokens a step: all of them, or with a window the window's and the
+        step's (ceil((window - 1 + new) / block_size) + 1)."""
+        every = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return every
+        return min(every, -(-(self.sliding_window - 1 + num_new_tokens) // self.block_size) + 1)
 
     # ---- prefix cache ----------------------------------------------------------------------
     def _block_hashes(self, request: Request, token_ids: list[int], num_full: int) -> list[int]:
@@ -125,15 +169,22 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + num_computed_from_cache
         total = num_computed + num_new_tokens + num_lookahead_tokens
         num_needed = max(0, -(-total // self.block_size) - len(held) - len(hits))
+        # Blocks behind the window of this step's first token are released even when the
+        # allocation then fails: no step reads them again. Hits behind it are not taken.
+        out = self.num_out_of_window(num_computed)
+        if held:
+            self._release_out_of_window(rid, out)
+        taken = hits[out:] if hits else hits
         # Hits that are cached-but-free sit in the free list: taking them shrinks what is left.
-        available = self.pool.num_free - sum(1 for b in hits if b.ref_cnt == 0)
+        available = self.pool.num_free - sum(1 for b in taken if b.ref_cnt == 0)
         if num_needed > available:
             return None
         if rid not in self._req_blocks:
             self._query_tokens += request.num_tokens
             self._hit_tokens += num_computed_from_cache
             self._req_num_registered[rid] = len(hits)
-        self.pool.touch(hits)
+            self._req_num_released[rid] = min(out, len(hits))
+        self.pool.touch(taken)
         new_blocks = self.pool.take_new(num_needed)
         blocks = self._req_blocks.setdefault(rid, [])
         blocks.extend(hits)
@@ -141,6 +192,15 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self._register_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
         return [b.block_id for b in new_blocks]
+
+    def _release_out_of_window(self, rid: str, out: int) -> None:
+        """Releases the request's leading blocks up to ``out`` (those left behind its window),
+        oldest first, so that the oldest are evicted first."""
+        blocks, done = self._req_blocks[rid], self._req_num_released.get(rid, 0)
+        out = min(out, len(blocks))
+        if out > done:
+            self.pool.release(blocks[done:out])
+            self._req_num_released[rid] = out
 
     def _register_full_blocks(self, request: Request, num_known_computed: int) -> None:
         """Registers blocks that are full of known tokens once this step has run."""
@@ -151,7 +211,10 @@ class KVCacheManager:
         tokens = request.all_token_ids
         hashes = self._block_hashes(request, tokens, num_full)
         blocks, bs = self._req_blocks[rid], self.block_size
+        released = self._req_num_released.get(rid, 0)
         for i in range(start, num_full):
+            if released and i <= released:
+                break     # the block or its parent entry is no longer ours (module doc)
             block = blocks[i]
             if block.block_hash is not None:
                 continue  # a prefix hit: already registered
@@ -167,17 +230,18 @@ class KVCacheManager:
         the shared prefix. Safe to call for a request holding nothing."""
         rid = request.request_id
         blocks = self._req_blocks.pop(rid, [])
+        released = self._req_num_released.pop(rid, 0)
         self._req_hashes.pop(rid, None)
         self._req_num_registered.pop(rid, None)
-        self.pool.release(reversed(blocks))
+        self.pool.release(reversed(blocks[released:]))
 
     def check_invariants(self) -> None:
         """Pool invariants plus: every block's ref count equals the number of request tables that
         hold it. Raises AssertionError naming what is wrong."""
         self.pool.check_invariants()
         refs: dict[int, int] = {}
-        for blocks in self._req_blocks.values():
-            for b in blocks:
+        for rid, blocks in self._req_blocks.items():
+            for b in blocks[self._req_num_released.get(rid, 0):]:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         wrong = [(b.block_id, b.ref_cnt, refs.get(b.block_id, 0))
                  for b in self.pool.created if b.ref_cnt != refs.get(b.block_id, 0)]

@@ -222,9 +222,20 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
             rope_scaling=_rope_freqs(reader, path) or _rope_scaling(reader, arch, path),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
+            sliding_window=_sliding_window(reader, arch),
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: bad model metadata: {exc}") from exc
+
+
+def _sliding_window(reader, arch: str) -> int | None:
+    """llama.cpp's ``<arch>.attention.sliding_window``, for every layer; None when absent or when
+    it spans the whole context (a window of 0 is none, as llama.cpp reads it)."""
+    window = gguf_metadata(reader, f"{arch}.attention.sliding_window")
+    if window is None or int(window) == 0:
+        return None
+    window = int(window)
+    return window if window < int(gguf_metadata(reader, f"{arch}.context_length", 0) or 0) else None
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:

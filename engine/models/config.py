@@ -90,13 +90,37 @@ def _validate_rope_scaling(rs: dict | None) -> None:
 
 
 def _sliding_window(cfg: dict, model_type: str) -> int | None:
-    """The window config.json puts in force (``ArchTraits.window``), None when none is or it spans
-    the whole context."""
+    """The window config.json puts in force (``ArchTraits.window``), None when none is, it spans
+    the whole context, or no layer slides (``_sliding_layers``)."""
     window, rule = cfg.get("sliding_window"), ARCHITECTURES[model_type].window
     if window is None or rule == "never" or (rule == "opt_in" and not cfg.get("use_sliding_window")):
         return None
     _positive_int("sliding_window", window)
-    return window if window < cfg.get("max_position_embeddings", 2048) else None
+    if window >= cfg.get("max_position_embeddings", 2048):
+        return None
+    return window if _sliding_layers(cfg, model_type) != () else None
+
+
+def _sliding_layers(cfg: dict, model_type: str) -> tuple[int, ...] | None:
+    """Which layers attend through the window: None for every layer (Mistral), else the indices.
+    Qwen2/Qwen3 as transformers reads them: ``layer_types`` when given ("sliding_attention"),
+    else the layers from ``max_window_layers`` (default 28) on."""
+    if ARCHITECTURES[model_type].window != "opt_in":
+        return None
+    num_layers = cfg.get("num_hidden_layers", 0)
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != num_layers or \
+                not set(types) <= {"sliding_attention", "full_attention"}:
+            raise ValueError("layer_types: must list sliding_attention or full_attention for each of the "
+                             f"{num_layers} layers, got {types!r}")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    else:
+        first = cfg.get("max_window_layers", 28)
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise ValueError(f"max_window_layers: must be a non-negative integer, got {first!r}")
+        layers = tuple(range(first, num_layers))
+    return None if len(layers) == num_layers else layers
 
 
 # config.json fields that must be positive integers when present (a string "64" would fail later,
@@ -121,10 +145,12 @@ class ModelArchConfig:
     rope_scaling: dict | None = None        # HF semantics, see module docstring
     tie_word_embeddings: bool = False
     attention_bias: bool = False            # q/k/v projections carry a bias (always in Qwen2)
-    # Sliding-window attention (Mistral, Qwen2 with use_sliding_window): each token attends to the
-    # last ``sliding_window`` positions. Not implemented: the engine caps the context window at it,
-    # where full attention is the same thing, and refuses longer sequences.
+    # Sliding-window attention (Mistral, Qwen2 with use_sliding_window): a token at position p
+    # attends to positions p - sliding_window + 1 .. p (transformers' sliding_window_overlay).
     sliding_window: int | None = None
+    # The layers that slide (indices, ascending); None: every layer, when sliding_window is set.
+    # The others attend over the whole context. See layer_window / kv_window.
+    sliding_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -144,6 +170,27 @@ class ModelArchConfig:
         _positive_float("rms_norm_eps", self.rms_norm_eps)
         _positive_float("rope_theta", self.rope_theta)
         _validate_rope_scaling(self.rope_scaling)
+        if self.sliding_window is not None:
+            _positive_int("sliding_window", self.sliding_window)
+        layers = self.sliding_layers
+        if layers is not None and (list(layers) != sorted(set(layers)) or
+                                   any(not 0 <= i < self.num_hidden_layers for i in layers)):
+            raise ValueError(f"sliding_layers: must be ascending layer indices below "
+                             f"{self.num_hidden_layers}, got {layers!r}")
+
+    def layer_window(self, layer: int) -> int | None:
+        """The window layer ``layer`` attends through, or None (the whole context)."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window past which no layer reads a token's K/V (the KV manager frees its blocks):
+        the sliding window when every layer slides, else None."""
+        if self.sliding_layers is not None and len(self.sliding_layers) < self.num_hidden_layers:
+            return None
+        return self.sliding_window
 
     @property
     def q_size(self) -> int:
@@ -191,6 +238,7 @@ class ModelArchConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=ARCHITECTURES[model_type].qkv_bias or bool(cfg.get("attention_bias", False)),
                 sliding_window=_sliding_window(cfg, model_type),
+                sliding_layers=_sliding_layers(cfg, model_type) if _sliding_window(cfg, model_type) else None,
             )
         except KeyError as exc:
             raise ValueError(f"{exc.args[0]}: missing from config.json") from None

@@ -22,8 +22,9 @@ class AttentionSpec:
     head_dim: int
     qkv_bias: bool                  # the fused q/k/v projection adds a bias
     qk_norm: bool                   # RMSNorm over head_dim on each query and key head, before RoPE
-    # Not attended through: the engine caps the context at the window, where full attention is
-    # the same thing (ModelArchConfig.sliding_window). Here so that the description is whole.
+    # This layer's window: a query at position p attends to positions p - sliding_window + 1 .. p
+    # (transformers' convention); None: the whole causal prefix. Per layer (ModelArchConfig.
+    # layer_window), so that sliding and global layers may alternate; both stacks read it here.
     sliding_window: int | None
 
     @property
@@ -55,10 +56,11 @@ class LayerSpec:
             raise ValueError(f"mlp: must be one of {MLPS}, got {self.mlp!r}")
 
     @classmethod
-    def from_arch(cls, arch: ModelArchConfig) -> LayerSpec:
+    def from_arch(cls, arch: ModelArchConfig, layer: int = 0) -> LayerSpec:
+        """Layer ``layer``'s description (layers differ only in their window so far)."""
         traits = ARCHITECTURES[arch.architecture]
         attention = AttentionSpec(
             num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.sliding_window)
+            qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.layer_window(layer))
         return cls(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
                    norm_eps=arch.rms_norm_eps, attention=attention)

@@ -93,7 +93,8 @@ def build_decoder_stack(model, ops):
             qkv=_projection(ops, attn.qkv_proj), o=_projection(ops, attn.o_proj),
             gate_up=_projection(ops, mlp.gate_up_proj), down=_projection(ops, mlp.down_proj),
             q_norm=_NONE if attn.q_norm is None else attn.q_norm.weight.detach(),
-            k_norm=_NONE if attn.k_norm is None else attn.k_norm.weight.detach()))
+            k_norm=_NONE if attn.k_norm is None else attn.k_norm.weight.detach(),
+            window=attn.sliding_window or 0))       # the layer's own window (0: global)
     return ops.DecoderStack(spec=spec, layers=layers, final_norm=model.norm.weight.detach())
 
 

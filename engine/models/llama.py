@@ -96,6 +96,7 @@ class LlamaAttention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = att.num_heads, att.num_kv_heads, att.head_dim
         self.q_size, self.kv_size = att.q_size, att.kv_size
         self.scale = att.scale
+        self.sliding_window = att.sliding_window        # this layer's window (None: global)
         self.qkv_proj = _Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=att.qkv_bias, **factory)
         self.o_proj = _Linear(self.q_size, spec.hidden_size, bias=False, **factory)
         # Per-head norms of queries and keys (Qwen3), one weight over head_dim each.
@@ -114,7 +115,7 @@ class LlamaAttention(torch.nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)              # [T, Hq, D], [T, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
-        out = attn.forward(q, k, v, kv_cache, meta, self.scale)                  # [T, Hq, D]
+        out = attn.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)   # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))                         # [T, hidden]
 
 
@@ -160,8 +161,9 @@ class LlamaForCausalLM(torch.nn.Module):
         self.arch = arch
         self.embed_tokens = _Embedding(arch.vocab_size, arch.hidden_size, **factory)
         self.rotary = RotaryEmbedding(arch, max_seq_len, device=device)
-        spec = LayerSpec.from_arch(arch)
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(spec, **factory) for _ in range(arch.num_hidden_layers))
+        specs = [LayerSpec.from_arch(arch, i) for i in range(arch.num_hidden_layers)]   # per-layer windows
+        spec = specs[0]
+        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(s, **factory) for s in specs)
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
         # Tied: the output projection is the embedding matrix itself (no copy).
         self.lm_head = None if arch.tie_word_embeddings else _Linear(
@@ -170,7 +172,7 @@ class LlamaForCausalLM(torch.nn.Module):
         # Set by load_hf_weights with a quantizer (models.quant formats), in place of the float ones.
         self.quant_embedding = None
         self.quant_lm_head = None
-        self.spec = spec
+        self.spec = spec          # layer 0's; layers differ only in their window (self_attn.sliding_window)
         self._decoder = None      # the layer stack strategy, chosen on first use (layer_stack())
 
     def forward(

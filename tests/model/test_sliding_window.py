@@ -1,71 +1,235 @@
-"""A model with sliding-window attention is never served wrong (issue 43's first point).
+"""Sliding-window attention (issue 43): a Mistral whose window is shorter than its prompts and
+generations, served as transformers computes it.
 
-sluice attends over whole contexts, which is what a sliding window of W does for sequences of at
-most W tokens. So a Mistral (or Qwen2 with ``use_sliding_window``) whose window is shorter than
-its context has its context window capped at the window: within it, greedy outputs equal
-transformers' own; a prompt that does not fit is refused (OUT_OF_RANGE), and a generation stops
-at the window with ``length``. A window that spans the whole context changes nothing.
+A tiny random-weight Mistral written by transformers itself (``sliding_window`` 8, blocks of 4
+tokens), and the same weights as a GGUF in llama.cpp's layout, Q8_0 blocks, with the window in
+``llama.attention.sliding_window``.
+
+* float32 logits of prompts three times the window equal transformers' within test_logits'
+  tolerance, through the C++ layer stack and through the Python layers;
+* greedy continuations past the window equal transformers', several requests batched with
+  chunked prefill, through both stacks; meanwhile no request ever holds more than its window's
+  blocks plus the step's (the KV manager frees the blocks that left the window), and at the end
+  every block is back in the pool;
+* a later request with the same prompt hits the prefix cache (released blocks stay cached:
+  their K/V depend only on the tokens before them) and gives the same tokens;
+* the Q8_0 GGUF stays within the block formats' bounds (test_quantization) on long prompts;
+* Qwen2/Qwen3's per-layer windows (``max_window_layers``, ``layer_types``) read as transformers
+  reads them: a model with a global layer frees nothing.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from sluice.engine.errors import ContextLengthError
 from sluice.engine.llm import LLM
+from sluice.engine.loaders import build_model
+from sluice.engine.loaders.gguf_loader import load_gguf
+from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.sampling_params import SamplingParams
+from tests.model.test_logits import _assert_logits_match, _prefill_logits
+from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
-WINDOW = 12
+WINDOW, BLOCK, LAYERS, HEADS, KV_HEADS = 8, 4, 2, 4, 2
+PROMPTS = [[3, 17, 400, 9, 5000, 77], list(range(100, 121)),
+           [900, 4, 4, 4, 31, 2000, 8, 1, 65, 101, 7, 5, 999, 12, 13, 14]]
+MAX_TOKENS = 20
 
 
 @pytest.fixture(scope="module")
 def mistral(tmp_path_factory, smollm2_tokenizer):
+    """(folder, transformers model): SmolLM2's tokenizer beside random Mistral weights."""
     from transformers import MistralConfig, MistralForCausalLM
 
-    folder = tmp_path_factory.mktemp("tiny_mistral")
+    folder = tmp_path_factory.mktemp("tiny_mistral_window")
     smollm2_tokenizer.save_folder(folder)
-    torch.manual_seed(0)
     config = MistralConfig(vocab_size=smollm2_tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
-                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           max_position_embeddings=256, sliding_window=WINDOW, tie_word_embeddings=False)
+                           num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                           max_position_embeddings=256, sliding_window=WINDOW, rms_norm_eps=1e-6,
+                           tie_word_embeddings=False)
+    torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(10)       # logits of O(1): a clear argmax for greedy
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.5) if "norm" in name else p.normal_(0, 0.15)
     model.save_pretrained(folder, safe_serialization=True)
     return folder, model
 
 
-def test_the_context_window_is_the_sliding_window_and_outputs_match_transformers(mistral):
+def _reference(hf, ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def _theirs(hf, prompt: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False)[0, len(prompt):].tolist()
+
+
+def test_the_window_is_in_the_model_not_a_context_cap(mistral):
     folder, hf = mistral
-    llm = LLM(str(folder), quantization="none")
+    arch, weights = load_hf_folder(folder)
+    assert (arch.sliding_window, arch.sliding_layers, arch.kv_window) == (WINDOW, None, WINDOW)
+    model = build_model(arch, weights, torch.float32, torch.device("cpu"))
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [WINDOW] * LAYERS
+    # The window matters here: attending over the whole prompt gives other logits.
+    full = _reference(hf, PROMPTS[1])
+    hf.config.sliding_window = None
     try:
-        assert llm.engine.max_model_len == WINDOW
-        prompt = llm.tokenizer.encode("The sea is")
-        assert len(prompt) + 4 <= WINDOW
-        ours = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0]
-        with torch.no_grad():
-            theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)[0, len(prompt):]
-        assert ours.outputs[0].token_ids == theirs.tolist()
-        long = llm.generate([prompt], SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True))[0].outputs[0]
-        assert long.finish_reason == "length" and len(prompt) + len(long.token_ids) == WINDOW
-        with pytest.raises(ContextLengthError, match=f"context window of {WINDOW} tokens"):
-            llm.generate([list(range(1, WINDOW + 5))], SamplingParams(max_tokens=2))
-        with pytest.raises(ValueError, match=f"exceeds the model's context window \\({WINDOW}: its sliding window"):
-            LLM(str(folder), quantization="none", max_model_len=64)
+        assert (_reference(hf, PROMPTS[1]) - full).abs().max() > 0.1
+    finally:
+        hf.config.sliding_window = WINDOW
+
+
+@pytest.mark.parametrize("layers", ["cpp", "python"])
+def test_float32_logits_past_the_window_match_transformers(mistral, monkeypatch, layers):
+    folder, hf = mistral
+    if layers == "python":
+        monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")
+    model = build_model(*load_hf_folder(folder), torch.float32, torch.device("cpu"))
+    assert (model._cpu_decoder() is not None) == (layers == "cpp")
+    for ids in PROMPTS:
+        _assert_logits_match(_prefill_logits(model, ids), _reference(hf, ids))
+
+
+def _watch_blocks(llm: LLM) -> list[int]:
+    """Records, after every allocation, the most blocks any request holds."""
+    kv, seen = llm.engine.kv, []
+    allocate = kv.allocate_slots
+
+    def watched(request, *args, **kwargs):
+        out = allocate(request, *args, **kwargs)
+        seen.append(max(kv.num_held_blocks(rid) for rid in kv._req_blocks))
+        return out
+
+    kv.allocate_slots = watched
+    return seen
+
+
+@pytest.mark.parametrize("layers", ["cpp", "python"])
+def test_greedy_batched_past_the_window_matches_transformers_in_a_window_of_blocks(mistral, monkeypatch, layers):
+    folder, hf = mistral
+    if layers == "python":
+        monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")
+    budget = 8          # chunked prefill: a 21-token prompt runs in three steps
+    llm = LLM(str(folder), quantization="none", block_size=BLOCK, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=budget)
+    try:
+        assert llm.engine.max_model_len == 256 and llm.engine.kv.sliding_window == WINDOW
+        held = _watch_blocks(llm)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+        # The window's blocks plus those the step writes: ceil((W - 1 + budget) / block) + 1.
+        assert max(held) <= -(-(WINDOW - 1 + budget) // BLOCK) + 1 == 5
+        total = -(-(len(PROMPTS[1]) + MAX_TOKENS) // BLOCK)
+        assert max(held) < total            # freeing happened: the longest would hold 11
+        stats = llm.engine.kv.stats()
+        assert stats.in_use == 0 and stats.free + stats.cached == stats.total      # nothing leaked
+        llm.engine.kv.check_invariants()
+        # The same prompt again: released blocks are still cached, and a hit gives the same tokens.
+        again = llm.generate([PROMPTS[1]], params)[0]
+        assert again.usage.cached_tokens > 0 and again.outputs[0].token_ids == ours[1]
+        assert llm.engine.kv.stats().in_use == 0
     finally:
         llm.close()
+    assert ours == [_theirs(hf, p, MAX_TOKENS) for p in PROMPTS]
 
 
-def test_a_window_that_spans_the_context_or_is_off_changes_nothing():
-    base = {"model_type": "mistral", "vocab_size": 100, "hidden_size": 64, "intermediate_size": 128,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
-    assert ModelArchConfig.from_hf_config({**base, "sliding_window": 256}).sliding_window is None
-    assert ModelArchConfig.from_hf_config({**base, "sliding_window": None}).sliding_window is None
-    assert ModelArchConfig.from_hf_config({**base, "sliding_window": 32}).sliding_window == 32
-    qwen = {**base, "model_type": "qwen2", "sliding_window": 32}
-    assert ModelArchConfig.from_hf_config(qwen).sliding_window is None               # use_sliding_window off
-    assert ModelArchConfig.from_hf_config({**qwen, "use_sliding_window": True}).sliding_window == 32
+def _gguf_name(hf: str) -> str:
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+    if hf in top:
+        return top[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    return f"blk.{layer}." + {
+        "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+        "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+        "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+        "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+        "mlp.down_proj.weight": "ffn_down.weight"}[rest]
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's converter's Q/K row order for the llama architecture (the loader undoes it)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_q8_gguf(path, hf) -> None:
+    """The weights in llama.cpp's llama layout, the 2-D ones as Q8_0, the window in its key."""
+    import gguf
+
+    config = hf.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_sliding_window(WINDOW)
+    for name, tensor in hf.state_dict().items():
+        w = tensor.numpy().astype(np.float32)
+        if name.endswith("q_proj.weight"):
+            w = _permute(w, config.num_attention_heads)
+        elif name.endswith("k_proj.weight"):
+            w = _permute(w, config.num_key_value_heads)
+        if w.ndim == 2:
+            q = gguf.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_q8_0_gguf_with_its_window_stays_within_the_block_formats_bounds(mistral, tmp_path):
+    _, hf = mistral
+    _write_q8_gguf(tmp_path / "m.gguf", hf)
+    arch, weights, _ = load_gguf(tmp_path / "m.gguf")
+    assert (arch.sliding_window, arch.kv_window) == (WINDOW, WINDOW)
+    model = build_model(arch, weights, torch.float32, torch.device("cpu"), quantization="w8a8")
+    assert model._cpu_decoder() is not None          # Q8_0 kept as stored, the C++ stack
+    changes = [(_prefill_logits(model, ids) - _reference(hf, ids)).abs() for ids in PROMPTS]
+    assert max(c.max() for c in changes) <= MAX_LOGIT_CHANGE["w8a8"]
+    assert torch.cat([c.flatten() for c in changes]).mean() <= MEAN_LOGIT_CHANGE["w8a8"]
+    # Without the window the same file is another model: the logits move far past those bounds.
+    import dataclasses
+
+    whole = build_model(dataclasses.replace(arch, sliding_window=None), load_gguf(tmp_path / "m.gguf")[1],
+                        torch.float32, torch.device("cpu"), quantization="w8a8")
+    assert (_prefill_logits(whole, PROMPTS[1]) - _reference(hf, PROMPTS[1])).abs().max() > MAX_LOGIT_CHANGE["w8a8"]
+
+
+BASE = {"vocab_size": 100, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+
+
+def test_per_layer_windows_read_as_transformers_reads_them():
+    from transformers import Qwen2Config
+
+    qwen = {**BASE, "model_type": "qwen2", "sliding_window": 32, "use_sliding_window": True}
+    for extra in ({"max_window_layers": 2}, {"max_window_layers": 0}, {"max_window_layers": 28},
+                  {"layer_types": ["full_attention", "sliding_attention", "full_attention", "sliding_attention"]}):
+        arch = ModelArchConfig.from_hf_config({**qwen, **extra})
+        theirs = Qwen2Config(**{k: v for k, v in {**qwen, **extra}.items() if k != "model_type"})
+        want = [32 if t == "sliding_attention" else None for t in theirs.layer_types]
+        assert [arch.layer_window(i) for i in range(4)] == want, extra
+        # Blocks are freed only when every layer slides.
+        assert arch.kv_window == (32 if all(want) else None)
+    assert ModelArchConfig.from_hf_config({**qwen, "max_window_layers": 28}).sliding_window is None
+    mistral = {**BASE, "model_type": "mistral"}
+    assert ModelArchConfig.from_hf_config({**mistral, "sliding_window": 256}).sliding_window is None   # spans it
+    assert ModelArchConfig.from_hf_config({**mistral, "sliding_window": None}).sliding_window is None
+    assert ModelArchConfig.from_hf_config({**mistral, "sliding_window": 32}).kv_window == 32
+    assert ModelArchConfig.from_hf_config({**qwen, "use_sliding_window": False}).sliding_window is None
     with pytest.raises(ValueError, match="sliding_window: must be a positive integer"):
-        ModelArchConfig.from_hf_config({**base, "sliding_window": "8"})
+        ModelArchConfig.from_hf_config({**mistral, "sliding_window": "8"})
+    with pytest.raises(ValueError, match="layer_types: must list"):
+        ModelArchConfig.from_hf_config({**qwen, "layer_types": ["sliding_attention"]})
