@@ -48,8 +48,9 @@ def dense_kv(cache: torch.Tensor, table: torch.Tensor, seq_len: int) -> torch.Te
     return torch.stack([cache[int(table[t // bs]), t % bs] for t in range(seq_len)])
 
 
-def dense_attention(case: PagedCase) -> torch.Tensor:
-    """Plain causal attention (torch SDPA, fp32) per sequence over the densely rebuilt KV."""
+def dense_attention(case: PagedCase, window: int | None = None) -> torch.Tensor:
+    """Plain causal attention (torch SDPA, fp32) per sequence over the densely rebuilt KV; with a
+    sliding window, a query at p over positions p - window + 1 .. p only."""
     out = torch.empty(case.query.shape, dtype=torch.float32, device=case.query.device)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(case.query_lens, case.seq_lens.tolist())):
@@ -58,6 +59,8 @@ def dense_attention(case: PagedCase) -> torch.Tensor:
         q = case.query[start:start + q_len].float().transpose(0, 1)
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= q_pos[:, None]
+        if window is not None:
+            mask &= torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None] - window
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=case.scale, enable_gqa=True)
         out[start:start + q_len] = o.transpose(0, 1)
         start += q_len

@@ -14,7 +14,7 @@ import torch
 from sluice.kernels.paged_decode import choose_num_splits, paged_decode, paged_decode_ref
 from sluice.kernels.paged_prefill import block_n_for, paged_prefill, paged_prefill_ref
 from tests.kernels.conftest import BF16_DOT
-from tests.kernels.paged_cases import dense_attention, make_case, tree_attention, tree_rows
+from tests.kernels.paged_cases import dense_attention, dense_kv, make_case, tree_attention, tree_rows
 
 SHAPES = [(64, 1, 16), (80, 3, 16), (64, 8, 1), (80, 1, 32), (80, 8, 32), (64, 3, 1)]  # head_dim, group, block
 
@@ -162,3 +162,86 @@ def test_paged_prefill_rejects_bad_tree_arguments(change, message):
     with pytest.raises(ValueError, match=message):
         paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
                       case.seq_lens, case.scale, node_start=node_start, visible=visible)
+
+
+# ---- sliding windows: a query at p sees p - window + 1 .. p --------------------------------------
+def _poison_before_windows(case, window: int, rows_first_pos: list[int]):
+    """A copy of the case whose blocks wholly before each sequence's earliest window hold NaN: the
+    KV manager may have given them to another sequence, so a kernel must never read them (a NaN
+    read, even masked, would reach the output through p @ v)."""
+    kc, vc = case.key_cache.clone(), case.value_cache.clone()
+    bs = kc.shape[1]
+    for seq, first_pos in enumerate(rows_first_pos):
+        for b in range(max(0, first_pos - window + 1) // bs):
+            blk = int(case.block_tables[seq, b])
+            kc[blk], vc[blk] = float("nan"), float("nan")
+    return kc, vc
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (80, 3, 1), (64, 8, 4)])
+@pytest.mark.parametrize("window", [5, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_with_a_window_reads_only_the_window(device, head_dim, group, block_size, window, num_splits):
+    seq_lens = [7, 2 * block_size, 1, 45]
+    case = make_case(seq_lens, [1] * 4, block_size, 2, group, head_dim, device=device)
+    kc, vc = _poison_before_windows(case, window, [n - 1 for n in seq_lens])
+    out = paged_decode(case.query, kc, vc, case.block_tables, case.seq_lens, case.scale, num_splits=num_splits,
+                       window=window)
+    _close(out, paged_decode_ref(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                 case.seq_lens, case.scale, window=window))
+    _close(out, dense_attention(case, window))
+    assert not torch.allclose(out, dense_attention(case), atol=1e-3)     # the window changes row 3
+
+
+@pytest.mark.parametrize("head_dim,group,block_size", [(64, 1, 16), (80, 3, 1), (64, 8, 4)])
+@pytest.mark.parametrize("window", [5, 16])
+def test_paged_prefill_with_a_window_reads_only_the_window(device, head_dim, group, block_size, window):
+    # A plain prefill longer than the window, a chunk behind a cached prefix, a decode row, and a
+    # 70-row chunk spanning two query tiles (the second tile's window starts mid-sequence).
+    seq_lens = [23, 2 * block_size + 5, 20, 90]
+    query_lens = [23, 5, 1, 70]
+    case = make_case(seq_lens, query_lens, block_size, 2, group, head_dim, device=device)
+    kc, vc = _poison_before_windows(case, window, [n - q for n, q in zip(seq_lens, query_lens)])
+    out = paged_prefill(case.query, kc, vc, case.block_tables, case.query_start_loc, case.seq_lens, case.scale,
+                        window=window)
+    _close(out, paged_prefill_ref(case.query, case.key_cache, case.value_cache, case.block_tables,
+                                  case.query_start_loc, case.seq_lens, case.scale, window=window))
+    _close(out, dense_attention(case, window))
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_paged_prefill_draft_tree_rows_with_a_window_see_the_window_of_their_position(device, block_size):
+    """A node at index n + i sits at position n - 1 + depth: its window over the known tokens is
+    that position's, and its ancestors (at most the tree's depth back) are all within it."""
+    from sluice.engine.spec_decode.tree import path
+
+    window, parents = 9, TREES[1]
+    seq_lens, query_lens = [30 + len(parents), 12], [2 + len(parents), 3]
+    case = make_case(seq_lens, query_lens, block_size, 2, 3, 64, device=device)
+    node_start, visible = tree_rows(case, {0: parents})
+    args = (case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc, case.seq_lens,
+            case.scale)
+    out = paged_prefill(*args, node_start=node_start, visible=visible, window=window)
+    _close(out, paged_prefill_ref(*args, node_start=node_start, visible=visible, window=window))
+    want = dense_attention(case, window)
+    n, k_all = 30, dense_kv(case.key_cache, case.block_tables[0], seq_lens[0]).float()
+    v_all = dense_kv(case.value_cache, case.block_tables[0], seq_lens[0]).float()
+    for i in range(len(parents)):
+        nodes = path(parents, i)
+        pos = n - 1 + len(nodes)
+        keys = [c for c in range(n) if c > pos - window] + [n + j for j in nodes]
+        q = case.query[2 + i].float()[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q, k_all[keys].transpose(0, 1), v_all[keys].transpose(0, 1), scale=case.scale, enable_gqa=True)
+        want[2 + i] = o[:, 0]
+    _close(out, want)
+
+
+def test_paged_kernels_refuse_a_bad_window():
+    case = make_case([5, 9], [1, 1], 16, 2, 2, 64)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="window: must be None or a positive integer"):
+            paged_decode(**_decode_args(case), window=bad)
+        with pytest.raises(ValueError, match="window: must be None or a positive integer"):
+            paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
+                          case.seq_lens, case.scale, window=bad)
