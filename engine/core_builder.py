@@ -101,6 +101,7 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
                         sliding_window=_kv_window(arch, draft))
     speculative = resolve_tree_width(config.speculative, loaded.model, attn)   # draft trees or chains
     sched_config = replace(config.scheduler, num_speculative_tokens=speculative.num_speculative_tokens)
+    _check_drafts_fit_the_window(arch, speculative.spec_draft_length if speculative.enabled else 0)
     scheduler = Scheduler(sched_config, kv, block_size, max_model_len)
     structured = StructuredOutputManager(loaded.tokenizer, arch.vocab_size, config.structured)
     runner = ModelRunner(
@@ -158,6 +159,16 @@ def _max_model_len(config: EngineConfig, arch) -> int:
     if asked is not None and asked > own:
         raise ValueError(f"max_model_len: {asked} exceeds the model's context window ({own})")
     return asked or own
+
+
+def _check_drafts_fit_the_window(arch, num_drafts: int) -> None:
+    """A draft row attends to its ancestors wherever the window starts (the kernels exempt a
+    tree's nodes from it), which is right only while a chain or a tree's depth (at most
+    ``num_drafts``) is shorter than every window."""
+    windows = [w for w in map(arch.layer_window, range(arch.num_hidden_layers)) if w is not None]
+    if windows and num_drafts >= min(windows):
+        raise ValueError(f"spec_draft_length: {num_drafts} draft tokens must be fewer than the model's "
+                         f"sliding window of {min(windows)} tokens")
 
 
 def _kv_window(arch, draft) -> int | None:

@@ -233,3 +233,43 @@ def test_per_layer_windows_read_as_transformers_reads_them():
         ModelArchConfig.from_hf_config({**mistral, "sliding_window": "8"})
     with pytest.raises(ValueError, match="layer_types: must list"):
         ModelArchConfig.from_hf_config({**qwen, "layer_types": ["sliding_attention"]})
+
+
+@pytest.mark.parametrize("mode", ["ngram", "medusa tree", "medusa tree python"])
+def test_speculative_decoding_past_the_window_keeps_the_greedy_tokens(mistral, monkeypatch, mode):
+    """Drafts and draft trees verified through the window (tree rows attend by position, accepted
+    paths' K/V moved) while blocks are released: the tokens are transformers' greedy ones."""
+    from tests.model.test_spec_decode_distribution import random_heads
+
+    folder, hf = mistral
+    mode, _, tree = mode.partition(" ")
+    tree, _, python = tree.partition(" ")
+    if python:                 # the torch backend's tree rows (by index, the window by position)
+        monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")
+    prompts = PROMPTS + [[300, 301, 302, 303, 304, 305] * 4]     # a prompt n-grams match in
+    kw = {}
+    if mode == "medusa":
+        base = LLM(str(folder), quantization="none")
+        loaded = base.engine.loaded
+        base.close()
+        kw = dict(loaded=loaded, additional_models="random medusa heads", heads=random_heads(loaded, "medusa"),
+                  spec_tree_width=3 if tree else 1, spec_min_draft_prob=0.0)
+    llm = LLM(str(folder), quantization="none", block_size=BLOCK, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=32, speculative_mode=mode, spec_draft_length=4, spec_max_batch_size=64, **kw)
+    try:
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        ours = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        assert llm.engine.kv.stats().in_use == 0
+        stats = llm.engine.spec.stats
+        # Drafts ran and some were kept (n-grams match only the repeated prompt's first step).
+        assert stats.num_drafts >= (1 if mode == "ngram" else 20) and stats.num_accepted_tokens > 0, stats
+    finally:
+        llm.close()
+    assert ours == [_theirs(hf, p, MAX_TOKENS) for p in prompts]
+
+
+def test_drafts_as_long_as_the_window_are_refused(mistral):
+    folder, _ = mistral
+    with pytest.raises(ValueError, match="spec_draft_length: 8 draft tokens must be fewer than the model's sliding "
+                                         "window of 8 tokens"):
+        LLM(str(folder), quantization="none", speculative_mode="ngram", spec_draft_length=WINDOW)
