@@ -121,6 +121,9 @@ class LimitsConfig:
 class EngineConfig:
     model: str = "smollm2"                 # a .gguf path, a Hugging Face folder or a short name
     max_model_len: int | None = None       # context window; None: the model's own
+    # MLC's sliding_window_size: the window of the model's sliding layers (None: the model's own;
+    # -1: off, every layer attends over the whole context).
+    sliding_window_size: int | None = None
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -134,3 +137,5 @@ class EngineConfig:
             raise ValueError("model: must name a .gguf file, a Hugging Face folder or a known short name")
         if self.max_model_len is not None:
             _positive("max_model_len", self.max_model_len)
+        if self.sliding_window_size is not None and self.sliding_window_size != -1:
+            _positive("sliding_window_size", self.sliding_window_size)

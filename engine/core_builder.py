@@ -78,6 +78,11 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
         raise ValueError(f"quantization: the model given was loaded as {loaded.quantization}, "
                          f"the config asks for {quantization}")
 
+    window = config.sliding_window_size
+    transform = None if window is None else (lambda arch, weights: (arch.with_sliding_window(window), weights))
+    if window is not None and (loaded is not None or config.device.tensor_parallel_shards > 1):
+        raise ValueError("sliding_window_size: the engine must load the model itself on one rank to apply it")
+
     def load(name: str) -> LoadedModel:
         return _load(name, dtype, device, progress, quantization)
 
@@ -86,7 +91,7 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
         if loaded is not None:
             raise ValueError("tensor_parallel_shards: the engine loads its own shards; give a model name")
         tp, loaded = start_tensor_parallel(config, dtype, device, quantization, progress)
-    loaded = loaded or load(config.model)
+    loaded = loaded or _load(config.model, dtype, device, progress, quantization, transform)
     draft = load_draft(config.speculative, loaded, load, draft_loaded)
     heads = load_heads(config.speculative, loaded, dtype, device, heads)   # eagle / medusa
     arch = loaded.arch
@@ -144,13 +149,14 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
 
 
 def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool,
-          quantization: str = "none") -> LoadedModel:
+          quantization: str = "none", transform=None) -> LoadedModel:
     if not progress:
-        return load_model(model, dtype=dtype, device=device, quantization=quantization)
+        return load_model(model, dtype=dtype, device=device, quantization=quantization, transform=transform)
     from tqdm import tqdm
 
     with tqdm(desc=f"loading {model}", unit="tensor", leave=False) as bar:
-        return load_model(model, dtype=dtype, device=device, progress=bar, quantization=quantization)
+        return load_model(model, dtype=dtype, device=device, progress=bar, quantization=quantization,
+                          transform=transform)
 
 
 def _max_model_len(config: EngineConfig, arch) -> int:

@@ -68,6 +68,8 @@ KEYS: dict[str, _Key] = {
     "prefill_chunk_size": _Key("max_num_batched_tokens", _int, "token budget of one step (prefill chunk)"),
     "gpu_memory_utilization": _Key("gpu_memory_utilization", float, "fraction of GPU memory for weights + KV"),
     "context_window_size": _Key("max_model_len", _int, "context window in tokens (<= the model's)"),
+    "sliding_window_size": _Key("sliding_window_size", _int,
+                                "window of the model's sliding-window layers in tokens (-1: off, whole contexts)"),
     "block_size": _Key("block_size", _int, "tokens per KV block"),
     "kv_cache_memory_bytes": _Key("kv_cache_memory_bytes", _bytes, "KV pool size on CPU (e.g. 512MiB)"),
     "kv_cache_dtype": _Key("kv_cache_dtype", str, "KV cache elements: auto (the model's dtype) | float32 | float16"),
@@ -106,8 +108,11 @@ KEYS: dict[str, _Key] = {
 }
 # MLC options with no sluice equivalent: named, so the error says so rather than "unknown".
 _UNSUPPORTED_MLC = ("pipeline_parallel_stages", "max_history_size",
-                    "prefix_cache_max_num_recycling_seqs", "sliding_window_size",
-                    "attention_sink_size", "max_single_sequence_length")
+                    "prefix_cache_max_num_recycling_seqs", "attention_sink_size", "max_single_sequence_length")
+_WHY_UNSUPPORTED = {
+    "attention_sink_size": "attention sinks (StreamingLLM: the first tokens kept in every window) are not "
+                           "implemented; sliding windows are (sliding_window_size)",
+}
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:
@@ -122,7 +127,8 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
         if not sep or not key or not raw:
             raise ValueError(f"overrides: expected key=value, got {item!r}")
         if key in _UNSUPPORTED_MLC:
-            raise ValueError(f"overrides: {key} is an MLC-LLM option that sluice does not support")
+            why = f": {_WHY_UNSUPPORTED[key]}" if key in _WHY_UNSUPPORTED else ""
+            raise ValueError(f"overrides: {key} is an MLC-LLM option that sluice does not support{why}")
         spec = KEYS.get(key)
         if spec is None:
             raise ValueError(f"overrides: unknown key {key!r}; known keys: {', '.join(KEYS)}")

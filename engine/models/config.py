@@ -10,7 +10,7 @@ the one reader of it. Tokenizer facts (special tokens, FIM tokens) belong to the
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 
@@ -191,6 +191,20 @@ class ModelArchConfig:
         if self.sliding_layers is not None and len(self.sliding_layers) < self.num_hidden_layers:
             return None
         return self.sliding_window
+
+    def with_sliding_window(self, size: int) -> ModelArchConfig:
+        """MLC's ``sliding_window_size`` applied: ``-1`` turns the window off (every layer attends
+        over the whole context); a positive size replaces the window of the layers that slide.
+        A model with no sliding layer is refused: which layers would slide is not the config's."""
+        if size == -1:
+            return replace(self, sliding_window=None, sliding_layers=None)
+        _positive_int("sliding_window_size", size)
+        if self.sliding_window is None:
+            raise ValueError(f"sliding_window_size: a {self.architecture} model with no sliding-window layers "
+                             "cannot be given a window (-1 turns a model's window off)")
+        if size >= self.max_position_embeddings:
+            return replace(self, sliding_window=None, sliding_layers=None)
+        return replace(self, sliding_window=size)
 
     @property
     def q_size(self) -> int:

@@ -273,3 +273,50 @@ def test_drafts_as_long_as_the_window_are_refused(mistral):
     with pytest.raises(ValueError, match="spec_draft_length: 8 draft tokens must be fewer than the model's sliding "
                                          "window of 8 tokens"):
         LLM(str(folder), quantization="none", speculative_mode="ngram", spec_draft_length=WINDOW)
+
+
+@pytest.mark.parametrize("size", [-1, 5])
+def test_mlc_sliding_window_size_overrides_the_window(mistral, size):
+    """MLC's ``sliding_window_size``: -1 turns the window off, a size replaces it; the tokens are
+    those of transformers' model with that window (None for off)."""
+    from sluice.engine.overrides import build_engine_config
+
+    folder, hf = mistral
+    config = build_engine_config(str(folder), overrides=f"sliding_window_size={size};block_size={BLOCK};"
+                                 "quantization=none;max_total_seq_length=512")
+    llm = LLM(config=config)
+    try:
+        assert llm.engine.kv.sliding_window == (None if size == -1 else size)
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS[1:], params)]
+    finally:
+        llm.close()
+    hf.config.sliding_window = None if size == -1 else size
+    try:
+        assert ours == [_theirs(hf, p, MAX_TOKENS) for p in PROMPTS[1:]]
+    finally:
+        hf.config.sliding_window = WINDOW
+
+
+def test_window_overrides_are_checked_and_attention_sinks_refused():
+    from sluice.engine.overrides import parse_overrides
+
+    assert parse_overrides("sliding_window_size=-1") == {"sliding_window_size": -1}
+    with pytest.raises(ValueError, match="attention_sink_size is an MLC-LLM option that sluice does not support: "
+                                         "attention sinks"):
+        parse_overrides("attention_sink_size=4")
+    mistral = ModelArchConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 32})
+    assert mistral.with_sliding_window(16).sliding_window == 16
+    assert mistral.with_sliding_window(-1).kv_window is None
+    assert mistral.with_sliding_window(4096).sliding_window is None          # spans the context: none
+    qwen = ModelArchConfig.from_hf_config({**BASE, "model_type": "qwen2", "sliding_window": 32,
+                                           "use_sliding_window": True, "max_window_layers": 2})
+    assert [qwen.with_sliding_window(8).layer_window(i) for i in range(4)] == [None, None, 8, 8]
+    with pytest.raises(ValueError, match="sliding_window_size: a llama model with no sliding-window layers"):
+        ModelArchConfig.from_hf_config({**BASE, "model_type": "llama"}).with_sliding_window(16)
+    with pytest.raises(ValueError, match="sliding_window_size: must be a positive integer"):
+        mistral.with_sliding_window(0)
+    from sluice.engine.llm import build_config
+
+    with pytest.raises(ValueError, match="sliding_window_size: must be a positive integer"):
+        build_config("smollm2", sliding_window_size=-2)
