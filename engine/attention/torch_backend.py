@@ -10,9 +10,9 @@ one SDPA each, with a causal mask offset by the tokens already in the cache. A d
 sequence attends through ``_short`` with the tree's mask (``TreeRows``) in place of the causal one.
 
 A sliding window (``window``) is one more condition in each of these masks: key position >
-query position - window. The blocks before a window are still gathered (their entries may name
-blocks freed and rewritten since, which hold finite values: the cache starts zeroed and only
-ever receives K/V), and their scores are -inf, so they weigh exactly 0.
+query position - window. The gathers start at the block holding the earliest position any of a
+sequence's rows sees (``_first_block``): the entries before it may name blocks the KV manager
+has freed and another sequence now writes, so they are never read.
 """
 from __future__ import annotations
 
@@ -32,14 +32,28 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_map
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One sequence's cached K or V, densely: [seq_len, num_kv_heads, head_dim], in ``dtype``
-    (the queries') when given."""
+              dtype: torch.dtype | None = None, first_block: int = 0) -> torch.Tensor:
+    """One sequence's cached K or V, densely from block ``first_block`` on: [seq_len - first_block
+    * block_size, num_kv_heads, head_dim], in ``dtype`` (the queries') when given."""
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)
     # index_select with int64 ids: indexing with an int32 tensor takes a far slower path on CPU.
-    out = cache.index_select(0, block_table[:num_blocks].long()).flatten(0, 1)[:seq_len]
+    out = cache.index_select(0, block_table[first_block:num_blocks].long()).flatten(0, 1)
+    out = out[:seq_len - first_block * block_size]
     return out if dtype is None else out.to(dtype)
+
+
+def _window_block_ids(tables: torch.Tensor, first: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """[B * num_blocks] int64: blocks first[b] .. first[b] + num_blocks - 1 of each table (past a
+    table's width: its last entry, which the masks then hide)."""
+    cols = (first.long()[:, None] + torch.arange(num_blocks, device=tables.device)[None, :]).clamp(max=tables.shape[1] - 1)
+    return tables.gather(1, cols).reshape(-1).long()
+
+
+def _first_block(seq_len: int, q_len: int, window: int | None, block_size: int) -> int:
+    """The first block that rows at positions >= seq_len - q_len read through a window (a draft
+    tree's nodes sit at or after their sequence's first query row's position)."""
+    return 0 if window is None else max(0, seq_len - q_len - window + 1) // block_size
 
 
 def _in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -77,7 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
                 if window is not None:
                     # by position (TreeRows.lens: position + 1); the nodes are the row's ancestors
                     seen = window_seen(seen, meta.tree.lens[rows] - 1, window, meta.tree.node_start[rows])
-                out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale, seen)
+                out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale, seen,
+                                        window)
             elif q_len <= _SHORT_QUERY:
                 group = decode if q_len == 1 else short
                 group[0].append(start)
@@ -110,20 +125,26 @@ class TorchAttentionBackend(AttentionBackend):
         own gather of the sequence), cost 3-4x this for 5 tokens over 300 (bench/README.md,
         History): the sequence is gathered once, the query heads of each KV head are stacked
         as rows of one matmul, and the causal mask is an additive bias. ``seen`` [Lq, seq_len]
-        bool replaces the causal mask (a draft tree's sequence: ``tree_seen``)."""
+        bool replaces the causal mask (a draft tree's sequence: ``tree_seen``; with a window
+        applied, ``window`` says where the gather may start)."""
         key_cache, value_cache = kv_cache
         q_len, num_heads, head_dim = query.shape
         num_kv = key_cache.shape[2]
         group = num_heads // num_kv
-        k = gather_kv(key_cache, block_table, seq_len, query.dtype)          # [L, Hkv, D]
-        v = gather_kv(value_cache, block_table, seq_len, query.dtype)
+        first = _first_block(seq_len, q_len, window, key_cache.shape[1])
+        off = first * key_cache.shape[1]                                     # the gather's first position
+        k = gather_kv(key_cache, block_table, seq_len, query.dtype, first)   # [L - off, Hkv, D]
+        v = gather_kv(value_cache, block_table, seq_len, query.dtype, first)
         # [Hkv, group * Lq, D]: row g * Lq + j is query head (kv * group + g) at token j.
         q = query.view(q_len, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * q_len, head_dim)
         if seen is None:
-            k_pos = torch.arange(seq_len, device=query.device)
+            k_pos = torch.arange(off, seq_len, device=query.device)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
             seen = _in_window(k_pos[None, :], q_pos[:, None], window)
-        bias = torch.zeros(q_len, seq_len, dtype=torch.float32, device=query.device).masked_fill_(~seen, float("-inf"))
+        else:
+            seen = seen[:, off:]
+        bias = torch.zeros(q_len, seq_len - off, dtype=torch.float32,
+                           device=query.device).masked_fill_(~seen, float("-inf"))
         scores = torch.baddbmm(bias.repeat(group, 1).expand(num_kv, -1, -1), q.float(),
                                k.float().permute(1, 2, 0), alpha=scale)     # [Hkv, group * Lq, L]
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
@@ -147,8 +168,17 @@ class TorchAttentionBackend(AttentionBackend):
         q_lens = [meta.query_lens_cpu[i] for i in seqs]
         seq_lens = [meta.seq_lens_cpu[i] for i in seqs]
         batch, q_max, length = len(seqs), max(q_lens), max(seq_lens)
-        num_blocks = -(-length // block_size)
-        ids = meta.block_tables[torch.tensor(seqs, device=dev), :num_blocks].reshape(-1).long()
+        tables = meta.block_tables[torch.tensor(seqs, device=dev)]
+        if window is None:
+            num_blocks = -(-length // block_size)
+            ids = tables[:, :num_blocks].reshape(-1).long()
+            k_pos = torch.arange(length)[None, :]                                                        # [1, L]
+        else:   # each sequence from its first block in the window (_first_block); L: the widest span
+            first = torch.tensor([_first_block(n, q, window, block_size) for n, q in zip(seq_lens, q_lens)])
+            num_blocks = max(-(-n // block_size) - f for n, f in zip(seq_lens, first.tolist()))
+            ids = _window_block_ids(tables, first.to(dev), num_blocks)
+            length = num_blocks * block_size
+            k_pos = first[:, None] * block_size + torch.arange(length)[None, :]                        # [B, L]
         # [B, Hkv, L, D] in the queries' dtype (as _short's gather), made contiguous here so that the
         # matmuls fold (B, Hkv) into one batch without copying again.
         k, v = (cache.index_select(0, ids).view(batch, num_blocks * block_size, num_kv, head_dim)[:, :length]
@@ -161,8 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
         # [B, Hkv, group * Qm, D]: row g * Qm + j is query head (kv * group + g) at token j.
         q = query[rows.reshape(-1)].view(batch, q_max, num_kv, group, head_dim).permute(0, 2, 3, 1, 4)
         q = q.reshape(batch, num_kv, group * q_max, head_dim).float()
-        k_pos = torch.arange(length)
-        masked = (~_in_window(k_pos[None, None, :], q_pos[:, :, None], window)).to(dev)                 # [B, Qm, L]
+        masked = (~_in_window(k_pos[:, None, :], q_pos[:, :, None], window)).to(dev)                    # [B, Qm, L]
         bias = torch.zeros(batch, q_max, length, dtype=torch.float32, device=dev).masked_fill_(masked, float("-inf"))
         scores = torch.matmul(q, k.float().transpose(2, 3)).mul_(scale)                               # [B, Hkv, G*Qm, L]
         scores += bias.repeat(1, group, 1)[:, None]
@@ -179,7 +208,15 @@ class TorchAttentionBackend(AttentionBackend):
         key_cache, value_cache = kv_cache
         batch, block_size = query.shape[0], key_cache.shape[1]
         num_blocks = -(-max_seq_len // block_size)
-        ids = block_tables[:, :num_blocks].reshape(-1).long()
+        pos = torch.arange(num_blocks * block_size, device=query.device)[None, :]   # [1 or B, L] key positions
+        if window is not None and max_seq_len > window:
+            # Each sequence from the block holding its window's first token: at most this many blocks.
+            num_blocks = min(num_blocks, (window + 2 * block_size - 2) // block_size)
+            first = (seq_lens.long() - window).clamp(min=0) // block_size                 # [B]
+            ids = _window_block_ids(block_tables, first, num_blocks)
+            pos = first[:, None] * block_size + torch.arange(num_blocks * block_size, device=query.device)[None, :]
+        else:
+            ids = block_tables[:, :num_blocks].reshape(-1).long()
         k = key_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])    # [B, L, Hkv, D]
         v = value_cache.index_select(0, ids).view(batch, num_blocks * block_size, *key_cache.shape[2:])  # [B, L, Hkv, D]
         k, v = k.to(query.dtype), v.to(query.dtype)   # a no-op unless the cache has its own dtype
@@ -187,8 +224,7 @@ class TorchAttentionBackend(AttentionBackend):
             k, v, bias = k[:, :max_seq_len], v[:, :max_seq_len], None
         else:
             # An additive float mask: SDPA on CPU takes a much slower path for boolean masks.
-            pos = torch.arange(k.shape[1], device=query.device)
-            keep = _in_window(pos[None, :], seq_lens[:, None].long() - 1, window)
+            keep = _in_window(pos, seq_lens[:, None].long() - 1, window)
             bias = torch.zeros(batch, 1, 1, k.shape[1], dtype=query.dtype, device=query.device)
             bias.masked_fill_(~keep[:, None, None, :], float("-inf"))
         out = F.scaled_dot_product_attention(
@@ -203,15 +239,17 @@ class TorchAttentionBackend(AttentionBackend):
         # query [Lq, Hq, D]: positions seq_len-Lq .. seq_len-1 of one sequence.
         key_cache, value_cache = kv_cache
         q_len = query.shape[0]
-        k = gather_kv(key_cache, block_table, seq_len, query.dtype).transpose(0, 1)    # [Hkv, L, D]
-        v = gather_kv(value_cache, block_table, seq_len, query.dtype).transpose(0, 1)  # [Hkv, L, D]
+        first = _first_block(seq_len, q_len, window, key_cache.shape[1])
+        off = first * key_cache.shape[1]
+        k = gather_kv(key_cache, block_table, seq_len, query.dtype, first).transpose(0, 1)    # [Hkv, L - off, D]
+        v = gather_kv(value_cache, block_table, seq_len, query.dtype, first).transpose(0, 1)  # [Hkv, L - off, D]
         q = query.transpose(0, 1)                                          # [Hq, Lq, D]
         if q_len == seq_len and (window is None or seq_len <= window):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
             q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            bias = torch.zeros(q_len, seq_len, dtype=query.dtype, device=query.device)
+            k_pos = torch.arange(off, seq_len, device=query.device)
+            bias = torch.zeros(q_len, seq_len - off, dtype=query.dtype, device=query.device)
             bias.masked_fill_(~_in_window(k_pos[None, :], q_pos[:, None], window), float("-inf"))   # [Lq, L]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
         return out.transpose(0, 1)                                         # [Lq, Hq, D]

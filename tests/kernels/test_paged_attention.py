@@ -245,3 +245,32 @@ def test_paged_kernels_refuse_a_bad_window():
         with pytest.raises(ValueError, match="window: must be None or a positive integer"):
             paged_prefill(case.query, case.key_cache, case.value_cache, case.block_tables, case.query_start_loc,
                           case.seq_lens, case.scale, window=bad)
+
+
+@pytest.mark.parametrize("seq_lens,query_lens", [
+    ([23, 13, 20, 90], [23, 5, 1, 70]),    # prefill and long chunk (_extend), one short query (_short), a decode row
+    ([30, 25, 40], [3, 4, 1]),             # short queries together (_short_batch) and a decode row
+    ([7, 8, 1, 45], [1, 1, 1, 1]),         # pure decode
+])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_the_torch_backend_with_a_window_reads_only_the_window(seq_lens, query_lens, block_size):
+    """The CPU reference backend (engine.attention.torch_backend) on every path it takes, and the
+    C++ stack's paged_decode (one row per query token), with the blocks before the windows NaN."""
+    from sluice.engine.attention.base import row_prefixes
+    from sluice.engine.attention.torch_backend import TorchAttentionBackend
+    from tests.kernels.test_backends import _meta
+
+    window = 6
+    case = make_case(seq_lens, query_lens, block_size, 2, 3, 64)
+    kc, vc = _poison_before_windows(case, window, [n - q for n, q in zip(seq_lens, query_lens)])
+    meta = _meta(seq_lens, query_lens, block_size, case.block_tables.tolist(), "cpu")
+    new_k, new_v = (c.view(-1, *c.shape[2:])[meta.slot_mapping] for c in (case.key_cache, case.value_cache))
+    out = TorchAttentionBackend().forward(case.query, new_k, new_v, (kc, vc), meta, case.scale, window)
+    _close(out, dense_attention(case, window))
+    from sluice.kernels import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.skip(f"the C++ kernels: {cpu_ext.unavailable_reason()}")
+    tables, lens = row_prefixes(meta)
+    got = cpu_ext.module().paged_decode(case.query, kc, vc, tables, lens, case.scale, window=window)
+    _close(got, dense_attention(case, window))
