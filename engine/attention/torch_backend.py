@@ -46,7 +46,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int,
 def _window_block_ids(tables: torch.Tensor, first: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """[B * num_blocks] int64: blocks first[b] .. first[b] + num_blocks - 1 of each table (past a
     table's width: its last entry, which the masks then hide)."""
-    cols = (first.long()[:, None] + torch.arange(num_blocks, device=tables.device)[None, :]).clamp(max=tables.shape[1] - 1)
+    cols = first.long()[:, None] + torch.arange(num_blocks, device=tables.device)[None, :]
+    cols = cols.clamp(max=tables.shape[1] - 1)
     return tables.gather(1, cols).reshape(-1).long()
 
 

@@ -28,7 +28,8 @@ def test_each_architecture_says_what_sets_its_layers_apart():
 @pytest.mark.parametrize("model_type, flag, window", [
     ("qwen3", False, None), ("qwen3", True, 32), ("qwen2", True, 32), ("mistral", False, 32), ("llama", True, None)])
 def test_a_sliding_window_is_in_force_as_each_architecture_reads_it(model_type, flag, window):
-    assert _spec(model_type, sliding_window=32, use_sliding_window=flag, max_window_layers=0).attention.sliding_window == window
+    spec = _spec(model_type, sliding_window=32, use_sliding_window=flag, max_window_layers=0)   # every layer slides
+    assert spec.attention.sliding_window == window
 
 
 def test_a_kind_no_stack_implements_is_refused_by_name():
