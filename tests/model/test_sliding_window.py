@@ -15,7 +15,11 @@ tokens), and the same weights as a GGUF in llama.cpp's layout, Q8_0 blocks, with
   their K/V depend only on the tokens before them) and gives the same tokens;
 * the Q8_0 GGUF stays within the block formats' bounds (test_quantization) on long prompts;
 * Qwen2/Qwen3's per-layer windows (``max_window_layers``, ``layer_types``) read as transformers
-  reads them: a model with a global layer frees nothing.
+  reads them; a Qwen2 with a global and a sliding layer equals transformers (logits, greedy
+  tokens) through both stacks, and frees nothing (its global layer reads every block);
+* speculative decoding (n-gram chains, Medusa draft trees) keeps the greedy tokens past the
+  window; MLC's ``sliding_window_size`` (-1: off) gives transformers' tokens for that window;
+  ``attention_sink_size`` is refused.
 """
 from __future__ import annotations
 
@@ -320,3 +324,46 @@ def test_window_overrides_are_checked_and_attention_sinks_refused():
 
     with pytest.raises(ValueError, match="sliding_window_size: must be a positive integer"):
         build_config("smollm2", sliding_window_size=-2)
+
+
+@pytest.fixture(scope="module")
+def qwen2_mixed(tmp_path_factory, smollm2_tokenizer):
+    """A Qwen2 whose layer 0 attends globally and layer 1 through a window of 8 (transformers'
+    max_window_layers = 1): per-layer windows, as Gemma's alternation needs them."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny_qwen2_mixed")
+    smollm2_tokenizer.save_folder(folder)
+    config = Qwen2Config(vocab_size=smollm2_tokenizer.vocab_size, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                         max_position_embeddings=256, use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    torch.manual_seed(1)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.5) if "norm" in name else p.normal_(0, 0.15)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder, model
+
+
+@pytest.mark.parametrize("layers", ["cpp", "python"])
+def test_a_sliding_layer_beside_a_global_one_matches_transformers(qwen2_mixed, monkeypatch, layers):
+    folder, hf = qwen2_mixed
+    if layers == "python":
+        monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")
+    model = build_model(*load_hf_folder(folder), torch.float32, torch.device("cpu"))
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [None, WINDOW]
+    assert (model._cpu_decoder() is not None) == (layers == "cpp")
+    for ids in PROMPTS:
+        _assert_logits_match(_prefill_logits(model, ids), _reference(hf, ids))
+    llm = LLM(str(folder), quantization="none", block_size=BLOCK, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=8)
+    try:
+        assert llm.engine.kv.sliding_window is None            # a global layer reads every block
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+        ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+    finally:
+        llm.close()
+    assert ours == [_theirs(hf, p, MAX_TOKENS) for p in PROMPTS]
