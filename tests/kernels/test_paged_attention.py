@@ -274,3 +274,43 @@ def test_the_torch_backend_with_a_window_reads_only_the_window(seq_lens, query_l
     tables, lens = row_prefixes(meta)
     got = cpu_ext.module().paged_decode(case.query, kc, vc, tables, lens, case.scale, window=window)
     _close(got, dense_attention(case, window))
+
+
+@pytest.mark.parametrize("speculation", ["none", "medusa tree"])
+def test_the_engine_on_the_triton_kernels_with_a_window_gives_the_torch_backends_tokens(tmp_path, device,
+                                                                                      speculation):
+    """A tiny Mistral (window 6, blocks of 4) through the whole engine: attention_backend="triton"
+    (the interpreter on CPU) gives the torch backend's greedy tokens past the window, with chunked
+    prefill, decodes, blocks released, and (medusa) draft-tree rows through paged_prefill."""
+    import dataclasses
+
+    from sluice.engine.llm import LLM
+    from sluice.engine.loaders import LoadedModel
+    from sluice.engine.sampling_params import SamplingParams
+    from tests.kernels.test_engine_triton_e2e import _tiny_llama, _tokenizer
+    from tests.model.test_spec_decode_distribution import random_heads
+
+    tok = _tokenizer(tmp_path)
+    base = _tiny_llama(torch.float32, device)
+    arch = dataclasses.replace(base.arch, architecture="mistral", sliding_window=6)
+    from sluice.engine.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(arch, max_seq_len=128, device=device)
+    model.load_state_dict(base.state_dict())
+    loaded = LoadedModel(model=model, arch=arch, tokenizer=tok, name="tiny-mistral", path=tmp_path,
+                         dtype=torch.float32, device=device)
+    prompts = [[5, 17, 3, 9, 22, 41, 8, 30, 31, 2], [60, 2, 33, 33, 12, 7, 1, 19, 44, 50, 3, 3, 6, 71, 15], [4]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    spec = {} if speculation == "none" else dict(
+        speculative_mode="medusa", additional_models="random medusa heads", heads=random_heads(loaded, "medusa"),
+        spec_tree_width=3, spec_min_draft_prob=0.0, spec_draft_length=3, spec_max_batch_size=8)
+    tokens = {}
+    for attention in ("torch", "triton"):
+        llm = LLM("tiny-mistral", loaded=loaded, device=str(device), attention_backend=attention, block_size=4,
+                  max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20, **spec)
+        assert llm.engine.kv.sliding_window == 6
+        tokens[attention] = [r.outputs[0].token_ids for r in llm.generate(prompts, params)]
+        assert llm.engine.kv.stats().in_use == 0
+        if spec:
+            assert llm.engine.spec.proposer.tree_width == 3 and llm.engine.spec.stats.num_drafts > 5
+    assert tokens["triton"] == tokens["torch"]
