@@ -367,3 +367,29 @@ def test_a_sliding_layer_beside_a_global_one_matches_transformers(qwen2_mixed, m
     finally:
         llm.close()
     assert ours == [_theirs(hf, p, MAX_TOKENS) for p in PROMPTS]
+
+
+def test_the_pool_holds_the_window_and_a_block_through_a_long_generation(mistral):
+    """One request decoding 60 tokens past a 21-token prompt: once its prompt is in, the pool's
+    used blocks never exceed window / block + 1 (the window's blocks and the one being written)."""
+    folder, hf = mistral
+    llm = LLM(str(folder), quantization="none", block_size=BLOCK, kv_cache_memory_bytes=4 << 20,
+              max_num_batched_tokens=8)
+    kv, used = llm.engine.kv, []
+    allocate = kv.allocate_slots
+
+    def watched(request, *args, **kwargs):
+        out = allocate(request, *args, **kwargs)
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            used.append(kv.stats().in_use)
+        return out
+
+    kv.allocate_slots = watched
+    try:
+        params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+        ours = llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids
+        assert len(used) >= 59 and max(used) <= WINDOW // BLOCK + 1 == 3
+        assert kv.stats().in_use == 0
+    finally:
+        llm.close()
+    assert ours == _theirs(hf, PROMPTS[1], 60)
