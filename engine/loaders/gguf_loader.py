@@ -23,12 +23,24 @@ import numpy as np
 import torch
 
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.models.config import SUPPORTED_ARCHITECTURES, ModelArchConfig
+from sluice.engine.models.config import ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelArchConfig
+from sluice.engine.models.moe import HF_NAMES
 
 ProgressFn = Callable[[int, int], None]   # (tensors done, tensors total)
 
-# llama.cpp architectures whose Q/K rows the converter permuted for interleaved RoPE.
-_PERMUTED_QK = ("llama", "mistral")
+# llama.cpp architectures whose Q/K rows the converter permuted for interleaved RoPE (Mixtral
+# is converted as a "llama" with experts).
+_PERMUTED_QK = ("llama", "mistral", "mixtral")
+
+# llama.cpp's architecture names that are not ours (general.architecture -> ModelArchConfig's);
+# a "llama" with ``llama.expert_count`` is a Mixtral (``_architecture``).
+_GGUF_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
+# Whether llama.cpp renormalises the top-k expert weights when the file does not say
+# (``<arch>.expert_weights_norm``): its qwen2moe graph does not, llama (Mixtral) and qwen3moe do.
+_EXPERT_WEIGHTS_NORM = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+# llama.cpp's expert tensors: 3-D [experts, out, in] (PyTorch order), one per projection; read
+# one expert at a time under HF's per-expert names (models.moe.HF_NAMES' index into them).
+_EXPERT_TENSORS = {"ffn_gate_exps.weight": 2, "ffn_up_exps.weight": 3, "ffn_down_exps.weight": 4}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -151,12 +163,33 @@ def gguf_metadata(reader, key: str, default=None):
 
 
 def gguf_architecture(reader, path: Path) -> str:
+    """general.architecture (the prefix of the file's metadata keys): llama.cpp's name, which
+    ``_architecture`` maps to ours."""
     arch = gguf_metadata(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(
-            f"{path}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    gguf_names = [a for a in SUPPORTED_ARCHITECTURES
+                  if a != "mixtral" and a not in _GGUF_ARCHITECTURES.values()] + list(_GGUF_ARCHITECTURES)
+    if arch not in gguf_names:
+        raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {', '.join(gguf_names)}")
     return arch
+
+
+def _architecture(reader, gguf_arch: str) -> str:
+    if gguf_arch == "llama" and int(gguf_metadata(reader, "llama.expert_count", 0) or 0) > 0:
+        return "mixtral"
+    return _GGUF_ARCHITECTURES.get(gguf_arch, gguf_arch)
+
+
+def _experts(reader, prefix: str, architecture: str, req) -> dict:
+    """The expert fields of ``ModelArchConfig`` (none for a dense model)."""
+    if architecture not in _EXPERT_WEIGHTS_NORM:
+        return {}
+    def meta(key, default=None):
+        return gguf_metadata(reader, f"{prefix}.{key}", default)
+    inter = meta("expert_feed_forward_length") or req("feed_forward_length")
+    return {"num_experts": int(req("expert_count")), "num_experts_per_tok": int(req("expert_used_count")),
+            "moe_intermediate_size": int(inter),
+            "norm_topk_prob": bool(meta("expert_weights_norm", _EXPERT_WEIGHTS_NORM[architecture])),
+            "shared_expert_intermediate_size": int(meta("expert_shared_feed_forward_length", 0) or 0)}
 
 
 def _rope_scaling(reader, arch: str, path: Path) -> dict | None:
@@ -191,7 +224,8 @@ def _rope_freqs(reader, path: Path) -> dict | None:
 
 
 def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
-    arch = gguf_architecture(reader, path)
+    arch = gguf_architecture(reader, path)          # the metadata keys' prefix
+    architecture = _architecture(reader, arch)
     names = {t.name for t in reader.tensors}
 
     def req(key: str):
@@ -208,7 +242,7 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
     head_dim = gguf_metadata(reader, f"{arch}.attention.key_length") or hidden // heads
     try:
         return ModelArchConfig(
-            architecture=arch,
+            architecture=architecture,
             vocab_size=int(vocab) if vocab is not None else 0,
             hidden_size=hidden,
             intermediate_size=int(req("feed_forward_length")),
@@ -223,6 +257,7 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             sliding_window=_sliding_window(reader, arch),
+            **_experts(reader, arch, architecture, req),
         )
     except ValueError as exc:
         raise ModelLoadError(f"{path}: bad model metadata: {exc}") from exc
@@ -250,13 +285,53 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
-def hf_name(gguf_name: str, path: Path) -> str:
+def _moe_layer_names(moe: str | None) -> dict[str, str]:
+    """The router's and the shared expert's names (``ArchTraits.moe``; none for a dense model)."""
+    if moe is None:
+        return {}
+    mlp, router = HF_NAMES[moe][:2]
+    return {"ffn_gate_inp.weight": f"{mlp}{router}.weight",
+            "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+            "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+            "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+            "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
+
+
+def hf_name(gguf_name: str, path: Path, moe: str | None = None) -> str:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    names = {**_LAYER_NAMES, **_moe_layer_names(moe)}
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} for a Llama-family model")
+
+
+def _expert_names(tensor, moe: str | None, path: Path) -> list[str] | None:
+    """HF's per-expert names for the experts of a 3-D ``ffn_*_exps`` tensor, in expert order;
+    None for any other tensor."""
+    parts = tensor.name.split(".", 2)
+    if len(parts) != 3 or parts[0] != "blk" or parts[2] not in _EXPERT_TENSORS:
+        return None
+    if moe is None or len(tensor.shape) != 3:
+        raise ModelLoadError(f"{path}: unexpected tensor {tensor.name!r} (shape {tuple(tensor.shape)}) "
+                             "for a model without 3-D experts")
+    mlp, proj = HF_NAMES[moe][0], HF_NAMES[moe][_EXPERT_TENSORS[parts[2]]]
+    return [f"model.layers.{parts[1]}.{mlp}experts.{e}.{proj}.weight" for e in range(int(tensor.shape[2]))]
+
+
+class _Expert:
+    """One expert's slice of a 3-D GGUF expert tensor, read like a 2-D tensor (``name``, ``tensor_type``,
+    ``shape`` in GGUF order, ``data``: the expert's rows, as stored)."""
+
+    def __init__(self, tensor, index: int) -> None:
+        self.name, self.tensor_type = f"{tensor.name}[{index}]", tensor.tensor_type
+        self.shape = tensor.shape[:2]
+        self._tensor, self._index = tensor, index
+
+    @property
+    def data(self) -> np.ndarray:
+        return np.asarray(self._tensor.data)[self._index]
 
 
 def _dequantized(tensor, arch: ModelArchConfig, path: Path) -> np.ndarray:
@@ -313,7 +388,12 @@ class GGUFWeights(Mapping):
             _check_size(tensor, path)
             if tensor.name == ROPE_FREQS:        # part of the architecture (_rope_freqs), not a weight
                 continue
-            self._tensors[hf_name(tensor.name, path)] = tensor
+            moe = ARCHITECTURES[arch.architecture].moe
+            experts = _expert_names(tensor, moe, path)
+            if experts is not None:
+                self._tensors.update((name, _Expert(tensor, e)) for e, name in enumerate(experts))
+                continue
+            self._tensors[hf_name(tensor.name, path, moe)] = tensor
         self._done = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:

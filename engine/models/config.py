@@ -23,6 +23,10 @@ class ArchTraits:
     # Whether config.json's sliding_window is in force: "never" (Llama's configs carry one that
     # nothing reads), "always" (Mistral), or only with use_sliding_window (Qwen2, Qwen3).
     window: str = "always"
+    # Mixture of experts (``models.moe``): how config.json names the expert fields, None for a
+    # dense MLP. "mixtral": num_local_experts, intermediate_size per expert, always renormalised;
+    # "qwen": num_experts, moe_intermediate_size, norm_topk_prob, shared_expert_intermediate_size.
+    moe: str | None = None
 
 
 ARCHITECTURES = {
@@ -30,6 +34,9 @@ ARCHITECTURES = {
     "mistral": ArchTraits(),
     "qwen2": ArchTraits(qkv_bias=True, window="opt_in"),
     "qwen3": ArchTraits(qk_norm=True, window="opt_in"),
+    "mixtral": ArchTraits(moe="mixtral"),
+    "qwen2_moe": ArchTraits(qkv_bias=True, window="opt_in", moe="qwen"),
+    "qwen3_moe": ArchTraits(qk_norm=True, window="opt_in", moe="qwen"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # "factors": per-frequency divisors of the base frequencies, as GGUF files carry Llama 3.1/3.2's
@@ -151,6 +158,16 @@ class ModelArchConfig:
     # The layers that slide (indices, ascending); None: every layer, when sliding_window is set.
     # The others attend over the whole context. See layer_window / kv_window.
     sliding_layers: tuple[int, ...] | None = None
+    # Mixture of experts (every layer sparse; models.moe): 0 experts is a dense MLP. Each token
+    # runs its top ``num_experts_per_tok`` experts (SwiGLU of ``moe_intermediate_size``), weighted
+    # by their softmax probabilities, renormalised over the k when ``norm_topk_prob``; a shared
+    # expert (``shared_expert_intermediate_size`` > 0, Qwen2-MoE) runs on every token, scaled by
+    # a sigmoid gate.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -177,6 +194,22 @@ class ModelArchConfig:
                                    any(not 0 <= i < self.num_hidden_layers for i in layers)):
             raise ValueError(f"sliding_layers: must be ascending layer indices below "
                              f"{self.num_hidden_layers}, got {layers!r}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        moe = ARCHITECTURES[self.architecture].moe
+        if moe is None:
+            if self.num_experts:
+                raise ValueError(f"num_experts: a {self.architecture} model has no experts, got {self.num_experts}")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            _positive_int(name, getattr(self, name))
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok: {self.num_experts_per_tok} is more than the "
+                             f"{self.num_experts} experts")
+        shared = self.shared_expert_intermediate_size
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ValueError(f"shared_expert_intermediate_size: must be a non-negative integer, got {shared!r}")
 
     def layer_window(self, layer: int) -> int | None:
         """The window layer ``layer`` attends through, or None (the whole context)."""
@@ -253,6 +286,29 @@ class ModelArchConfig:
                 attention_bias=ARCHITECTURES[model_type].qkv_bias or bool(cfg.get("attention_bias", False)),
                 sliding_window=_sliding_window(cfg, model_type),
                 sliding_layers=_sliding_layers(cfg, model_type) if _sliding_window(cfg, model_type) else None,
+                **_experts(cfg, model_type),
             )
         except KeyError as exc:
             raise ValueError(f"{exc.args[0]}: missing from config.json") from None
+
+
+def _experts(cfg: dict, model_type: str) -> dict:
+    """The expert fields of ``ModelArchConfig`` from config.json (``ArchTraits.moe`` says how it
+    names them); KeyError for a missing one. Dense layers among sparse ones (Qwen's
+    ``mlp_only_layers`` / ``decoder_sparse_step``) are refused by name."""
+    moe = ARCHITECTURES[model_type].moe
+    if moe is None:
+        return {}
+    if moe == "mixtral":
+        return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"mlp_only_layers / decoder_sparse_step: a {model_type} model with dense layers among "
+                         f"its sparse ones is not supported (got mlp_only_layers={cfg.get('mlp_only_layers')!r}, "
+                         f"decoder_sparse_step={cfg.get('decoder_sparse_step')!r})")
+    shared = cfg.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    # The hub's Qwen configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts.
+    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    return {"num_experts": experts, "num_experts_per_tok": cfg["num_experts_per_tok"],
+            "moe_intermediate_size": cfg["moe_intermediate_size"],
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "shared_expert_intermediate_size": shared or 0}

@@ -12,7 +12,29 @@ from dataclasses import dataclass
 from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 
 NORMS = ("rms",)          # RMSNorm (statistics in float32, HF's order of operations)
-MLPS = ("swiglu",)        # down(silu(gate(x)) * up(x)), gate and up fused into one product
+MLPS = ("swiglu", "moe")  # swiglu: down(silu(gate(x)) * up(x)), gate and up fused into one product;
+                          # moe: routed SwiGLU experts (``MoESpec``, ``models.moe``)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A mixture-of-experts MLP: each token runs its ``top_k`` of ``num_experts`` SwiGLU experts
+    (``intermediate_size`` each), weighted by their softmax router probabilities, renormalised
+    over the k when ``norm_topk_prob``; plus, when ``shared_intermediate_size`` > 0, a shared
+    SwiGLU expert on every token scaled by sigmoid(shared gate . x) (Qwen2-MoE)."""
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    shared_intermediate_size: int = 0
+
+    @classmethod
+    def from_arch(cls, arch: ModelArchConfig) -> MoESpec | None:
+        if not arch.num_experts:
+            return None
+        return cls(num_experts=arch.num_experts, top_k=arch.num_experts_per_tok,
+                   intermediate_size=arch.moe_intermediate_size, norm_topk_prob=arch.norm_topk_prob,
+                   shared_intermediate_size=arch.shared_expert_intermediate_size)
 
 
 @dataclass(frozen=True)
@@ -48,12 +70,15 @@ class LayerSpec:
     attention: AttentionSpec
     norm: str = "rms"
     mlp: str = "swiglu"
+    moe: MoESpec | None = None      # the experts, exactly when mlp == "moe"
 
     def __post_init__(self) -> None:
         if self.norm not in NORMS:
             raise ValueError(f"norm: must be one of {NORMS}, got {self.norm!r}")
         if self.mlp not in MLPS:
             raise ValueError(f"mlp: must be one of {MLPS}, got {self.mlp!r}")
+        if (self.mlp == "moe") != (self.moe is not None):
+            raise ValueError(f"moe: a {self.mlp} MLP {'needs' if self.mlp == 'moe' else 'takes no'} MoESpec")
 
     @classmethod
     def from_arch(cls, arch: ModelArchConfig, layer: int = 0) -> LayerSpec:
@@ -62,5 +87,6 @@ class LayerSpec:
         attention = AttentionSpec(
             num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.layer_window(layer))
+        moe = MoESpec.from_arch(arch)
         return cls(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-                   norm_eps=arch.rms_norm_eps, attention=attention)
+                   norm_eps=arch.rms_norm_eps, attention=attention, mlp="swiglu" if moe is None else "moe", moe=moe)

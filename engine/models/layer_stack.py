@@ -68,7 +68,9 @@ class CppLayers:
 
 def select_layer_stack(model) -> PythonLayers | CppLayers:
     linears = model.linears()
-    if not linears:
+    if not linears or model.spec.mlp == "moe":
+        # Mixture of experts: cpu_stack.cpp has no routed experts; the Python layers run them
+        # (models.moe), each expert's projections in the model's format (block formats included).
         return PythonLayers()
     blockq = all(isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in linears)
     if not (blockq or model._float32_packed()):

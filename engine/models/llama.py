@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models import kquant
-from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 from sluice.engine.models.cpu_linear import cpu_packing_available, pack_cpu_weight, packed_linear, warm_up_row_buckets
 from sluice.engine.models.layer_spec import LayerSpec
 from sluice.engine.models.layer_stack import PythonLayers, select_layer_stack
+from sluice.engine.models.moe import SparseMoE
 from sluice.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -139,7 +140,8 @@ class LlamaDecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps, **factory)
         self.self_attn = LlamaAttention(spec, **factory)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps, **factory)
-        self.mlp = LlamaMLP(spec, **factory)
+        # Mixture of experts (models.moe): experts are LlamaMLPs of the expert size.
+        self.mlp = SparseMoE(spec, LlamaMLP, **factory) if spec.mlp == "moe" else LlamaMLP(spec, **factory)
 
     def forward(self, h, cos, sin, kv_cache, meta, attn):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta, attn)
@@ -343,6 +345,9 @@ def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchC
         for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
             qkv.bias[start:start + rows].copy_(_take(weights, f"{a}{name}.bias", (rows,)))
     _fill(layer.self_attn.o_proj, weights, [(a + "o_proj.weight", (h, q))], quantizer)
-    _fill(layer.mlp.gate_up_proj, weights, [(m + "gate_proj.weight", (inter, h)),
-                                            (m + "up_proj.weight", (inter, h))], quantizer)
-    _fill(layer.mlp.down_proj, weights, [(m + "down_proj.weight", (h, inter))], quantizer)
+    if isinstance(layer.mlp, SparseMoE):
+        layer.mlp.load(weights, prefix, ARCHITECTURES[arch.architecture].moe, _fill, _take, quantizer)
+    else:
+        _fill(layer.mlp.gate_up_proj, weights, [(m + "gate_proj.weight", (inter, h)),
+                                                (m + "up_proj.weight", (inter, h))], quantizer)
+        _fill(layer.mlp.down_proj, weights, [(m + "down_proj.weight", (h, inter))], quantizer)
