@@ -72,6 +72,9 @@ def plan_shard(arch: ModelArchConfig, rank: int, world: int) -> Shard:
     """Which heads and intermediate features ``rank`` of ``world`` holds; ValueError naming
     ``tensor_parallel_shards`` when the model cannot be split that way."""
     kv = arch.num_key_value_heads
+    if arch.num_experts:
+        raise ValueError(f"tensor_parallel_shards: a mixture-of-experts model ({arch.architecture}) is not "
+                         "split over ranks (its experts are not sharded); run it with tensor_parallel_shards=1")
     if world > kv:
         raise ValueError(f"tensor_parallel_shards: {world} ranks need at least {world} key/value heads; "
                          f"the model has {kv}")

@@ -277,3 +277,55 @@ def test_a_q8_0_gguf_keeps_its_experts_as_stored_within_the_block_formats_bounds
     kept = torch.cat([c[~m] for c, m in zip(changes, moved)])
     assert kept.max() <= MAX_LOGIT_CHANGE["w8a8"]
     assert torch.cat([c.flatten() for c in changes]).mean() <= MEAN_LOGIT_CHANGE["w8a8"]
+
+
+QWEN_MOE = {"model_type": "qwen2_moe", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"mlp_only_layers": [1]}, r"mlp_only_layers / decoder_sparse_step: a qwen2_moe model with dense layers"),
+    ({"decoder_sparse_step": 2}, r"mlp_only_layers / decoder_sparse_step: a qwen2_moe model with dense layers"),
+    ({"num_experts_per_tok": 5}, r"num_experts_per_tok: 5 is more than the 4 experts"),
+    ({"num_experts": 0}, r"num_experts: must be a positive integer, got 0"),
+    ({"moe_intermediate_size": None}, r"moe_intermediate_size: missing from config.json"),
+])
+def test_what_is_not_supported_is_refused_by_name(extra, message):
+    cfg = {k: v for k, v in {**QWEN_MOE, **extra}.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        ModelArchConfig.from_hf_config(cfg)
+
+
+def test_tensor_parallelism_refuses_experts_by_name():
+    from sluice.engine.parallel.tensor import plan_shard
+
+    arch = ModelArchConfig.from_hf_config(QWEN_MOE)
+    assert (arch.num_experts, arch.moe_intermediate_size, arch.norm_topk_prob) == (4, 32, False)
+    with pytest.raises(ValueError, match=r"tensor_parallel_shards: a mixture-of-experts model \(qwen2_moe\)"):
+        plan_shard(arch, 0, 2)
+
+
+def test_a_gguf_with_experts_for_a_dense_architecture_is_refused(moe, tmp_path):
+    """A file whose metadata has no experts (the dense architecture, no expert_count) but whose
+    tensors do: the router and the 3-D experts are named, not read as a dense model's."""
+    import gguf
+
+    _, hf = moe
+    _write_gguf(tmp_path / "m.gguf", hf)
+    sparse = GGUF_ARCH[hf.config.model_type]
+    dense = {"llama": "llama", "qwen2moe": "qwen2", "qwen3moe": "qwen3"}[sparse]
+    reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
+    writer = gguf.GGUFWriter(str(tmp_path / "dense.gguf"), dense)
+    for field in reader.fields.values():
+        if field.name.startswith(sparse + ".") and "expert" not in field.name:
+            key = dense + field.name[len(sparse):]
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.asarray(tensor.data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.ffn_gate_inp\.weight' for a Llama"):
+        load_gguf(tmp_path / "dense.gguf")
