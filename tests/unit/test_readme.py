@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_LINES = 500
 NEEDS_DEFAULT_MODEL = "<!-- needs: default-model -->"
-REGIONS = ("json-schema-keywords", "gguf-formats")
+MODELS_HEADER = "| architecture | models | CPU float32 | CPU block formats | what is refused |"
+REGIONS = ("json-schema-keywords", "gguf-formats", "models")
 TOP_DIRS = (".ci", "bench", "engine", "http_facade", "kernels", "proto", "tests")
 TOP_FILES = ("Makefile", "pyproject.toml", "README.md")
 PACKAGE_DIRS = {"sluice.engine": "engine", "sluice.kernels": "kernels", "sluice.http_facade": "http_facade"}
@@ -212,6 +213,7 @@ def table_first_column(text: str, header: str) -> list[str]:
 
 
 def wrong_tables(text: str) -> list[str]:
+    from sluice.engine.models.config import ARCHITECTURES
     from sluice.engine.overrides import KEYS
     from sluice.http_facade.limits import RequestLimits
 
@@ -222,6 +224,14 @@ def wrong_tables(text: str) -> list[str]:
         wrong += [f"override {k}: missing from the README's table" for k in sorted(set(KEYS) - listed)]
     except ValueError:
         wrong.append("no override table (header '| key | what it sets |')")
+    try:
+        listed = table_first_column(text, MODELS_HEADER)
+        wrong += [f"architecture {a}: not in engine.models.config.ARCHITECTURES"
+                  for a in listed if a not in ARCHITECTURES]
+        wrong += [f"architecture {a}: missing from the README's model table"
+                  for a in ARCHITECTURES if a not in listed]
+    except ValueError:
+        wrong.append(f"no model table (header {MODELS_HEADER!r})")
     try:
         limits = {f.name for f in fields(RequestLimits)}
         wrong += [f"limit {k}: not a RequestLimits field"
@@ -325,6 +335,11 @@ python bench/serving.py --concurrency 1 --no-such-bench-flag
 | --- | --- | --- |
 | `max_made_up_limit` | 1 | nothing |
 
+| architecture | models | CPU float32 | CPU block formats | what is refused |
+| --- | --- | --- | --- | --- |
+| `llama` | Llama | C++ stack | C++ stack | |
+| `gemma7` | none | | | |
+
 <!-- gguf-formats:begin -->
 
 ```python
@@ -352,10 +367,13 @@ def test_the_checkers_catch_a_wrong_readme():
     assert "override max_made_up: not in engine.overrides.KEYS" in tables
     assert "override prefill_chunk_size: missing from the README's table" in tables
     assert "limit max_made_up_limit: not a RequestLimits field" in tables
+    assert "architecture gemma7: not in engine.models.config.ARCHITECTURES" in tables
+    assert "architecture qwen3: missing from the README's model table" in tables
     assert wrong_regions(BAD) == [
         "region json-schema-keywords: needs one <!-- json-schema-keywords:begin --> before one "
         "<!-- json-schema-keywords:end -->",
-        "region gguf-formats: needs one <!-- gguf-formats:begin --> before one <!-- gguf-formats:end -->"]
+        "region gguf-formats: needs one <!-- gguf-formats:begin --> before one <!-- gguf-formats:end -->",
+        "region models: needs one <!-- models:begin --> before one <!-- models:end -->"]
     failures = failing_examples(BAD)
     assert len(failures) == 2
     assert "exit 1" in failures[0] and "an example that fails" in failures[0]
