@@ -36,8 +36,8 @@ _PERMUTED_QK = ("llama", "mistral", "mixtral")
 # a "llama" with ``llama.expert_count`` is a Mixtral (``_architecture``).
 _GGUF_ARCHITECTURES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 # Whether llama.cpp renormalises the top-k expert weights when the file does not say
-# (``<arch>.expert_weights_norm``): its qwen2moe graph does not, llama (Mixtral) and qwen3moe do.
-_EXPERT_WEIGHTS_NORM = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
+# (``<arch>.expert_weights_norm``): its qwen2moe and olmoe graphs do not, llama (Mixtral) and qwen3moe do.
+_EXPERT_WEIGHTS_NORM = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 # llama.cpp's expert tensors: 3-D [experts, out, in] (PyTorch order), one per projection; read
 # one expert at a time under HF's per-expert names (models.moe.HF_NAMES' index into them).
 _EXPERT_TENSORS = {"ffn_gate_exps.weight": 2, "ffn_up_exps.weight": 3, "ffn_down_exps.weight": 4}
@@ -56,7 +56,7 @@ _LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
-    "attn_q_norm.weight": "self_attn.q_norm.weight",     # Qwen3's per-head norms
+    "attn_q_norm.weight": "self_attn.q_norm.weight",     # Qwen3's per-head norms; OLMoE's over q
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "attn_output.weight": "self_attn.o_proj.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",

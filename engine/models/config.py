@@ -20,12 +20,14 @@ class ArchTraits:
     """What an architecture's layers do beyond the Llama layer, whatever its config.json says."""
     qkv_bias: bool = False          # q/k/v projections always carry a bias (Qwen2); others say so with attention_bias
     qk_norm: bool = False           # queries and keys pass a per-head RMSNorm before RoPE (Qwen3)
+    qk_norm_full: bool = False      # ... one RMSNorm over the whole q and k projections instead (OLMoE)
     # Whether config.json's sliding_window is in force: "never" (Llama's configs carry one that
     # nothing reads), "always" (Mistral), or only with use_sliding_window (Qwen2, Qwen3).
     window: str = "always"
     # Mixture of experts (``models.moe``): how config.json names the expert fields, None for a
     # dense MLP. "mixtral": num_local_experts, intermediate_size per expert, always renormalised;
-    # "qwen": num_experts, moe_intermediate_size, norm_topk_prob, shared_expert_intermediate_size.
+    # "qwen": num_experts, moe_intermediate_size, norm_topk_prob, shared_expert_intermediate_size;
+    # "olmoe": num_experts, intermediate_size per expert, norm_topk_prob.
     moe: str | None = None
 
 
@@ -37,6 +39,7 @@ ARCHITECTURES = {
     "mixtral": ArchTraits(moe="mixtral"),
     "qwen2_moe": ArchTraits(qkv_bias=True, window="opt_in", moe="qwen"),
     "qwen3_moe": ArchTraits(qk_norm=True, window="opt_in", moe="qwen"),
+    "olmoe": ArchTraits(qk_norm=True, qk_norm_full=True, window="never", moe="olmoe"),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # "factors": per-frequency divisors of the base frequencies, as GGUF files carry Llama 3.1/3.2's
@@ -302,6 +305,12 @@ def _experts(cfg: dict, model_type: str) -> dict:
     if moe == "mixtral":
         return {"num_experts": cfg["num_local_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
                 "moe_intermediate_size": cfg["intermediate_size"], "norm_topk_prob": True}
+    if moe == "olmoe":
+        if cfg.get("clip_qkv") is not None:
+            raise ValueError(f"clip_qkv: clamping q/k/v (OLMoE's clip_qkv={cfg['clip_qkv']!r}) is not supported")
+        return {"num_experts": cfg["num_experts"], "num_experts_per_tok": cfg["num_experts_per_tok"],
+                "moe_intermediate_size": cfg["intermediate_size"],
+                "norm_topk_prob": bool(cfg.get("norm_topk_prob", False))}
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ValueError(f"mlp_only_layers / decoder_sparse_step: a {model_type} model with dense layers among "
                          f"its sparse ones is not supported (got mlp_only_layers={cfg.get('mlp_only_layers')!r}, "

@@ -48,6 +48,9 @@ class AttentionSpec:
     # (transformers' convention); None: the whole causal prefix. Per layer (ModelArchConfig.
     # layer_window), so that sliding and global layers may alternate; both stacks read it here.
     sliding_window: int | None
+    # With qk_norm: one RMSNorm over the whole q (q_size) and k (kv_size) projections instead of
+    # one per head (OLMoE). The Python layers only: MoE models never run the C++ stack.
+    qk_norm_full: bool = False
 
     @property
     def q_size(self) -> int:
@@ -86,7 +89,8 @@ class LayerSpec:
         traits = ARCHITECTURES[arch.architecture]
         attention = AttentionSpec(
             num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-            qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.layer_window(layer))
+            qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.layer_window(layer),
+            qk_norm_full=traits.qk_norm_full)
         moe = MoESpec.from_arch(arch)
         return cls(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
                    norm_eps=arch.rms_norm_eps, attention=attention, mlp="swiglu" if moe is None else "moe", moe=moe)

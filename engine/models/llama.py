@@ -100,16 +100,22 @@ class LlamaAttention(torch.nn.Module):
         self.sliding_window = att.sliding_window        # this layer's window (None: global)
         self.qkv_proj = _Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=att.qkv_bias, **factory)
         self.o_proj = _Linear(self.q_size, spec.hidden_size, bias=False, **factory)
-        # Per-head norms of queries and keys (Qwen3), one weight over head_dim each.
-        self.q_norm = RMSNorm(att.head_dim, spec.norm_eps, **factory) if att.qk_norm else None
-        self.k_norm = RMSNorm(att.head_dim, spec.norm_eps, **factory) if att.qk_norm else None
+        # Per-head norms of queries and keys (Qwen3), one weight over head_dim each; or one norm
+        # over the whole q and k projections (OLMoE, qk_norm_full).
+        self.qk_norm_full = att.qk_norm_full
+        q_dim, k_dim = (self.q_size, self.kv_size) if att.qk_norm_full else (att.head_dim, att.head_dim)
+        self.q_norm = RMSNorm(q_dim, spec.norm_eps, **factory) if att.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, spec.norm_eps, **factory) if att.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, attn: AttentionBackend):
         # x [T, hidden]
         qkv = self.qkv_proj(x)                                                 # [T, q + 2 kv]
         qk, v = qkv.split((self.q_size + self.kv_size, self.kv_size), dim=-1)
+        if self.qk_norm_full:
+            q, k = qk.split((self.q_size, self.kv_size), dim=-1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1)              # [T, q + kv]
         qk = qk.reshape(-1, self.num_heads + self.num_kv_heads, self.head_dim)     # [T, Hq + Hkv, D]
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Q and K heads rotate in one call: they sit side by side in the fused projection.
@@ -335,8 +341,8 @@ def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchC
     layer.input_layernorm.weight.copy_(_take(weights, prefix + "input_layernorm.weight", (h,)))
     layer.post_attention_layernorm.weight.copy_(_take(weights, prefix + "post_attention_layernorm.weight", (h,)))
     for norm, name in ((layer.self_attn.q_norm, "q_norm"), (layer.self_attn.k_norm, "k_norm")):
-        if norm is not None:
-            norm.weight.copy_(_take(weights, f"{a}{name}.weight", (arch.head_dim,)))
+        if norm is not None:   # [head_dim], or [q] / [kv] over the whole projection (OLMoE)
+            norm.weight.copy_(_take(weights, f"{a}{name}.weight", tuple(norm.weight.shape)))
     qkv = layer.self_attn.qkv_proj
     # Rows of the fused weight: [q | k | v].
     _fill(qkv, weights, [(f"{a}q_proj.weight", (q, h)), (f"{a}k_proj.weight", (kv, h)),

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE): routing and the experts layer.
+"""Mixture-of-experts MLPs (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): routing and the experts layer.
 
 Routing is transformers' (``MixtralTopKRouter`` / ``Qwen2MoeTopKRouter``): router logits in the
 model dtype, softmax in float32, the top k probabilities, renormalised over the k when
@@ -31,6 +31,7 @@ from sluice.engine.models.layer_spec import LayerSpec
 HF_NAMES = {
     "mixtral": ("block_sparse_moe.", "gate", "w1", "w3", "w2"),
     "qwen": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
+    "olmoe": ("mlp.", "gate", "gate_proj", "up_proj", "down_proj"),
 }
 
 

@@ -1,5 +1,6 @@
-"""Mixture-of-experts decoders (issue 43): Mixtral, Qwen2-MoE (shared expert, sigmoid gate) and
-Qwen3-MoE (q/k norms), against transformers on the same weights.
+"""Mixture-of-experts decoders (issue 43): Mixtral, Qwen2-MoE (shared expert, sigmoid gate),
+Qwen3-MoE (per-head q/k norms) and OLMoE (q/k norms over the whole projections, top-k weights not
+renormalised), against transformers on the same weights.
 
 Each is a tiny random-weight model written by transformers itself (config, random weights,
 ``save_pretrained`` as safetensors: the hub's per-expert names), and the same weights written as
@@ -37,8 +38,11 @@ THETA = 10000.0
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=THETA, tie_word_embeddings=False,
               num_experts_per_tok=2)
-ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
-GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+# Expert counts and whether the top-k weights are renormalised, per architecture.
+NUM_EXPERTS = {"mixtral": 6, "qwen2_moe": 6, "qwen3_moe": 8, "olmoe": 6}
+NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
 
 
 def _hf_model(model_type: str, vocab: int):
@@ -53,6 +57,11 @@ def _hf_model(model_type: str, vocab: int):
                                    shared_expert_intermediate_size=96, num_experts=6, norm_topk_prob=False,
                                    **COMMON)
         return tf.Qwen2MoeForCausalLM(config)
+    if model_type == "olmoe":
+        # OLMoE-1B-7B's defaults: norm_topk_prob False, clip_qkv None; intermediate_size is per expert.
+        config = tf.OlmoeConfig(vocab_size=vocab, intermediate_size=96, num_experts=6, **COMMON)
+        assert config.norm_topk_prob is False and config.clip_qkv is None
+        return tf.OlmoeForCausalLM(config)
     config = tf.Qwen3MoeConfig(vocab_size=vocab, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
                                norm_topk_prob=True, head_dim=32, **COMMON)
     return tf.Qwen3MoeForCausalLM(config)
@@ -139,6 +148,8 @@ def _write_gguf(path, hf, q8_0: bool = False) -> None:
     writer.add_vocab_size(config.vocab_size)
     if config.model_type == "mixtral":
         writer.add_expert_count(config.num_local_experts)
+    elif config.model_type == "olmoe":     # llama.cpp's olmoe: feed_forward_length is per expert
+        writer.add_expert_count(config.num_experts)
     else:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
@@ -182,8 +193,8 @@ def test_the_config_and_the_gguf_describe_the_same_model(moe, tmp_path):
     # GGUF stores the epsilon as a float32.
     assert dataclasses.replace(from_gguf, rms_norm_eps=arch.rms_norm_eps) == arch
     assert arch.architecture == hf.config.model_type and arch.num_experts_per_tok == 2
-    assert arch.num_experts == (6 if arch.architecture != "qwen3_moe" else 8)
-    assert arch.norm_topk_prob == (arch.architecture != "qwen2_moe")
+    assert arch.num_experts == NUM_EXPERTS[arch.architecture]
+    assert arch.norm_topk_prob == NORM_TOPK[arch.architecture]
     assert arch.shared_expert_intermediate_size == (96 if arch.architecture == "qwen2_moe" else 0)
 
 
@@ -220,9 +231,11 @@ def test_greedy_batched_matches_transformers(moe):
         ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]    # one batch, chunked prefill
     finally:
         llm.close()
+    # The attention mask given: OLMoE's config has pad_token_id 1, which PROMPTS[2] holds, and
+    # generate would otherwise mask that token out.
     with torch.no_grad():
-        theirs = [hf.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False)[0, len(p):].tolist()
-                  for p in PROMPTS]
+        theirs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=10, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
     assert ours == theirs
 
 
@@ -314,7 +327,7 @@ def test_a_gguf_with_experts_for_a_dense_architecture_is_refused(moe, tmp_path):
     _, hf = moe
     _write_gguf(tmp_path / "m.gguf", hf)
     sparse = GGUF_ARCH[hf.config.model_type]
-    dense = {"llama": "llama", "qwen2moe": "qwen2", "qwen3moe": "qwen3"}[sparse]
+    dense = {"llama": "llama", "qwen2moe": "qwen2", "qwen3moe": "qwen3", "olmoe": "llama"}[sparse]
     reader = gguf.GGUFReader(str(tmp_path / "m.gguf"))
     writer = gguf.GGUFWriter(str(tmp_path / "dense.gguf"), dense)
     for field in reader.fields.values():
@@ -329,3 +342,14 @@ def test_a_gguf_with_experts_for_a_dense_architecture_is_refused(moe, tmp_path):
     writer.close()
     with pytest.raises(ModelLoadError, match=r"unexpected tensor 'blk\.0\.ffn_gate_inp\.weight' for a Llama"):
         load_gguf(tmp_path / "dense.gguf")
+
+
+OLMOE = {**QWEN_MOE, "model_type": "olmoe", "intermediate_size": 32}
+
+
+def test_olmoe_reads_its_expert_fields_and_refuses_clip_qkv_by_name():
+    arch = ModelArchConfig.from_hf_config(OLMOE)
+    assert (arch.num_experts, arch.moe_intermediate_size, arch.norm_topk_prob) == (4, 32, False)
+    assert ModelArchConfig.from_hf_config({**OLMOE, "norm_topk_prob": True}).norm_topk_prob
+    with pytest.raises(ValueError, match=r"clip_qkv: clamping q/k/v \(OLMoE's clip_qkv=8\.0\) is not supported"):
+        ModelArchConfig.from_hf_config({**OLMOE, "clip_qkv": 8.0})
