@@ -161,7 +161,8 @@ def attention_kernels(arch, dt, decode_splits=(1, 4), head_dim=128, reduce=True,
         # check but that one.
         compile_for_cuda(paged_prefill._paged_prefill_kernel, types, dict(
             GROUP=3, HEAD_DIM_PAD=head_dim, BLOCK_M=paged_prefill._TREE_BLOCK_M if tree else paged_prefill._BLOCK_M,
-            BLOCK_N=paged_prefill.block_n_for(torch_dtype, head_dim), DOT_PRECISION=prec, TREE=tree), arch,
+            BLOCK_N=paged_prefill.block_n_for(torch_dtype, head_dim), DOT_PRECISION=prec, TREE=tree,
+            NODES_PAD=16), arch,
             num_warps=paged_prefill._NUM_WARPS, num_stages=paged_prefill._NUM_STAGES, serving=serving,
             ptxas=ptxas, element_loads_ok=tree)
     kv = {n: dt for n in ("key_ptr", "value_ptr", "key_cache_ptr", "value_cache_ptr")}

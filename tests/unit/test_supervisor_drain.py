@@ -7,6 +7,7 @@ apart, and a kill before the grace as a non-zero exit. (They took 10.5 s, past t
 which cost the suite 6 s of waiting for what the order check already catches.)"""
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import time
@@ -81,25 +82,63 @@ time.sleep(30)
 """
 
 
-def _start_plan(mode: str, ready_timeout_s: float = 20.0) -> ServePlan:
-    # The facade stand-in exits at once: the test looks only at the engine's start-up.
+# The facade stand-in: answers /ready (200) for a few seconds, then exits; or exits at once; or
+# sleeps without ever listening.
+FACADE = """
+import http.server, sys, threading, time
+class Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/ready" else 404)
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready)
+threading.Thread(target=server.serve_forever, daemon=True).start()
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_plan(mode: str, facade: str = "exit", ready_timeout_s: float = 20.0) -> ServePlan:
+    port = _free_port()
     engine = EngineSpec((sys.executable, "-c", ENGINE, mode), "127.0.0.1:1", {}, None, "engine")
-    return ServePlan((engine,), (sys.executable, "-c", "pass"), "http://127.0.0.1:1", {}, ready_timeout_s, 1.0)
+    facade_cmd = {"exit": (sys.executable, "-c", "pass"),
+                  "sleep": (sys.executable, "-c", "import time; time.sleep(30)"),
+                  "ready": (sys.executable, "-c", FACADE, str(port), "4")}[facade]
+    return ServePlan((engine,), facade_cmd, f"http://127.0.0.1:{port}", {}, ready_timeout_s, 1.0)
 
 
-def test_the_facade_starts_only_once_the_engine_wrote_ready(capsys):
-    sup = Supervisor(_start_plan("ok"))
+def test_serve_is_ready_once_the_engine_wrote_ready_and_the_facade_answers(capsys):
+    # The facade starts beside the loading engine and answers /ready at once; "ready" still
+    # waits for the engine's pipe (1.5 s), then the facade's exit ends serve.
+    sup = Supervisor(_start_plan("ok", facade="ready"))
     t0 = time.monotonic()
-    assert sup.run() == 1                                   # the stand-in facade "died" at once
-    assert time.monotonic() - t0 >= 1.5                     # ... but only after "ready"
-    assert sup.facade is not None and sup.engines[0].poll() is not None
-    assert "the facade exited" in capsys.readouterr().err
+    assert sup.run() == 1                                   # the stand-in facade exits after 4 s
+    assert time.monotonic() - t0 >= 1.5
+    err = capsys.readouterr().err
+    assert "sluice serve: ready on" in err and "the facade exited with code 0; stopping" in err
+    assert err.index("ready on") < err.index("the facade exited")
+    assert sup.engines[0].poll() is not None               # stopped with the facade
+
+
+def test_a_facade_that_dies_while_the_engine_loads_ends_serve(capsys):
+    sup = Supervisor(_start_plan("ok", facade="exit"))
+    assert sup.run() == 1
+    assert sup.engines[0].poll() is not None
+    err = capsys.readouterr().err
+    assert "the facade exited with code 0 while waiting for the engine to load" in err
+    assert "ready on" not in err
 
 
 def test_an_engine_that_fails_to_load_ends_serve_at_once(capsys):
-    sup = Supervisor(_start_plan("fail"))
+    sup = Supervisor(_start_plan("fail", facade="sleep"))
     t0 = time.monotonic()
     assert sup.run() == 1
     assert time.monotonic() - t0 < 10
-    assert sup.facade is None                               # never started
+    assert sup.facade.poll() is not None                    # started beside it, stopped with it
     assert "the engine exited with code 3 while waiting for the engine to load" in capsys.readouterr().err
