@@ -87,9 +87,12 @@ class ModelRunner:
         # draft distributions handed over for it, and the hidden states a proposer reads.
         # build_spec_decoder replaces it with the decoder's; off, it captures nothing.
         self.spec = SpecRunnerHooks()
-        # CPU with the C++ kernels built: their move_slots (move_kv). Looked up at the first move,
-        # not here: a model on the Python layers never waits for the kernels to compile.
-        self._move_slots = False if device.type == "cpu" else None
+        self._move_slots = None          # CPU with the C++ kernels built: their move_slots (move_kv)
+        if device.type == "cpu":
+            from sluice.kernels import cpu_ext
+
+            if cpu_ext.available():
+                self._move_slots = cpu_ext.module().move_slots
 
     def execute(self, out) -> RunnerOutput:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
@@ -153,10 +156,6 @@ class ModelRunner:
         tp = getattr(self.model, "tp", None)     # tensor parallelism: the other ranks move theirs
         if tp is not None:
             tp.move_kv(src, dst)
-        if self._move_slots is False:
-            from sluice.kernels import cpu_ext
-
-            self._move_slots = cpu_ext.module().move_slots if cpu_ext.available() else None
         if self._move_slots is not None:      # CPU: one C++ call for every layer's K and V
             self._move_slots([c for cache in self.kv_caches for c in cache], src, dst)
             return
