@@ -2,7 +2,8 @@
 // one call from Python. What a layer is made of comes from a description (StackSpec: head
 // shapes, RMSNorm's epsilon, per-head q/k norms), its weights from named structs (StackLayer,
 // StackProjection, StackPart), both built by engine/models/layer_stack.py from the model's
-// LayerSpec; no architecture is spelled out here. EagleLayer is EAGLE's draft layer.
+// LayerSpec; no architecture is spelled out here. EagleLayer is EAGLE's draft layer, from the
+// same structs (built by engine/spec_decode/heads.py).
 //
 // A stack's arithmetic is the Python layers' (engine/models/llama.py): RMSNorm, RoPE, SwiGLU and
 // the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <string>
 #include <vector>
 
 // cpu_ops.cpp
@@ -96,6 +98,22 @@ struct StackLayer {
   int64_t window = 0;
 };
 
+// A projection as the stacks accept it: at least one part, each of a known kind (float32 only
+// alone), and a bias that is empty or a contiguous float32 [out]. `who` names the caller.
+void check_projection(const Projection& p, const std::string& who) {
+  TORCH_CHECK(!p.parts.empty(), who, ": each projection needs a part");
+  int64_t total = 0;
+  for (const Part& part : p.parts) {
+    TORCH_CHECK(known_kind(part.kind) && (part.kind != 32 || p.parts.size() == 1), who,
+                ": kind must be 4 or 8 (block bits), 100 + a K-quant type id or 32 (float32 packed by oneDNN, "
+                "alone), got ", part.kind);
+    total += part.n;
+  }
+  TORCH_CHECK(p.bias.numel() == 0 || (p.bias.scalar_type() == torch::kFloat32 && p.bias.is_contiguous() &&
+                                      p.bias.numel() == total),
+              who, ": a bias must be a contiguous float32 [out] or empty");
+}
+
 }  // namespace
 
 // A decoder's layers over a step of any rows (prefill, decode, verification, mixed): embeddings
@@ -110,19 +128,7 @@ class DecoderStack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& L = layers_[i];
       const Projection* w[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
-      for (const Projection* p : w) {
-        TORCH_CHECK(!p->parts.empty(), "DecoderStack: layer ", i, ": each projection needs a part");
-        int64_t total = 0;
-        for (const Part& part : p->parts) {
-          TORCH_CHECK(known_kind(part.kind) && (part.kind != 32 || p->parts.size() == 1), "DecoderStack: layer ", i,
-                      ": kind must be 4 or 8 (block bits), 100 + a K-quant type id or 32 (float32 packed by oneDNN, "
-                      "alone), got ", part.kind);
-          total += part.n;
-        }
-        TORCH_CHECK(p->bias.numel() == 0 || (p->bias.scalar_type() == torch::kFloat32 && p->bias.is_contiguous() &&
-                                             p->bias.numel() == total),
-                    "DecoderStack: layer ", i, ": a bias must be a contiguous float32 [out] or empty");
-      }
+      for (const Projection* p : w) check_projection(*p, "DecoderStack: layer " + std::to_string(i));
       if (spec_.qk_norm) {
         check_f32(L.q_norm, "q_norm", 1);
         check_f32(L.k_norm, "k_norm", 1);
@@ -185,25 +191,21 @@ class DecoderStack {
 // input norm only where the checkpoint has one). Each sequence's keys and values live in its own
 // dense cache [capacity, Hkv, D] (EagleCache): its rows are written after its `before` entries and
 // attend over them and causally over each other, through paged_decode with the cache as one
-// block. Tensors: input norm (empty: none), post-attention norm, (packed, d, m) for fc, qkv, o,
-// gate_up and down, then their five biases (empty: none); shapes: (bits, out) for each.
+// block. Its weights come by name: the input norm (empty: none), the post-attention norm and
+// the five projections (fc, qkv, o, gate_up, down; any kind the stacks take); its shapes from a
+// StackSpec (no q/k norms: EAGLE's layers have none).
 class EagleLayer {
  public:
-  EagleLayer(std::vector<torch::Tensor> t, std::vector<int64_t> s, int64_t heads, int64_t kv_heads,
-             int64_t head_dim, double eps, double scale)
-      : input_norm_(t.at(0)), post_norm_(t.at(1)), heads_(heads), kv_heads_(kv_heads), dim_(head_dim), eps_(eps),
-        scale_(scale) {
-    TORCH_CHECK(t.size() == 22 && s.size() == 10, "EagleLayer: needs 22 tensors and 10 sizes");
-    Projection* w[5] = {&fc_, &qkv_, &o_, &gate_up_, &down_};
-    for (int j = 0; j < 5; ++j) {
-      const int64_t bits = s[2 * j];
-      TORCH_CHECK(known_kind(bits), "EagleLayer: bits must be 4, 8, 32 or 100 + a K-quant type id, got ", bits);
-      const torch::Tensor& bias = t[17 + j];
-      TORCH_CHECK(bias.numel() == 0 || (bias.scalar_type() == torch::kFloat32 && bias.is_contiguous() &&
-                                        bias.numel() == s[2 * j + 1]),
-                  "EagleLayer: a bias must be a contiguous float32 [out] or empty");
-      *w[j] = Projection{t[2 + 3 * j], t[3 + 3 * j], t[4 + 3 * j], bias, bits, s[2 * j + 1]};
-    }
+  EagleLayer(StackSpec spec, torch::Tensor input_norm, torch::Tensor post_norm, Projection fc, Projection qkv,
+             Projection o, Projection gate_up, Projection down)
+      : input_norm_(input_norm), post_norm_(post_norm), fc_(std::move(fc)), qkv_(std::move(qkv)), o_(std::move(o)),
+        gate_up_(std::move(gate_up)), down_(std::move(down)), heads_(spec.heads), kv_heads_(spec.kv_heads),
+        dim_(spec.head_dim), eps_(spec.eps), scale_(spec.scale) {
+    TORCH_CHECK(heads_ >= 1 && kv_heads_ >= 1 && heads_ % kv_heads_ == 0 && dim_ >= 2 && !spec.qk_norm,
+                "EagleLayer: heads must be a multiple of kv_heads, both positive, head_dim at least 2, no q/k norms");
+    for (const Projection* p : {&fc_, &qkv_, &o_, &gate_up_, &down_}) check_projection(*p, "EagleLayer");
+    check_f32(post_norm_, "post_norm", 1);
+    if (input_norm_.numel()) check_f32(input_norm_, "input_norm", 1);
   }
 
   // The pairs' embeddings and hidden states [T, H] each (each sequence's rows together, in
@@ -303,7 +305,10 @@ void bind_layer_stacks(pybind11::module_& mod) {
            py::arg("tail_start") = py::none(), py::arg("tail_slots") = py::none(),
            py::call_guard<py::gil_scoped_release>());
   py::class_<EagleLayer>(mod, "EagleLayer", py::module_local())
-      .def(py::init<std::vector<torch::Tensor>, std::vector<int64_t>, int64_t, int64_t, int64_t, double, double>())
+      .def(py::init<StackSpec, torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection,
+                    Projection>(),
+           py::arg("spec"), py::arg("input_norm"), py::arg("post_norm"), py::arg("fc"), py::arg("qkv"), py::arg("o"),
+           py::arg("gate_up"), py::arg("down"))
       .def("forward", &EagleLayer::forward, py::arg("embeds"), py::arg("hidden"), py::arg("positions"),
            py::arg("cos_table"), py::arg("sin_table"), py::arg("key_caches"), py::arg("value_caches"),
            py::arg("before"), py::arg("rows"), py::call_guard<py::gil_scoped_release>());

@@ -321,19 +321,24 @@ class EagleHead(_DraftVocab):
         w = self.fc.weight
         if w.device.type != "cpu" or w.dtype != torch.float32 or not (envs.cpu_cpp_layers() and cpu_ext.available()):
             return None     # its caches and activations are float32 CPU tensors
-        none = torch.empty(0)
-        norm = lambda m: none if m is None else m.weight.detach().float().contiguous()  # noqa: E731
-        tensors, biases, shapes = [norm(self.input_layernorm), norm(self.post_attention_layernorm)], [], []
+        ops, none = cpu_ext.module(), torch.empty(0)
+        projections = {}
         for name, (weight, bias) in self._packed.items():
             if isinstance(weight, BlockQLinear):
-                tensors += [weight.packed, weight.d, weight.m]
-                shapes += [weight.bits, weight.out_features]
-            else:
-                tensors += [weight, none, none]
-                shapes += [32, sum(getattr(self, part).out_features for part in _EAGLE_SERVING[name])]
-            biases.append(none if bias is None else bias.detach().float().contiguous())
-        return cpu_ext.module().EagleLayer(tensors + biases, shapes, self.num_heads, self.num_kv_heads,
-                                           self.head_dim, float(self.arch.rms_norm_eps), float(self.scale))
+                part = ops.StackPart(packed=weight.packed, d=weight.d, m=weight.m, kind=weight.bits,
+                                     n=weight.out_features)
+            else:       # float32, packed by oneDNN (kind 32)
+                n = sum(getattr(self, part).out_features for part in _EAGLE_SERVING[name])
+                part = ops.StackPart(packed=weight, d=none, m=none, kind=32, n=n)
+            projections[name] = ops.StackProjection(
+                parts=[part], bias=none if bias is None else bias.detach().float().contiguous())
+        spec = ops.StackSpec(heads=self.num_heads, kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                             eps=float(self.arch.rms_norm_eps), scale=float(self.scale), qk_norm=False)
+        norm = lambda m: none if m is None else m.weight.detach().float().contiguous()  # noqa: E731
+        return ops.EagleLayer(spec=spec, input_norm=norm(self.input_layernorm),
+                              post_norm=norm(self.post_attention_layernorm), fc=projections["fc"],
+                              qkv=projections["qkv"], o=projections["o_proj"], gate_up=projections["gate_up"],
+                              down=projections["down_proj"])
 
     def _stacked(self) -> dict[str, tuple[torch.Tensor, torch.Tensor | None]]:
         """``_EAGLE_SERVING``'s products: (weights stacked by output rows, biases or None)."""

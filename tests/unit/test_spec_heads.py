@@ -643,7 +643,7 @@ def test_eagle_head_over_several_sequences_at_once_equals_one_at_a_time(tiny):
 @pytest.mark.parametrize("fmt", ["float32", "w8a8"])
 @pytest.mark.parametrize("input_norm", [False, True])
 def test_eagle_layer_in_cpp_equals_the_python_layer(tiny, fmt, input_norm):
-    """Drafting runs the head through the C++ EagleLayer (kernels/cpu_ops.cpp): over the same
+    """Drafting runs the head through the C++ EagleLayer (kernels/cpu_stack.cpp): over the same
     drafting copies it must give the Python layer's hidden states and leave the same keys and
     values in every cache, for several sequences of different lengths, caches that grow, and a
     forked cache, as a draft tree uses them."""
@@ -828,3 +828,29 @@ def test_the_runner_returns_the_hidden_states_its_proposer_reads(tiny, heads_fol
                 assert got[0] == n - 2 and got[1].shape == (hidden_size,)
     assert not core.runner.spec.draft_probs
     assert verified > 0   # some step verified drafts
+
+
+def test_the_cpp_eagle_layer_refuses_bad_projections_and_shapes_by_name():
+    """EagleLayer takes the stacks' named structs and holds them to the stacks' checks."""
+    from sluice.kernels import cpu_ext
+
+    if not cpu_ext.available():
+        pytest.fail(f"this test needs sluice's C++ CPU kernels: {cpu_ext.unavailable_reason()}")
+    ops, none = cpu_ext.module(), torch.empty(0)
+    w = torch.zeros(8, 8)
+
+    def proj(kind=32, bias=none):
+        return ops.StackProjection(parts=[ops.StackPart(packed=w, d=none, m=none, kind=kind, n=8)], bias=bias)
+
+    def layer(spec=None, **bad):
+        spec = spec or ops.StackSpec(heads=2, kv_heads=1, head_dim=4, eps=1e-6, scale=0.5, qk_norm=False)
+        p = {**dict(fc=proj(), qkv=proj(), o=proj(), gate_up=proj(), down=proj()), **bad}
+        return ops.EagleLayer(spec=spec, input_norm=none, post_norm=torch.ones(8), **p)
+
+    layer()                                                        # well formed
+    with pytest.raises(RuntimeError, match="EagleLayer: kind must be"):
+        layer(o=proj(kind=5))
+    with pytest.raises(RuntimeError, match="EagleLayer: a bias must be"):
+        layer(down=proj(bias=torch.zeros(3)))
+    with pytest.raises(RuntimeError, match="EagleLayer: heads must be a multiple of kv_heads"):
+        layer(ops.StackSpec(heads=3, kv_heads=2, head_dim=4, eps=1e-6, scale=0.5, qk_norm=False))
