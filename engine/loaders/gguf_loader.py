@@ -24,6 +24,7 @@ import torch
 
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models.config import ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelArchConfig
+from sluice.engine.models import phi3
 from sluice.engine.models.moe import HF_NAMES
 
 ProgressFn = Callable[[int, int], None]   # (tensors done, tensors total)
@@ -223,6 +224,39 @@ def _rope_freqs(reader, path: Path) -> dict | None:
     return {"rope_type": "factors", "factors": tuple(float(f) for f in np.asarray(tensor.data).reshape(-1))}
 
 
+def _longrope(reader, arch: str, path: Path) -> dict | None:
+    """Phi-3's LongRoPE as llama.cpp's converter writes it: ``rope_factors_long`` / ``_short``
+    tensors (F32, head_dim / 2 each), ``<arch>.rope.scaling.original_context_length`` and the
+    attention factor ``<arch>.rope.scaling.attn_factor``; None when the file has no factors."""
+    tensors = {t.name: t for t in reader.tensors if t.name in phi3.GGUF_ROPE_FACTORS}
+    if not tensors:
+        return None
+    if len(tensors) != len(phi3.GGUF_ROPE_FACTORS):
+        raise ModelLoadError(f"{path}: LongRoPE needs both {' and '.join(phi3.GGUF_ROPE_FACTORS)}, "
+                             f"found only {', '.join(tensors)}")
+    rs = {"rope_type": "longrope"}
+    for name, key in phi3.GGUF_ROPE_FACTORS.items():
+        if tensors[name].tensor_type.name != "F32":
+            raise ModelLoadError(f"{path}: {name} is {tensors[name].tensor_type.name}, expected F32")
+        rs[key] = tuple(float(f) for f in np.asarray(tensors[name].data).reshape(-1))
+    original = gguf_metadata(reader, f"{arch}.rope.scaling.original_context_length")
+    if original is None:
+        raise ModelLoadError(f"{path}: LongRoPE factors without {arch}.rope.scaling.original_context_length")
+    rs["original_max_position_embeddings"] = int(original)
+    attn_factor = gguf_metadata(reader, f"{arch}.rope.scaling.attn_factor")
+    if attn_factor is not None:
+        rs["attention_factor"] = float(attn_factor)
+    return rs
+
+
+def _check_rotary_dims(reader, arch: str, head_dim: int, path: Path) -> None:
+    """llama.cpp's ``rope.dimension_count`` below head_dim is partial rotary (Phi-4-mini): refused."""
+    dims = gguf_metadata(reader, f"{arch}.rope.dimension_count")
+    if dims is not None and int(dims) != head_dim:
+        raise ModelLoadError(f"{path}: {arch}.rope.dimension_count: RoPE over {dims} of each head's {head_dim} "
+                             "dimensions (partial_rotary_factor) is not supported")
+
+
 def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
     arch = gguf_architecture(reader, path)          # the metadata keys' prefix
     architecture = _architecture(reader, arch)
@@ -240,6 +274,7 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
         tokens = reader.fields.get("tokenizer.ggml.tokens")
         vocab = len(tokens.data) if tokens is not None else None
     head_dim = gguf_metadata(reader, f"{arch}.attention.key_length") or hidden // heads
+    _check_rotary_dims(reader, arch, int(head_dim), path)
     try:
         return ModelArchConfig(
             architecture=architecture,
@@ -253,7 +288,7 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
             rms_norm_eps=float(req("attention.layer_norm_rms_epsilon")),
             rope_theta=float(gguf_metadata(reader, f"{arch}.rope.freq_base", 10000.0)),
             max_position_embeddings=int(req("context_length")),
-            rope_scaling=_rope_freqs(reader, path) or _rope_scaling(reader, arch, path),
+            rope_scaling=_rope_freqs(reader, path) or _longrope(reader, arch, path) or _rope_scaling(reader, arch, path),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
             sliding_window=_sliding_window(reader, arch),
@@ -297,11 +332,13 @@ def _moe_layer_names(moe: str | None) -> dict[str, str]:
             "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 
 
-def hf_name(gguf_name: str, path: Path, moe: str | None = None) -> str:
+def hf_name(gguf_name: str, path: Path, moe: str | None = None, fused: bool = False) -> str:
+    """``fused``: the architecture's checkpoints hold q/k/v and gate/up fused (``ArchTraits.fused``,
+    Phi-3's ``attn_qkv`` and ``ffn_up``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    names = {**_LAYER_NAMES, **_moe_layer_names(moe)}
+    names = {**_LAYER_NAMES, **_moe_layer_names(moe), **(phi3.GGUF_LAYER_NAMES if fused else {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} for a Llama-family model")
@@ -386,14 +423,15 @@ class GGUFWeights(Mapping):
         self._tensors = {}
         for tensor in reader.tensors:
             _check_size(tensor, path)
-            if tensor.name == ROPE_FREQS:        # part of the architecture (_rope_freqs), not a weight
-                continue
-            moe = ARCHITECTURES[arch.architecture].moe
+            if tensor.name == ROPE_FREQS or tensor.name in phi3.GGUF_ROPE_FACTORS:
+                continue                         # part of the architecture (_rope_freqs, _longrope), not weights
+            traits = ARCHITECTURES[arch.architecture]
+            moe = traits.moe
             experts = _expert_names(tensor, moe, path)
             if experts is not None:
                 self._tensors.update((name, _Expert(tensor, e)) for e, name in enumerate(experts))
                 continue
-            self._tensors[hf_name(tensor.name, path, moe)] = tensor
+            self._tensors[hf_name(tensor.name, path, moe, traits.fused)] = tensor
         self._done = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:

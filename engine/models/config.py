@@ -29,6 +29,9 @@ class ArchTraits:
     # "qwen": num_experts, moe_intermediate_size, norm_topk_prob, shared_expert_intermediate_size;
     # "olmoe": num_experts, intermediate_size per expert, norm_topk_prob.
     moe: str | None = None
+    # The checkpoint holds q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``: Phi-3,
+    # ``models.phi3``), fed to the fused projections as they are.
+    fused: bool = False
 
 
 ARCHITECTURES = {
@@ -40,11 +43,13 @@ ARCHITECTURES = {
     "qwen2_moe": ArchTraits(qkv_bias=True, window="opt_in", moe="qwen"),
     "qwen3_moe": ArchTraits(qk_norm=True, window="opt_in", moe="qwen"),
     "olmoe": ArchTraits(qk_norm=True, qk_norm_full=True, window="never", moe="olmoe"),
+    "phi3": ArchTraits(fused=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # "factors": per-frequency divisors of the base frequencies, as GGUF files carry Llama 3.1/3.2's
 # scaling (a ``rope_freqs.weight`` tensor, llama.cpp's precomputed llama3 factors).
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "factors")
+# "longrope": Phi-3's per-frequency short and long factors (``models.phi3`` says which is used).
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "factors", "longrope")
 
 # Keys each rope type must carry besides "rope_type" (HF validation, less the optional ones).
 _ROPE_REQUIRED = {
@@ -54,6 +59,7 @@ _ROPE_REQUIRED = {
     "yarn": (),  # factor, or original_max_position_embeddings to derive it
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "factors": ("factors",),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
 
 
@@ -90,6 +96,15 @@ def _validate_rope_scaling(rs: dict | None) -> None:
         if key not in rs:
             raise ValueError(f"rope_scaling: {kind} scaling needs {key!r}, got keys {sorted(rs)}")
     # YaRN alone may leave factor None: it is then max_position_embeddings / original (HF).
+    if kind == "longrope":
+        from sluice.engine.models.phi3 import longrope
+
+        longrope(rs, rs["original_max_position_embeddings"])     # the factor lists' checks
+        _positive_int("rope_scaling.original_max_position_embeddings", rs["original_max_position_embeddings"])
+        for key in ("factor", "attention_factor"):
+            if rs.get(key) is not None:
+                _positive_float(f"rope_scaling.{key}", rs[key])
+        return
     if kind == "factors":
         if not rs["factors"] or not all(isinstance(f, float) and math.isfinite(f) and f > 0 for f in rs["factors"]):
             raise ValueError("rope_scaling.factors: must be positive finite numbers")
@@ -272,6 +287,11 @@ class ModelArchConfig:
             # Newer configs nest rope_theta inside rope_parameters.
             rope = cfg.get("rope_scaling") or cfg.get("rope_parameters")
             theta = cfg.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+            rope_scaling = normalize_rope_scaling(rope)
+            if model_type == "phi3":
+                from sluice.engine.models.phi3 import check_hf_config
+
+                rope_scaling = check_hf_config(cfg, rope_scaling)
             return cls(
                 architecture=model_type,
                 vocab_size=cfg["vocab_size"],
@@ -284,7 +304,7 @@ class ModelArchConfig:
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
                 rope_theta=float(theta),
                 max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-                rope_scaling=normalize_rope_scaling(rope),
+                rope_scaling=rope_scaling,
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=ARCHITECTURES[model_type].qkv_bias or bool(cfg.get("attention_bias", False)),
                 sliding_window=_sliding_window(cfg, model_type),

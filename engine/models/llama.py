@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.models import kquant
+from sluice.engine.models import kquant, phi3
 from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 from sluice.engine.models.cpu_linear import cpu_packing_available, pack_cpu_weight, packed_linear, warm_up_row_buckets
 from sluice.engine.models.layer_spec import LayerSpec
@@ -344,9 +344,11 @@ def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchC
         if norm is not None:   # [head_dim], or [q] / [kv] over the whole projection (OLMoE)
             norm.weight.copy_(_take(weights, f"{a}{name}.weight", tuple(norm.weight.shape)))
     qkv = layer.self_attn.qkv_proj
+    fused = ARCHITECTURES[arch.architecture].fused     # Phi-3 (models.phi3): stored fused already
     # Rows of the fused weight: [q | k | v].
-    _fill(qkv, weights, [(f"{a}q_proj.weight", (q, h)), (f"{a}k_proj.weight", (kv, h)),
-                         (f"{a}v_proj.weight", (kv, h))], quantizer)
+    _fill(qkv, weights, phi3.qkv_parts(a, q, kv, h) if fused else
+          [(f"{a}q_proj.weight", (q, h)), (f"{a}k_proj.weight", (kv, h)), (f"{a}v_proj.weight", (kv, h))],
+          quantizer)
     if qkv.bias is not None:
         for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
             qkv.bias[start:start + rows].copy_(_take(weights, f"{a}{name}.bias", (rows,)))
@@ -354,6 +356,6 @@ def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchC
     if isinstance(layer.mlp, SparseMoE):
         layer.mlp.load(weights, prefix, ARCHITECTURES[arch.architecture].moe, _fill, _take, quantizer)
     else:
-        _fill(layer.mlp.gate_up_proj, weights, [(m + "gate_proj.weight", (inter, h)),
-                                                (m + "up_proj.weight", (inter, h))], quantizer)
+        _fill(layer.mlp.gate_up_proj, weights, phi3.gate_up_parts(m, inter, h) if fused else
+              [(m + "gate_proj.weight", (inter, h)), (m + "up_proj.weight", (inter, h))], quantizer)
         _fill(layer.mlp.down_proj, weights, [(m + "down_proj.weight", (h, inter))], quantizer)

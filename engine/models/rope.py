@@ -105,7 +105,27 @@ def _factors(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torc
     return _base_inv_freq(arch.rope_theta, arch.head_dim) / factors, 1.0
 
 
-_SCALED = {"linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3, "factors": _factors}
+def _longrope(arch: ModelArchConfig, rs: dict, seq_len: int | None) -> tuple[torch.Tensor, float]:
+    """Phi-3's LongRoPE (transformers' ``_compute_longrope_parameters``): the base frequencies
+    divided by the short or the long factors. The long ones when the context the model is built
+    for (``seq_len``, else max_position_embeddings) exceeds original_max_position_embeddings,
+    fixed for the model's life (``models.phi3`` says why); cos/sin scaled by the attention factor,
+    sqrt(1 + ln(factor) / ln(original)) unless given, factor = max_position / original unless given."""
+    dim, original = arch.head_dim, rs["original_max_position_embeddings"]
+    factor = rs.get("factor") or arch.max_position_embeddings / original
+    attention_factor = rs.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    context = seq_len or arch.max_position_embeddings
+    key = "long_factor" if context > original else "short_factor"
+    ext = torch.tensor(rs[key], dtype=torch.float32)
+    if ext.numel() != dim // 2:
+        raise ValueError(f"rope_scaling.{key}: {ext.numel()} factors for head_dim {dim} (expected {dim // 2})")
+    shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim                   # [dim // 2]
+    return 1.0 / (ext * arch.rope_theta ** shape), float(attention_factor)
+
+
+_SCALED = {"longrope": _longrope, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3, "factors": _factors}
 
 
 def compute_inv_freq(arch: ModelArchConfig, seq_len: int | None = None) -> tuple[torch.Tensor, float]:

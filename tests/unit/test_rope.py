@@ -113,7 +113,7 @@ def test_normalize_accepts_old_and_new_spellings():
 
 
 @pytest.mark.parametrize("bad, match", [
-    ({"rope_type": "longrope", "factor": 2.0}, "rope_scaling: rope_type must be one of"),
+    ({"rope_type": "proportional", "factor": 2.0}, "rope_scaling: rope_type must be one of"),
     ({"rope_type": "linear"}, "rope_scaling: linear scaling needs 'factor'"),
     ({"rope_type": "linear", "factor": -1.0}, "rope_scaling.factor"),
     ({"rope_type": "llama3", "factor": 8.0}, "rope_scaling: llama3 scaling needs 'low_freq_factor'"),
