@@ -82,6 +82,8 @@ def check_hf_config(cfg: dict, rope: dict | None) -> dict | None:
     rope = {k: v for k, v in rope.items() if k != "partial_rotary_factor"}
     if rope == {"rope_type": "default"}:
         return None
+    if rope.get("rope_type") == "su":     # early Phi-3 128k configs' name for LongRoPE (llama.cpp reads both)
+        rope["rope_type"] = "longrope"
     if rope.get("rope_type") == "longrope":
         return longrope(rope, cfg.get("original_max_position_embeddings"))
     return rope

@@ -253,6 +253,15 @@ def test_what_is_not_supported_is_refused_by_name(extra, message):
         ModelArchConfig.from_hf_config({**PHI3, **extra})
 
 
+def test_su_is_longrope():
+    """Early Phi-3 128k configs call LongRoPE "su", with the original length at the top level."""
+    arch = ModelArchConfig.from_hf_config({**PHI3, **LONGROPE, "original_max_position_embeddings": 32})
+    su = ModelArchConfig.from_hf_config({**PHI3, "original_max_position_embeddings": 32, "rope_scaling": {
+        **LONGROPE["rope_scaling"], "type": "su"}})
+    assert su == arch and arch.rope_scaling["rope_type"] == "longrope"
+    assert arch.rope_scaling["original_max_position_embeddings"] == 32
+
+
 def test_longrope_factors_of_the_wrong_length_are_refused_by_name():
     arch = ModelArchConfig.from_hf_config({**PHI3, "original_max_position_embeddings": 32, "rope_scaling": {
         "type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 7}})
