@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 
 log = logging.getLogger("sluice.parallel")
 
@@ -75,6 +75,9 @@ def plan_shard(arch: ModelArchConfig, rank: int, world: int) -> Shard:
     if arch.num_experts:
         raise ValueError(f"tensor_parallel_shards: a mixture-of-experts model ({arch.architecture}) is not "
                          "split over ranks (its experts are not sharded); run it with tensor_parallel_shards=1")
+    if world > 1 and ARCHITECTURES[arch.architecture].fused:
+        raise ValueError(f"tensor_parallel_shards: a {arch.architecture} checkpoint stores q/k/v and gate/up fused, "
+                         "which the ranks do not slice yet; run it with tensor_parallel_shards=1")
     if world > kv:
         raise ValueError(f"tensor_parallel_shards: {world} ranks need at least {world} key/value heads; "
                          f"the model has {kv}")

@@ -279,3 +279,12 @@ def test_a_gguf_with_partial_rotary_or_half_its_factors_is_refused(phi3, tmp_pat
         _write_gguf(tmp_path / "h.gguf", hf, drop="rope_factors_short.weight")
         with pytest.raises(ModelLoadError, match=r"LongRoPE needs both .*found only rope_factors_long\.weight"):
             load_gguf(tmp_path / "h.gguf")
+
+
+def test_tensor_parallelism_refuses_fused_checkpoints_by_name():
+    from sluice.engine.parallel.tensor import plan_shard
+
+    arch = ModelArchConfig.from_hf_config(PHI3)
+    assert plan_shard(arch, 0, 1).world == 1
+    with pytest.raises(ValueError, match=r"tensor_parallel_shards: a phi3 checkpoint stores q/k/v and gate/up fused"):
+        plan_shard(arch, 0, 2)
