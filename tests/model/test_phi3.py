@@ -170,9 +170,12 @@ def test_longrope_frequencies_are_transformers(phi3):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     variant, folder, hf = phi3
-    if variant != "longrope":
-        pytest.skip("no rope scaling")
     arch, _ = load_hf_folder(folder)
+    if variant != "longrope":       # no rope scaling: transformers' default frequencies, unscaled
+        ours, scale = compute_inv_freq(arch, None)
+        rotary = hf.model.rotary_emb
+        assert torch.equal(ours, rotary.inv_freq) and scale == rotary.attention_scaling == 1.0
+        return
     for seq_len, theirs_len in ((ORIGINAL, ORIGINAL), (ORIGINAL + 1, ORIGINAL + 1), (None, MAX_POS)):
         ours, scale = compute_inv_freq(arch, seq_len)
         theirs, their_scale = ROPE_INIT_FUNCTIONS["longrope"](hf.config, None, seq_len=theirs_len)
