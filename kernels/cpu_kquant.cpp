@@ -55,10 +55,16 @@ void blockq_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, fl
 namespace {
 
 constexpr int64_t kTile = 16, kBlock = 32, kPanel = 128;
-#ifndef SLUICE_KQ_ROWS
-#define SLUICE_KQ_ROWS 3
+// Input rows per pass over a tile (at most 6; measured with bench/kquant.py on a 2-core AVX-512
+// Xeon, 2026-12-06: 4 for Q4_K, whose unpacking is cheap, 6 where merging high-bit planes costs
+// more per weight vector and more rows share it). -DSLUICE_KQ_ROWS=R sets one count for all.
+template <int VB> constexpr int64_t rows_avx2() {
+#ifdef SLUICE_KQ_ROWS
+  return SLUICE_KQ_ROWS;
+#else
+  return VB == 4 ? 4 : 6;
 #endif
-constexpr int64_t kRowsAvx2 = SLUICE_KQ_ROWS;   // input rows per pass over a tile (bench/kquant.py)
+}
 
 // GGML type ids.
 enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
@@ -167,7 +173,12 @@ template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i*
   return v;
 }
 
-template <int FMT, int MR> struct TileAvx2 {
+// MR input rows against one tile. NH = 2: both 8-lane halves per block (acc [MR][2]; one pass
+// over the tile's bytes, for one row, where the bytes' stream is the cost); NH = 1: one half per
+// pass over K (acc [MR][1], so more rows fit in the 16 registers and each unpacked weight vector
+// serves more of them, for many rows, where the arithmetic is the cost). Each lane's float
+// operations are the same in the same order either way.
+template <int FMT, int MR, int NH> struct TileAvx2 {
   using F = Fmt<FMT>; using L = Lay<FMT>;
   // Groups of 4 between widening int16 pair sums to int32 (see the top), within a sub-block.
   static constexpr int FLUSH = std::min(F::SUB / 4, F::VB == 4 ? 8 : F::VB == 5 ? 4 : 2);
@@ -175,20 +186,20 @@ template <int FMT, int MR> struct TileAvx2 {
   const int8_t* a; int64_t k;
   __m256i p16[MR], isum[MR][L::PER];
 
-  template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, int64_t b) {
+  template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, const int8_t* ab) {
     const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / 2) + 32 * h));
     const __m256i v = group_values<F::VB, G>(nib, hi);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       int32_t a4;
-      std::memcpy(&a4, a + r * k + b * kBlock + 4 * G, 4);
+      std::memcpy(&a4, ab + r * k + 4 * G, 4);
       p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(a4)));
     }
     if constexpr ((G + 1) % FLUSH == 0) {
       constexpr int i2 = (4 * G) / F::SUB;
       constexpr bool first = (G + 1 - FLUSH) * 4 % F::SUB == 0;
       const __m256i ones = _mm256_set1_epi16(1);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m256i w32 = _mm256_madd_epi16(p16[r], ones);
         isum[r][i2] = first ? w32 : _mm256_add_epi32(isum[r][i2], w32);
@@ -197,64 +208,72 @@ template <int FMT, int MR> struct TileAvx2 {
     }
   }
 
-  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
-           int64_t ldo, int64_t lanes) {
+  // One block's half h: the integer sums, then per sub-block acc = fma(I, D s, acc) (+ fma(M, s sum a, acc)).
+  inline void block_half(const uint8_t* chunk, int blk, int64_t b, int h, __m256 dv, __m256 dmv, const float* s,
+                         const float* ss, const int32_t* as, __m256* acc, int stride_acc) {
     const int64_t nb = k / kBlock, n16 = k / 16;
-    __m256 acc[MR][2];
-#pragma GCC unroll 4
-    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const __m256 sign = _mm256_set1_ps(-0.f);
-    for (int64_t sb = 0; sb < nsb; ++sb) {
-      const uint8_t* chunk = w + sb * L::CHUNK;
-      __m256 dv[2], dmv[2];
-      for (int h = 0; h < 2; ++h) {
-        dv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::D + 16 * h)));
-        if (F::OFFSET) dmv[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::DM + 16 * h)));
-      }
-      for (int blk = 0; blk < L::NBLK; ++blk) {
-        const int64_t b = sb * L::NBLK + blk;
-        const uint8_t* body = chunk + L::BODY + blk * L::BLK;
-        for (int h = 0; h < 2; ++h) {
-          __m256i hi[2];
-          for (int pb = 0; pb < F::VB - 4; ++pb)
-            hi[pb] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256 + 64 * pb + 32 * h));
-#pragma GCC unroll 4
-          for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
-          group<0>(body, h, hi, b); group<1>(body, h, hi, b); group<2>(body, h, hi, b); group<3>(body, h, hi, b);
-          group<4>(body, h, hi, b); group<5>(body, h, hi, b); group<6>(body, h, hi, b); group<7>(body, h, hi, b);
+    const uint8_t* body = chunk + L::BODY + blk * L::BLK;
+    const int8_t* ab = a + b * kBlock;
+    __m256i hi[2];
+    for (int pb = 0; pb < F::VB - 4; ++pb)
+      hi[pb] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256 + 64 * pb + 32 * h));
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
+    group<0>(body, h, hi, ab); group<1>(body, h, hi, ab); group<2>(body, h, hi, ab); group<3>(body, h, hi, ab);
+    group<4>(body, h, hi, ab); group<5>(body, h, hi, ab); group<6>(body, h, hi, ab); group<7>(body, h, hi, ab);
 #pragma GCC unroll 2
-          for (int i2 = 0; i2 < L::PER; ++i2) {
-            const int i = blk * L::PER + i2;
-            __m256 dsub = dv[h], msub = dmv[h];
-            if (F::SUBSCALE) {
-              const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::SC + kTile * i + 8 * h));
-              const __m256i sc = F::SIGNED ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
-              dsub = _mm256_mul_ps(dv[h], _mm256_cvtepi32_ps(sc));
-              if (F::OFFSET) {
-                const __m128i rmn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::MN + kTile * i + 8 * h));
-                msub = _mm256_xor_ps(sign, _mm256_mul_ps(dmv[h], _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(rmn))));
-              }
-            }
-#pragma GCC unroll 4
-            for (int r = 0; r < MR; ++r) {
-              const int64_t nbr = r * nb + b;
-              __m256i is = isum[r][i2];
-              if (!F::OFFSET) {
-                const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
-                is = _mm256_sub_epi32(is, _mm256_set1_epi32(F::ZERO * asum));
-              }
-              acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), acc[r][h]);
-              if (F::OFFSET) acc[r][h] = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[nbr]), acc[r][h]);
-            }
-          }
+    for (int i2 = 0; i2 < L::PER; ++i2) {
+      const int i = blk * L::PER + i2;
+      __m256 dsub = dv, msub = dmv;
+      if (F::SUBSCALE) {
+        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::SC + kTile * i + 8 * h));
+        const __m256i sc = F::SIGNED ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+        dsub = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc));
+        if (F::OFFSET) {
+          const __m128i rmn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::MN + kTile * i + 8 * h));
+          msub = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(rmn))));
         }
       }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const int64_t nbr = r * nb + b;
+        __m256i is = isum[r][i2];
+        if (!F::OFFSET) {
+          const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
+          is = _mm256_sub_epi32(is, _mm256_set1_epi32(F::ZERO * asum));
+        }
+        __m256& ar = acc[r * stride_acc];
+        ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
+        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[nbr]), ar);
+      }
     }
-    for (int r = 0; r < MR; ++r) {
-      alignas(32) float buf[kTile];
-      _mm256_store_ps(buf, acc[r][0]);
-      _mm256_store_ps(buf + 8, acc[r][1]);
-      std::memcpy(out + r * ldo, buf, sizeof(float) * static_cast<size_t>(lanes));
+  }
+
+  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
+           int64_t ldo, int64_t lanes) {
+    for (int h0 = 0; h0 < 2 && 8 * h0 < lanes; h0 += NH) {
+      __m256 acc[MR * NH];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR * NH; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const uint8_t* chunk = w + sb * L::CHUNK;
+        __m256 dv[NH], dmv[NH];
+        for (int hh = 0; hh < NH; ++hh) {
+          dv[hh] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::D + 16 * (h0 + hh))));
+          dmv[hh] = F::OFFSET ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::DM + 16 * (h0 + hh))))
+                              : _mm256_setzero_ps();
+        }
+        for (int blk = 0; blk < L::NBLK; ++blk) {
+          const int64_t b = sb * L::NBLK + blk;
+          for (int hh = 0; hh < NH; ++hh) block_half(chunk, blk, b, h0 + hh, dv[hh], dmv[hh], s, ss, as, acc + hh, NH);
+        }
+      }
+      for (int r = 0; r < MR; ++r) {
+        alignas(32) float buf[kTile];
+        for (int hh = 0; hh < NH; ++hh) _mm256_store_ps(buf + 8 * hh, acc[r * NH + hh]);
+        const int64_t n_out = std::min<int64_t>(8 * NH, lanes - 8 * h0);
+        std::memcpy(out + r * ldo + 8 * h0, buf, sizeof(float) * static_cast<size_t>(n_out));
+      }
     }
   }
 };
@@ -295,17 +314,21 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
         const int64_t lanes = std::min(kTile, n - t * kTile);
         const uint8_t* wt = wp + t * wtile;
 #if SLUICE_KQ_AVX2
-        for (int64_t r0 = p0; r0 < p1; r0 += kRowsAvx2) {
-          const int64_t mr = std::min<int64_t>(kRowsAvx2, p1 - r0);
+        constexpr int64_t kRows = rows_avx2<Fmt<FMT>::VB>();
+        static_assert(kRows >= 1 && kRows <= 6, "SLUICE_KQ_ROWS: 1 to 6 rows per pass");
+        for (int64_t r0 = p0; r0 < p1; r0 += kRows) {
+          const int64_t mr = std::min<int64_t>(kRows, p1 - r0);
           float* o = op + r0 * n + t * kTile;
           const int8_t* ar = ap + r0 * k;
           const float *sr = sp + r0 * nb, *ssr = ssp + r0 * nb;
           const int32_t* asr = asp + r0 * n16;
           switch (mr) {
-            case 4: TileAvx2<FMT, 4>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            case 3: TileAvx2<FMT, 3>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            case 2: TileAvx2<FMT, 2>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            default: TileAvx2<FMT, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 5: TileAvx2<FMT, 5, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 4: TileAvx2<FMT, 4, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 3: TileAvx2<FMT, 3, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 2: TileAvx2<FMT, 2, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            default: TileAvx2<FMT, 1, 2>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
           }
         }
 #else
