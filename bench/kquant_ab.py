@@ -1,0 +1,75 @@
+"""Two versions of ``kernels/cpu_kquant.cpp`` in one process: each builds (with ``cpu_blockq.cpp``)
+as its own small module, calls alternate on the same weights and inputs, and every output of the
+new one must equal the old one's bit for bit (an assertion, not a tolerance). For kernel changes
+on a shared, busy host, where two separate runs of ``bench/kquant.py`` minutes apart differ by
+more than the change.
+
+    git show HEAD~1:kernels/cpu_kquant.cpp > /tmp/old_kquant.cpp
+    python bench/kquant_ab.py /tmp/old_kquant.cpp kernels/cpu_kquant.cpp --kinds Q4_K,Q6_K
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+_BIND = """#include <torch/extension.h>
+torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("kquant_linear", &kquant_linear); }
+"""
+
+
+def build(src: Path, work: Path):
+    from torch.utils import cpp_extension
+
+    name = "kq_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12]
+    out = work / name
+    out.mkdir(parents=True, exist_ok=True)
+    bind = work / "bind.cpp"
+    bind.write_text(_BIND)
+    return cpp_extension.load(name=name, sources=[str(src), str(ROOT / "kernels" / "cpu_blockq.cpp"), str(bind)],
+                              build_directory=str(out), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
+
+
+def main() -> None:
+    import torch
+
+    from kquant import best_us, random_kquant
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("old", type=Path)
+    p.add_argument("new", type=Path)
+    p.add_argument("--kinds", default="Q4_K,Q5_K,Q6_K")
+    p.add_argument("--rows", default="1,8,32,128")
+    p.add_argument("--shapes", default="2048x2048,11264x2048,2048x5632")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--budget", type=float, default=0.3)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    work = Path(tempfile.gettempdir()) / "sluice-kquant-ab"
+    old, new = build(args.old.resolve(), work), build(args.new.resolve(), work)
+    print(f"{args.threads} threads; µs per call, best of {args.budget} s each; new / old")
+    print("| format | weight | rows | old | new | new / old |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for kind in args.kinds.split(","):
+        for shape in args.shapes.split(","):
+            n, k = (int(v) for v in shape.split("x"))
+            w = random_kquant(kind, n, k, seed=0)
+            for rows in (int(r) for r in args.rows.split(",")):
+                x = torch.randn(rows, k)
+                assert torch.equal(new.kquant_linear(x, w.packed, w.type_id, n),
+                                   old.kquant_linear(x, w.packed, w.type_id, n)), (kind, shape, rows)
+                t_old = best_us(lambda: old.kquant_linear(x, w.packed, w.type_id, n), args.budget)
+                t_new = best_us(lambda: new.kquant_linear(x, w.packed, w.type_id, n), args.budget)
+                print(f"| {kind} | {n}×{k} | {rows} | {t_old:.0f} | {t_new:.0f} | {t_new / t_old:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
