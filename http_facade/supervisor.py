@@ -21,6 +21,7 @@ supervisor. API keys reach the facade through its environment, not its command l
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import select
@@ -241,12 +242,17 @@ class Supervisor:
         return all(fd < 0 for fd in self._ready_r)
 
     def _facade_ready(self) -> bool:
-        """The facade's /ready is 200: it listens and has checked that an engine serves."""
+        """The facade's /ready is 200 and lists every engine as serving: each engine has just
+        said it is ready, but the facade, started before they listened, may still be waiting out
+        a reconnect to one of them; until it has seen them all, it would route to the others."""
         try:
             with urllib.request.urlopen(self.plan.facade_url + "/ready", timeout=2.0) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
+                if resp.status != 200:
+                    return False
+                engines = json.loads(resp.read()).get("engines") or []
+        except (urllib.error.URLError, OSError, ValueError):
             return False
+        return len(engines) == len(self.engines) and all(e.get("serving") for e in engines)
 
     def _stop_all(self) -> None:
         # All at once, each with the same grace: the facade stops listening and refuses new

@@ -90,6 +90,8 @@ class Ready(http.server.BaseHTTPRequestHandler):
     def do_GET(self):
         self.send_response(200 if self.path == "/ready" else 404)
         self.end_headers()
+        up = "true" if sys.argv[3] == "up" else "false"
+        self.wfile.write(('{"status": "ready", "engines": [{"engine": "127.0.0.1:1", "serving": %s}]}' % up).encode())
     def log_message(self, *args):
         pass
 server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Ready)
@@ -109,7 +111,8 @@ def _start_plan(mode: str, facade: str = "exit", ready_timeout_s: float = 20.0) 
     engine = EngineSpec((sys.executable, "-c", ENGINE, mode), "127.0.0.1:1", {}, None, "engine")
     facade_cmd = {"exit": (sys.executable, "-c", "pass"),
                   "sleep": (sys.executable, "-c", "import time; time.sleep(30)"),
-                  "ready": (sys.executable, "-c", FACADE, str(port), "4")}[facade]
+                  "ready": (sys.executable, "-c", FACADE, str(port), "4", "up"),
+                  "unseen": (sys.executable, "-c", FACADE, str(port), "30", "down")}[facade]
     return ServePlan((engine,), facade_cmd, f"http://127.0.0.1:{port}", {}, ready_timeout_s, 1.0)
 
 
@@ -142,3 +145,14 @@ def test_an_engine_that_fails_to_load_ends_serve_at_once(capsys):
     assert time.monotonic() - t0 < 10
     assert sup.facade.poll() is not None                    # started beside it, stopped with it
     assert "the engine exited with code 3 while waiting for the engine to load" in capsys.readouterr().err
+
+
+def test_serve_waits_until_the_facade_sees_every_engine(capsys, monkeypatch):
+    # /ready is 200 (some engine serves) but lists this one as not serving yet: not ready.
+    import sluice.http_facade.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "_FACADE_START_S", 3.0)
+    sup = Supervisor(_start_plan("ok", facade="unseen"))
+    assert sup.run() == 1
+    err = capsys.readouterr().err
+    assert "timed out after 3s waiting for the facade to see the engines" in err and "ready on" not in err
