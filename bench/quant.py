@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timers import StepTimers, TimedCall, TimedForward  # noqa: E402
+from bench.timers import StepTimers, TimedForward  # noqa: E402
 
 KV_POOL_MIB = 64
 FORMATS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8")
@@ -89,7 +89,8 @@ def _profile(llm, tok, steps: int) -> dict:
         model._decoder = TimedForward(model._decoder, timers, "layers_cpp")
     timers.wrap(model, "compute_logits", "lm_head")
     timers.wrap(runner, "forward", "model_forward")
-    runner.sampler = TimedCall(runner.sampler, timers, "sampling")
+    timers.wrap(runner.sampler, "penalize", "sampling")
+    timers.wrap(runner.sampler, "draw", "sampling")
     timers.wrap(runner, "execute", "runner")
     ids = tok.encode(" ".join(FILLER[:12]), add_special_tokens=False)
     params = SamplingParams(max_tokens=steps + 8, temperature=0.0, ignore_eos=True)

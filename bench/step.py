@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timers import StepTimers, TimedCall, TimedForward  # noqa: E402
+from bench.timers import StepTimers, TimedForward  # noqa: E402
 
 PENALTIES = {"repetition_penalty": 1.1, "presence_penalty": 0.5, "frequency_penalty": 0.3}
 PHASES = ("schedule", "inputs", "layers", "forward_python", "lm_head", "sampling_batch", "sampler",
@@ -47,7 +47,9 @@ def instrument(core) -> StepTimers:
     timers.wrap(runner, "sample", "sample")              # split into LM head, batch, sampler, rest
     timers.wrap(model, "compute_logits", "lm_head")
     timers.wrap(SamplingBatch, "from_rows", "sampling_batch")
-    runner.sampler = TimedCall(runner.sampler, timers, "sampler")
+    # The sampler's two stages (the runner calls them apart: verification replaces the draw).
+    timers.wrap(runner.sampler, "penalize", "sampler")
+    timers.wrap(runner.sampler, "draw", "sampler")
     if model._cpu_decoder() is not None:
         model._decoder = TimedForward(model._decoder, timers, "layers")
     else:   # the Python layers: each layer's forward counts as "layers"

@@ -21,8 +21,9 @@ import torch
 
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
-from sluice.engine.penalty_rows import PenaltyRows
+from sluice.engine.row_batch import RowBatch
 from sluice.engine.sampler import GeneratorCache, Sampler, SampleRow, SamplingBatch
+from sluice.engine.spec_decode.rows import rows_of
 from sluice.engine.spec_decode.runner_hooks import SpecRunnerHooks, StepTrees, step_parents
 
 
@@ -79,8 +80,9 @@ class ModelRunner:
         ]
         self.sampler = Sampler(backend=sampler_backend, device=device)
         self.generators = GeneratorCache(seed=seed, device=device)
-        self.penalty_rows = PenaltyRows()   # penalised requests' token tallies, kept across steps
-        self.block_tables = BlockTableRows()
+        # Each running request's slot: tokens, block table, sampling parameters and penalty tally
+        # kept across steps, updated from the scheduler's diff.
+        self.rows = RowBatch(vocab_size)
         # engine.structured's manager (owned by the engine core): fills the grammar bitmask rows.
         self.grammar = grammar
         # Speculative decoding's runner contract (spec_decode.runner_hooks): verification, the
@@ -98,15 +100,14 @@ class ModelRunner:
         """Run one ``SchedulerOutput``; returns the tokens sampled for sequences that caught up."""
         for request_id in out.finished_ids:
             self.generators.drop(request_id)
-            self.penalty_rows.drop(request_id)
-            self.block_tables.drop(request_id)
+            self.rows.drop(request_id)
             self.spec.drop(request_id)
         for request_id in out.preempted_ids:
-            self.block_tables.drop(request_id)
+            self.rows.release(request_id)
         self.spec.begin_step()
         if not out.scheduled:
             return RunnerOutput()
-        batch = self.prepare(out.scheduled, self.block_tables)
+        batch = self.prepare(out.scheduled, self.rows)
         hidden = self.forward(batch)
         # Work that needs the batch but not the logits (a grammar bitmask) goes here.
         res = self.sample(out.scheduled, batch, hidden)
@@ -120,32 +121,43 @@ class ModelRunner:
 
     def sample(self, scheduled, batch: BatchInputs, hidden: torch.Tensor) -> RunnerOutput:
         """Sample, or verify drafts, on the logit rows of the sequences that caught up: one row
-        per sequence, K + 1 for a sequence with K drafts (``spec_decode.rows``)."""
+        per sequence, K + 1 for a sequence with K drafts (``spec_decode.rows``). One sampling
+        batch holds every row; the shared stages (penalties, bias, min_tokens and grammar masks)
+        run once over all of them, then the last stage: a draw for the rows without drafts,
+        verification for the rest."""
         plan = sample_plan(scheduled)
         if not plan.seqs:
             return RunnerOutput()
         with torch.inference_mode():
             logits = self.model.compute_logits(hidden[batch.sample_rows])  # [num_rows, vocab]
             res = RunnerOutput()
+            rows, slots = [], []
+            for (req, drafts), parents in zip(plan.seqs, plan.parents):
+                seq_rows = rows_of(req, drafts, parents)
+                rows.extend(seq_rows)
+                slots.extend([self.rows.slot(req.request_id)] * len(seq_rows))
+            sb = self.sampling_batch(rows, plan.seqs, slots)
+            penalised = self.sampler.penalize(logits, sb)                  # [num_rows, vocab]
             if plan.plain:
                 reqs = [plan.seqs[i][0] for i in plan.plain]
                 if plan.drafted:
-                    idx = torch.tensor([plan.first_row[i] for i in plan.plain], device=self.device)
-                    plain_logits = logits[idx]                                    # [num_plain, vocab]
+                    first = [plan.first_row[i] for i in plan.plain]
+                    so = self.sampler.draw(penalised[torch.tensor(first, device=self.device)], sb.select(first))
                 else:
-                    plain_logits = logits
-                sb = self.sampling_batch([SampleRow(r) for r in reqs], [(r, ()) for r in reqs])
-                self._to_output(reqs, self.sampler(plain_logits, sb), res)
+                    so = self.sampler.draw(penalised, sb)
+                self._to_output(reqs, so, res)
             if plan.drafted:
-                self.spec.verify(plan, logits, res, batch.tree_slots, self.sampling_batch, self.generators,
+                self.spec.verify(plan, penalised, sb, res, batch.tree_slots, self.generators,
                                  self.sampler.backend == "triton", self.move_kv)
         return res
 
-    def sampling_batch(self, rows: list[SampleRow], grammar_rows) -> SamplingBatch:
+    def sampling_batch(self, rows: list[SampleRow], grammar_rows, slots=None) -> SamplingBatch:
         """The sampling batch of logit rows, with the grammar bitmask of ``grammar_rows``
-        ((request, drafts) pairs) and the tallies kept across steps."""
+        ((request, drafts) pairs) and the tallies kept across steps; ``slots``: each row's slot
+        in ``self.rows``, whose parameters it then reads."""
+        params = None if slots is None else self.rows.params(slots)
         return SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.generators,
-                                           self._bitmask(grammar_rows), self.penalty_rows)
+                                       self._bitmask(grammar_rows), self.rows.tallies, params)
 
     def move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:
         """Copy the K/V of draft nodes to other draft slots (``tree.accepted_moves``), every layer."""
@@ -168,72 +180,72 @@ class ModelRunner:
         """[num_rows, ceil(V / 32)] grammar bitmask for (request, drafts) rows, or None."""
         return None if self.grammar is None else self.grammar.fill_bitmask(rows, self.device)
 
-    def prepare(self, scheduled, kept: BlockTableRows | None = None) -> BatchInputs:
-        """The step's input tensors. ``kept``: block-table rows kept across steps (``execute``
-        passes the runner's, whose requests' tables it sees freed); without it each table is
-        converted afresh (the draft and training runners, whose tables change under them)."""
-        bs = self.block_size
-        if kept is not None:
-            tables_rows = [kept.row(s.request.request_id, s.block_ids) for s in scheduled]
+    def prepare(self, scheduled, rows: RowBatch | None = None) -> BatchInputs:
+        """The step's input tensors. ``rows``: the slots kept across steps (``execute`` passes the
+        runner's): the ids and block tables are gathered from them; without, each sequence's
+        tokens and table are read afresh (the draft and training runners, whose sequences are
+        views made for one call)."""
+        bs, n = self.block_size, len(scheduled)
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+        q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        ends = starts + q_lens
+        if rows is not None:
+            seq_slots = rows.sync(scheduled)
+            tables = rows.tables[seq_slots, :max(len(s.block_ids) for s in scheduled)]   # a copy, [n, W]
         else:
-            tables_rows = [np.asarray(s.block_ids, dtype=np.int32) for s in scheduled]
-        tables = np.zeros((len(scheduled), max(len(r) for r in tables_rows)), dtype=np.int32)
-        ids, pos, slots, q_lens, seq_lens, ctx_lens, sample_rows = [], [], [], [], [], [], []
+            tables = np.zeros((n, max(len(s.block_ids) for s in scheduled)), dtype=np.int32)
+            for i, s in enumerate(scheduled):
+                tables[i, :len(s.block_ids)] = s.block_ids
+        single = bool((q_lens == 1).all())
+        if single:    # decode only: one token per sequence
+            first = np.arange(n, dtype=np.int64)
+            seq_of = first
+            positions = starts
+        else:
+            first = np.cumsum(q_lens) - q_lens                      # each sequence's first row
+            seq_of = np.repeat(np.arange(n), q_lens)                 # [num_tokens] row -> sequence
+            positions = np.arange(int(q_lens.sum()), dtype=np.int64) + np.repeat(starts - first, q_lens)
+        slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
+        if rows is not None:
+            ids = rows.tokens[seq_slots[seq_of], positions].astype(np.int64)
+        elif single:
+            ids = np.fromiter((_token_at(s.request, s.num_computed_tokens) for s in scheduled), np.int64, n)
+        else:
+            ids = np.concatenate([_token_slice(s.request, int(a), int(b)) for s, a, b in zip(scheduled, starts, ends)])
         trees = StepTrees()
-        single = True
-        row = 0
-        for i, (s, table) in enumerate(zip(scheduled, tables_rows)):
-            req = s.request
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            tables[i, : len(table)] = table
-            if s.num_new_tokens == 1:   # decode: plain ints, no arrays
-                ids.append(_token_at(req, start))
-                pos.append(start)
-                slots.append(int(table[start // bs]) * bs + start % bs)
-            else:
-                single = False
-                ids.append(_token_slice(req, start, end))
-                p = np.arange(start, end, dtype=np.int64)
-                slots.append(table[p // bs].astype(np.int64) * bs + p % bs)
-                trees.add(req, i, row, p, slots[-1])
-                pos.append(p)
-            q_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-            ctx_lens.append(start)
-            row += s.num_new_tokens
+        sample_rows = []
+        for i, s in enumerate(scheduled):
+            if not single and s.num_new_tokens > 1:   # a draft tree's nodes get their positions here
+                lo, hi = int(first[i]), int(first[i] + q_lens[i])
+                trees.add(s.request, i, lo, positions[lo:hi], slots[lo:hi])
             if s.sample:   # the last known token's row, then one per draft
-                sample_rows.extend(range(row - 1 - _num_drafts(s), row))
+                end = int(first[i] + q_lens[i])
+                sample_rows.extend(range(end - 1 - _num_drafts(s), end))
         dev = self.device
+        positions_t = torch.from_numpy(positions)
         if single:
-            input_ids = torch.tensor(ids, dtype=torch.int64)
-            positions = torch.tensor(pos, dtype=torch.int64)
-            slot_mapping = torch.tensor(slots, dtype=torch.int64)
-            qsl = torch.arange(len(q_lens) + 1, dtype=torch.int32)
+            qsl = torch.arange(n + 1, dtype=torch.int32)
         else:
-            as_array = lambda xs: [np.asarray([x], dtype=np.int64) if isinstance(x, int) else x for x in xs]
-            input_ids = torch.from_numpy(np.concatenate(as_array(ids)))
-            positions = torch.from_numpy(np.concatenate(as_array(pos)))
-            slot_mapping = torch.from_numpy(np.concatenate(as_array(slots)))
-            qsl = np.zeros(len(q_lens) + 1, dtype=np.int32)
+            qsl = np.zeros(n + 1, dtype=np.int32)
             np.cumsum(q_lens, out=qsl[1:])
             qsl = torch.from_numpy(qsl)
-        tree_rows = trees.rows(positions, dev)
+        q_list, end_list = q_lens.tolist(), ends.tolist()
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev),
             query_start_loc=qsl.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
+            context_lens=torch.from_numpy(starts.astype(np.int32)).to(dev),
             block_tables=torch.from_numpy(tables).to(dev),
             block_size=bs,
-            max_query_len=max(q_lens),
-            max_seq_len=max(seq_lens),
-            query_lens_cpu=tuple(q_lens),
-            seq_lens_cpu=tuple(seq_lens),
-            tree=tree_rows,
+            max_query_len=max(q_list),
+            max_seq_len=max(end_list),
+            query_lens_cpu=tuple(q_list),
+            seq_lens_cpu=tuple(end_list),
+            tree=trees.rows(positions_t, dev),
         )
         return BatchInputs(
-            input_ids=input_ids.to(dev),
-            positions=positions.to(dev),
+            input_ids=torch.from_numpy(ids).to(dev),
+            positions=positions_t.to(dev),
             meta=meta,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
             tree_slots=trees.slots or None,
@@ -290,35 +302,6 @@ def _token_at(req, i: int) -> int:
     i -= n_prompt
     n_out = len(req.output_token_ids)
     return req.output_token_ids[i] if i < n_out else req.spec_token_ids[i - n_out]
-
-
-class BlockTableRows:
-    """Each scheduled request's block table as a numpy row kept across steps: a step copies in only
-    the blocks allocated since the previous one (a table only grows while its request holds it).
-    ``drop`` forgets a request that finished or was preempted (its blocks went back to the pool)."""
-
-    def __init__(self) -> None:
-        self._rows: dict[str, list] = {}       # request id -> [int32 array (capacity), filled]
-
-    def row(self, request_id: str, block_ids) -> np.ndarray:
-        n = len(block_ids)
-        entry = self._rows.get(request_id)
-        if entry is None or entry[1] > n or (entry[1] and int(entry[0][0]) != block_ids[0]):
-            entry = self._rows[request_id] = [np.empty(max(16, 2 * n), dtype=np.int32), 0]
-        arr, filled = entry
-        if n > filled:
-            if n > len(arr):
-                arr = np.concatenate([arr[:filled], np.empty(max(n, 2 * len(arr)) - filled, dtype=np.int32)])
-                entry[0] = arr
-            arr[filled:n] = block_ids[filled:n]
-            entry[1] = n
-        return arr[:n]
-
-    def drop(self, request_id: str) -> None:
-        self._rows.pop(request_id, None)
-
-    def __len__(self) -> int:
-        return len(self._rows)
 
 
 def _token_slice(req, start: int, end: int) -> np.ndarray:

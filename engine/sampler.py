@@ -1,15 +1,18 @@
 """Token sampling in torch: penalties, logit bias, temperature, top-k / top-p / min-p, seeded draws.
 
 CPU → device flow of one step:
-  1. host: ``SamplingBatch.from_rows`` reads the parameters of each logit row's request (a
-     ``SampleRow``: the request and the draft tokens before the row's position; a request
-     without drafts is one row, ``from_requests``) and builds one device tensor per stage. A
-     stage that no row needs stays ``None`` and is skipped, so an all-greedy batch without
-     penalties is a single ``argmax``. Penalties read each row's distinct tokens
+  1. host: ``SamplingBatch.from_rows`` takes the logit rows (a ``SampleRow``: the request and
+     the draft tokens before the row's position; a request without drafts is one row,
+     ``from_requests``) and their fixed parameters as arrays (``RowParams``: gathered from the
+     runner's row batch, ``engine.row_batch``, or read off the requests) and builds one device
+     tensor per stage. A stage that no row needs stays ``None`` and is skipped, so an all-greedy
+     batch without penalties is a single ``argmax``. Penalties read each row's distinct tokens
      (``engine.penalty_rows``), which the runner keeps across steps.
-  2. device: ``Sampler(backend, device)(logits, batch)`` — penalties and logit bias, then (for
-     logprobs) a ``log_softmax`` of those processed logits, then temperature, the top-k / top-p
-     / min-p filters, and the draw. On the triton backend nothing in it waits on the host;
+  2. device: ``Sampler(backend, device)(logits, batch)`` — ``penalize`` (penalties, logit bias,
+     the min_tokens and grammar masks: the stages a verified row shares), then ``draw``: (for
+     logprobs) a ``log_softmax`` of those processed logits, temperature, the top-k / top-p /
+     min-p filters, and the draw. Speculative verification takes ``penalize``'s output in
+     place of ``draw`` (``spec_decode.verify``). On the triton backend nothing in it waits on the host;
      the torch draw reads each row's count of kept tokens back once.
   3. host: the caller copies ``SamplerOutput`` back once.
 
@@ -39,6 +42,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from sluice.engine import envs
@@ -192,83 +196,163 @@ class SamplingBatch:
         generators: GeneratorCache | None = None,
         grammar_bitmask: torch.Tensor | None = None,
         penalty_rows: PenaltyRows | None = None,
+        params: RowParams | None = None,
     ) -> SamplingBatch:
+        """``params``: the rows' parameters as kept across steps (``engine.row_batch``); without
+        them they are read off the rows' requests."""
         if not rows:
             raise ValueError("requests: a sampling batch needs at least one request")
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size: must be a positive integer, got {vocab_size!r}")
         device = torch.device(device)
-        params = [r.request.sampling_params for r in rows]
-        for sp in params:
-            sp.check_vocab(vocab_size)
-        greedy = [sp.greedy for sp in params]
-        random_rows = [i for i, g in enumerate(greedy) if not g]
+        if params is None:
+            params = RowParams.of([r.request for r in rows], vocab_size)
+        random_rows = np.flatnonzero(~params.greedy).tolist()
         if random_rows and generators is None:
             raise ValueError("generators: a GeneratorCache is needed when a request samples at random")
-        lp = tuple(sp.logprobs for sp in params)
+        lp = params.num_logprobs
         wanted = [k for k in lp if k is not None]
-        penalties = _penalty_tensors(rows, vocab_size, device, penalty_rows)
         seeded, unseeded, shared = _generator_rows(rows, random_rows, generators, device)
-        bias_ids, bias_values = _logit_bias(params, device)
+        bias_ids, bias_values = (_logit_bias([r.request.sampling_params for r in rows], device)
+                                 if params.any_bias else (None, None))
         return cls(
             vocab_size=vocab_size,
-            greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            greedy=torch.from_numpy(params.greedy).to(device),
             all_greedy=not random_rows,
-            **_random_row_tensors(params, random_rows, vocab_size, device),
-            **penalties,
+            **_random_row_tensors(params, bool(random_rows), device),
+            **_penalty_tensors(rows, params, vocab_size, device, penalty_rows),
             bias_ids=bias_ids,
             bias_values=bias_values,
-            forbidden=_forbidden(rows, vocab_size, device),
+            forbidden=_forbidden(rows, params, vocab_size, device),
             seeded_rows=seeded,
             unseeded_rows=unseeded,
             shared_generator=shared,
-            **_philox_rows(rows, random_rows, device),
+            **_philox_rows(rows, params, bool(random_rows), device),
             num_logprobs=lp,
             max_num_logprobs=max(wanted) if wanted else None,
             grammar_bitmask=grammar_bitmask,
         )
 
+    def select(self, rows: list[int]) -> SamplingBatch:
+        """The batch of rows ``rows`` (indices into this one, in that order): what the last stage
+        (a draw, or verification) of a subset reads after the shared stages ran on the whole."""
+        if rows == list(range(self.batch_size)):
+            return self
+        pos = {r: i for i, r in enumerate(rows)}
+        dev = self.greedy.device
+        index = torch.tensor(rows, dtype=torch.int64, device=dev)
+        pick = lambda t: None if t is None else t.index_select(0, index)
+        greedy = pick(self.greedy)
+        seeded = tuple((pos[r], g) for r, g in self.seeded_rows if r in pos)
+        unseeded = [] if self.unseeded_rows is None else [pos[r] for r in self.unseeded_rows.tolist() if r in pos]
+        top_k = pick(self.top_k)
+        lp = tuple(self.num_logprobs[r] for r in rows)
+        wanted = [k for k in lp if k is not None]
+        return SamplingBatch(
+            vocab_size=self.vocab_size, greedy=greedy, all_greedy=not (seeded or unseeded),
+            temperature=pick(self.temperature), top_k=top_k,
+            max_top_k=self.max_top_k if top_k is not None else 0,
+            top_p=pick(self.top_p), min_p=pick(self.min_p),
+            presence_penalty=pick(self.presence_penalty), frequency_penalty=pick(self.frequency_penalty),
+            repetition_penalty=pick(self.repetition_penalty), penalty_ids=pick(self.penalty_ids),
+            penalty_counts=pick(self.penalty_counts), penalty_seen=pick(self.penalty_seen),
+            bias_ids=pick(self.bias_ids), bias_values=pick(self.bias_values), forbidden=pick(self.forbidden),
+            seeded_rows=seeded,
+            unseeded_rows=torch.tensor(unseeded, dtype=torch.int64, device=dev) if unseeded else None,
+            shared_generator=self.shared_generator if unseeded else None,
+            philox_seeds=pick(self.philox_seeds), philox_offsets=pick(self.philox_offsets),
+            num_logprobs=lp, max_num_logprobs=max(wanted) if wanted else None,
+            grammar_bitmask=pick(self.grammar_bitmask),
+        )
 
-def _random_row_tensors(params, random_rows: list[int], vocab_size: int, device) -> dict:
-    """Temperature and the three masks; greedy rows get neutral values (they take the argmax)."""
+
+@dataclass(frozen=True)
+class RowParams:
+    """The parameters of a batch's rows that stay fixed while their request runs, as arrays
+    ([B] each): what ``SamplingBatch.from_rows`` turns into tensors. ``engine.row_batch`` keeps one
+    entry per running request across steps and gathers a step's rows from it; ``of`` reads them
+    off the requests. Greedy rows hold neutral values (temperature 1, filters off)."""
+    greedy: np.ndarray                 # bool
+    temperature: np.ndarray            # float32
+    top_k: np.ndarray                  # int64; 0 = off (and for k >= V)
+    top_p: np.ndarray                  # float32; 1 = off
+    min_p: np.ndarray                  # float32; 0 = off
+    presence: np.ndarray               # float32
+    frequency: np.ndarray              # float32
+    repetition: np.ndarray             # float32; 1 = off
+    seed: np.ndarray                   # int64: the request's seed folded into int64, 0 without one
+    min_tokens: np.ndarray             # int64
+    num_logprobs: tuple[int | None, ...]
+    any_bias: bool
+
+    FIELDS = ("greedy", "temperature", "top_k", "top_p", "min_p", "presence", "frequency", "repetition",
+              "seed", "min_tokens")
+    DTYPES = (np.bool_, np.float32, np.int64, np.float32, np.float32, np.float32, np.float32, np.float32,
+              np.int64, np.int64)
+
+    @staticmethod
+    def entry(request: Request, vocab_size: int) -> tuple:
+        """One row's values in ``FIELDS`` order, then its logprobs and whether it has a logit bias;
+        checks the request's token ids against the vocabulary."""
+        sp = request.sampling_params
+        sp.check_vocab(vocab_size)
+        greedy = sp.greedy
+        seed = request_seed(request)
+        return (greedy,
+                1.0 if greedy else sp.temperature,
+                sp.top_k if not greedy and 0 < sp.top_k < vocab_size else 0,
+                1.0 if greedy else sp.top_p,
+                0.0 if greedy else sp.min_p,
+                sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty,
+                # Fold any Python int into the signed 64-bit range that an int64 tensor holds.
+                0 if seed is None else ((seed + (1 << 63)) % (1 << 64)) - (1 << 63),
+                sp.min_tokens,
+                sp.logprobs, bool(sp.logit_bias))
+
+    @classmethod
+    def of(cls, requests: list[Request], vocab_size: int) -> RowParams:
+        entries = [cls.entry(r, vocab_size) for r in requests]
+        cols = list(zip(*entries))
+        arrays = {f: np.array(c, dtype=t) for f, c, t in zip(cls.FIELDS, cols, cls.DTYPES)}
+        return cls(**arrays, num_logprobs=cols[-2], any_bias=any(cols[-1]))
+
+
+def _random_row_tensors(params: RowParams, any_random: bool, device) -> dict:
+    """Temperature and the three masks; greedy rows hold neutral values (they take the argmax)."""
     out = {"temperature": None, "top_k": None, "max_top_k": 0, "top_p": None, "min_p": None}
-    if not random_rows:
+    if not any_random:
         return out
-    rows = set(random_rows)
-    temp = [sp.temperature if i in rows else 1.0 for i, sp in enumerate(params)]
-    top_k = [sp.top_k if i in rows and 0 < sp.top_k < vocab_size else 0 for i, sp in enumerate(params)]
-    top_p = [sp.top_p if i in rows else 1.0 for i, sp in enumerate(params)]
-    min_p = [sp.min_p if i in rows else 0.0 for i, sp in enumerate(params)]
-    out["temperature"] = torch.tensor(temp, dtype=torch.float32, device=device)
-    if any(top_k):
-        out["top_k"] = torch.tensor(top_k, dtype=torch.int64, device=device)
-        out["max_top_k"] = max(top_k)
-    if any(p < 1.0 for p in top_p):
-        out["top_p"] = torch.tensor(top_p, dtype=torch.float32, device=device)
-    if any(m > 0.0 for m in min_p):
-        out["min_p"] = torch.tensor(min_p, dtype=torch.float32, device=device)
+    out["temperature"] = torch.from_numpy(params.temperature).to(device)
+    if params.top_k.any():
+        out["top_k"] = torch.from_numpy(params.top_k).to(device)
+        out["max_top_k"] = int(params.top_k.max())
+    if (params.top_p < 1.0).any():
+        out["top_p"] = torch.from_numpy(params.top_p).to(device)
+    if (params.min_p > 0.0).any():
+        out["min_p"] = torch.from_numpy(params.min_p).to(device)
     return out
 
 
-def _penalty_tensors(rows: list[SampleRow], vocab_size: int, device, state: PenaltyRows | None) -> dict:
+def _penalty_tensors(rows: list[SampleRow], params: RowParams, vocab_size: int, device,
+                     state: PenaltyRows | None) -> dict:
     """The penalty fields: None where no row needs them; the rows' tokens from ``state`` (kept
     across steps) or, without one, tallied from the requests' token lists."""
-    params = [r.request.sampling_params for r in rows]
-    additive = [sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 for sp in params]
-    repeat = [sp.repetition_penalty != 1.0 for sp in params]
+    additive = (params.presence != 0.0) | (params.frequency != 0.0)
+    repeat = params.repetition != 1.0
     out = dict.fromkeys(("presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_ids",
                          "penalty_counts", "penalty_seen"))
-    if not any(additive) and not any(repeat):
+    any_additive, any_repeat = bool(additive.any()), bool(repeat.any())
+    if not any_additive and not any_repeat:
         return out
     # Only rows that need penalties hold tokens; the prompt only for a repetition penalty.
-    needs = [a or p for a, p in zip(additive, repeat)]
-    ids, counts, seen = penalty_tensors(rows, needs, repeat, vocab_size, device, state)
+    ids, counts, seen = penalty_tensors(rows, (additive | repeat).tolist(), repeat.tolist(), vocab_size,
+                                        device, state)
     out.update(penalty_ids=ids, penalty_counts=counts, penalty_seen=seen)
-    if any(additive):
-        out["presence_penalty"] = torch.tensor([sp.presence_penalty for sp in params], dtype=torch.float32, device=device)
-        out["frequency_penalty"] = torch.tensor([sp.frequency_penalty for sp in params], dtype=torch.float32, device=device)
-    if any(repeat):
-        out["repetition_penalty"] = torch.tensor([sp.repetition_penalty for sp in params], dtype=torch.float32, device=device)
+    if any_additive:
+        out["presence_penalty"] = torch.from_numpy(params.presence).to(device)
+        out["frequency_penalty"] = torch.from_numpy(params.frequency).to(device)
+    if any_repeat:
+        out["repetition_penalty"] = torch.from_numpy(params.repetition).to(device)
     return out
 
 
@@ -287,10 +371,11 @@ def _logit_bias(params, device) -> tuple[torch.Tensor | None, torch.Tensor | Non
             torch.tensor(vals, dtype=torch.float32, device=device))
 
 
-def _forbidden(sample_rows: list[SampleRow], vocab_size: int, device) -> torch.Tensor | None:
+def _forbidden(sample_rows: list[SampleRow], params: RowParams, vocab_size: int, device) -> torch.Tensor | None:
     """EOS (unless ignore_eos) and stop token ids, for rows still short of min_tokens."""
     rows, cols = [], []
-    for i, row in enumerate(sample_rows):
+    for i in np.flatnonzero(params.min_tokens > 0).tolist():
+        row = sample_rows[i]
         sp = row.request.sampling_params
         if row.num_output_tokens >= sp.min_tokens:
             continue
@@ -323,17 +408,12 @@ def _generator_rows(rows: list[SampleRow], random_rows: list[int], generators: G
     return tuple(seeded), index, generators.shared if unseeded else None
 
 
-def _philox_rows(rows: list[SampleRow], random_rows: list[int], device) -> dict:
+def _philox_rows(rows: list[SampleRow], params: RowParams, any_random: bool, device) -> dict:
     """Per-row Philox key and step counter for the triton draw; None when every row is greedy."""
-    if not random_rows:
+    if not any_random:
         return {"philox_seeds": None, "philox_offsets": None}
-    seeds = []
-    for row in rows:
-        seed = request_seed(row.request)
-        # Fold any Python int into the signed 64-bit range that an int64 tensor holds.
-        seeds.append(0 if seed is None else ((seed + (1 << 63)) % (1 << 64)) - (1 << 63))
     return {
-        "philox_seeds": torch.tensor(seeds, dtype=torch.int64, device=device),
+        "philox_seeds": torch.from_numpy(params.seed).to(device),
         "philox_offsets": torch.tensor([r.num_output_tokens for r in rows], dtype=torch.int64, device=device),
     }
 
@@ -590,12 +670,14 @@ def _invert_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return token
 
 
-def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+def processed_probs(logits: torch.Tensor, batch: SamplingBatch, penalised: bool = False) -> torch.Tensor:
     """[B, V] the distribution each row samples from, after every stage; greedy rows one-hot.
+    ``penalised``: ``logits`` already went through ``penalize`` (verification's, shared with the
+    rows drawn in the same step).
 
     For speculative decoding's rejection sampler, which compares target and draft probabilities.
     """
-    logits = penalize(logits.float(), batch)
+    logits = logits if penalised else penalize(logits.float(), batch)
     onehot = torch.zeros_like(logits).scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
     if batch.all_greedy:
         return onehot
@@ -684,11 +766,19 @@ class Sampler:
             self._kernels = (importlib.import_module("sluice.kernels.penalties"), importlib.import_module("sluice.kernels.sampling"))
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return self.draw(self.penalize(logits, batch), batch)
+
+    def penalize(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The stages every row goes through, whether it is then drawn from or verified:
+        penalties, logit bias, the min_tokens mask and the grammar mask ([B, V] float32, new)."""
         if self._kernels is None:
-            logits = penalize(logits.float(), batch)                 # [B, V]
-        else:
-            _check_triton_device(logits)
-            logits = _penalize_triton(self._kernels[0], logits, batch)
+            return penalize(logits.float(), batch)
+        _check_triton_device(logits)
+        return _penalize_triton(self._kernels[0], logits, batch)
+
+    def draw(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """The last stage of a plain row: temperature, the filters and the draw (greedy rows take
+        the argmax), and logprobs; ``logits`` [B, V] are ``penalize``'s."""
         argmax = greedy_ids(logits)                                  # [B]
         if batch.all_greedy:
             token_ids = argmax

@@ -4,8 +4,9 @@ step, so that the runner keeps no speculative state of its own and no proposer r
 * ``prepare``: ``StepTrees.add`` for each sequence that runs several rows; a draft tree's nodes
   get their positions (``n - 1 + depth``), their cache slots are kept for a later KV move, and
   ``StepTrees.rows`` describes what each node attends to (``TreeRows``).
-* ``sample``: ``SpecRunnerHooks.verify`` on the rows of the sequences that carried drafts,
-  with the draft distributions the decoder handed over (``expect``); a tree's accepted path has
+* ``sample``: ``SpecRunnerHooks.verify`` as the last stage of the rows of the sequences that
+  carried drafts (after the step's shared sampling stages), with the draft distributions the
+  decoder handed over (``expect``); a tree's accepted path has
   its K/V moved to the slots a chain of the same tokens would hold (``tree.accepted_moves``).
 * after sampling: ``SpecRunnerHooks.capture`` puts the hidden states a proposer's heads read in
   ``RunnerOutput.hidden_states``; the engine passes them on to the proposer.
@@ -24,7 +25,6 @@ import torch
 
 from sluice.engine.attention.base import NO_TREE, TreeRows
 from sluice.engine.spec_decode import tree
-from sluice.engine.spec_decode.rows import rows_of
 from sluice.engine.spec_decode.verify import DraftedSeq, verify
 
 # What a step keeps of the target's hidden states for the proposer (RunnerOutput.hidden_states):
@@ -125,24 +125,24 @@ class SpecRunnerHooks:
     def begin_step(self) -> None:
         self._accepted_nodes.clear()
 
-    def verify(self, plan, logits: torch.Tensor, res, tree_slots: dict | None, sampling_batch: Callable,
-               generators, use_kernel: bool, move_kv: Callable) -> None:
-        """Verify the drafted sequences of ``plan`` (``model_runner.SamplePlan``) on their rows of
-        ``logits`` into ``res``; ``sampling_batch(rows, grammar_rows)`` is the runner's sampling
-        batch for those rows, ``move_kv(slots, moves)`` its K/V copy between cache slots."""
-        rows, seqs = [], []
+    def verify(self, plan, penalised: torch.Tensor, batch, res, tree_slots: dict | None, generators,
+               use_kernel: bool, move_kv: Callable) -> None:
+        """Verify the drafted sequences of ``plan`` (``model_runner.SamplePlan``) into ``res``:
+        the last stage of their rows, after the shared ones. ``penalised`` [rows, V] and
+        ``batch`` (a ``SamplingBatch``) are the step's, over every sampled row (``rows_of`` per
+        sequence, in plan order); ``move_kv(slots, moves)`` is the runner's K/V copy between
+        cache slots."""
+        seqs, wanted = [], []
         for i in plan.drafted:
             req, drafts = plan.seqs[i]
-            parents = plan.parents[i]
-            seqs.append(DraftedSeq(req, len(rows), drafts, self.draft_probs.pop(req.request_id, None), parents))
-            rows.extend(rows_of(req, drafts, parents))
-        wanted = [plan.first_row[i] + j for i in plan.drafted for j in range(len(plan.seqs[i][1]) + 1)]
-        if wanted == list(range(wanted[0], wanted[0] + len(wanted))):   # one run of rows (batch 1): a view
-            drafted_logits = logits[wanted[0]:wanted[0] + len(wanted)]
+            seqs.append(DraftedSeq(req, len(wanted), drafts, self.draft_probs.pop(req.request_id, None),
+                                   plan.parents[i]))
+            wanted.extend(range(plan.first_row[i], plan.first_row[i] + len(drafts) + 1))
+        if wanted == list(range(wanted[0], wanted[0] + len(wanted))):   # one run of rows: a view
+            rows = penalised[wanted[0]:wanted[0] + len(wanted)]
         else:
-            drafted_logits = logits.index_select(0, torch.tensor(wanted, device=logits.device))
-        sb = sampling_batch(rows, [(s.request, s.draft_ids) for s in seqs])
-        for s, v in zip(seqs, verify(drafted_logits, sb, seqs, generators, use_kernel)):
+            rows = penalised.index_select(0, torch.tensor(wanted, device=penalised.device))
+        for s, v in zip(seqs, verify(rows, batch.select(wanted), seqs, generators, use_kernel, prepenalised=True)):
             rid = s.request.request_id
             res.sampled_token_ids[rid] = v.token_ids
             res.num_rejected_tokens[rid] = v.num_rejected

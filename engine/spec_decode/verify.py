@@ -52,9 +52,11 @@ class Verified:
 
 
 def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
-           generators: GeneratorCache, use_kernel: bool = False) -> list[Verified]:
-    """logits: [R, V], the rows of ``seqs`` (``batch`` built from the same rows)."""
-    penalised = penalize(logits.float(), batch)                       # [R, V]
+           generators: GeneratorCache, use_kernel: bool = False, prepenalised: bool = False) -> list[Verified]:
+    """logits: [R, V], the rows of ``seqs`` (``batch`` built from the same rows); ``prepenalised``:
+    they already went through the shared stages (``Sampler.penalize``), and verification is the
+    last stage (the runner's step), else it runs them here."""
+    penalised = logits if prepenalised else penalize(logits.float(), batch)   # [R, V]
     argmax = greedy_ids(penalised).tolist()
     greedy = batch.greedy.tolist()
     emitted: list[list[int]] = [None] * len(seqs)
@@ -70,7 +72,7 @@ def verify(logits: torch.Tensor, batch: SamplingBatch, seqs: list[DraftedSeq],
         else:
             emitted[i] = _greedy(rows, s.draft_ids)
     if random_seqs or random_trees:
-        probs = processed_probs(logits, batch)                        # [R, V]
+        probs = processed_probs(penalised, batch, penalised=True)     # [R, V]
     if random_seqs:
         draw = _rejection_kernel if use_kernel else _rejection_torch
         for i, toks in zip(random_seqs, draw(probs, [seqs[i] for i in random_seqs], generators)):

@@ -1,16 +1,19 @@
-"""The runner's step inputs with block-table rows kept across steps (model_runner.BlockTableRows).
+"""The runner's step inputs from the row batch kept across steps (engine.row_batch.RowBatch).
 
-Proves: over steps that mix chunked prefill, decode and drafts, with tables that grow past their
-first capacity, and a preempted request readmitted with other blocks (its row dropped, as
-``execute`` does for ``preempted_ids``), ``prepare`` with kept rows gives exactly the tensors it
-gives when every table is converted afresh; the single-token (decode) path gives the tensors of
-the general one; a row whose table shrank or changed its first block is rebuilt.
+Proves: over steps that mix chunked prefill, decode and drafts, with tables and token rows that
+grow past their first capacity, and a preempted request readmitted with other blocks (its slot
+released, as ``execute`` does for ``preempted_ids``), ``prepare`` with the kept slots gives
+exactly the tensors it gives when every token list and table is read afresh; the single-token
+(decode) path gives the tensors of the general one; a table that shrank or changed its first
+block is rebuilt; a token row whose output shrank is rewritten; slots are reused and grow.
 """
 from __future__ import annotations
 
 import torch
 
-from sluice.engine.model_runner import BlockTableRows, ModelRunner
+from sluice.engine.model_runner import ModelRunner
+from sluice.engine.row_batch import RowBatch
+from sluice.engine.sampler import RowParams
 from sluice.engine.request import Request
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.outputs import RunnerOutput
@@ -79,7 +82,8 @@ def test_kept_rows_give_the_fresh_inputs_through_growth_drafts_and_preemption():
             nxt.append(_seq(req, new, t))
         steps.append(nxt)
     assert len(tables["a"]) > 16          # past the first capacity of a kept row
-    assert len(runner.block_tables) == 3
+    assert len(runner.rows) == 3
+    assert runner.rows.tables.shape[1] > 16 and runner.rows.tokens.shape[1] > 64   # grown
     assert all(s.num_new_tokens == 1 for s in steps[-2] if s.request is not c)
 
 
@@ -105,11 +109,61 @@ def test_the_decode_path_gives_the_general_path_s_tensors():
                                              for i, p in enumerate(got.positions.tolist())]
 
 
-def test_a_row_whose_first_block_changed_is_rebuilt():
-    kept = BlockTableRows()
-    assert kept.row("x", (3, 4, 5)).tolist() == [3, 4, 5]
-    assert kept.row("x", (3, 4, 5, 6)).tolist() == [3, 4, 5, 6]
-    assert kept.row("x", (8, 9)).tolist() == [8, 9]      # shorter: rebuilt
-    assert kept.row("x", (2, 9, 10)).tolist() == [2, 9, 10]   # another first block: rebuilt
-    kept.drop("x")
-    assert len(kept) == 0
+def _table(rows: RowBatch, req) -> list[int]:
+    slot = rows.slot(req.request_id)
+    return rows.tables[slot].tolist()
+
+
+def test_a_table_whose_first_block_changed_is_rebuilt():
+    rows = RowBatch(100)
+    req = Request("x", [1, 2, 3], SamplingParams(max_tokens=5))
+    for blocks in ((3, 4, 5), (3, 4, 5, 6), (8, 9), (2, 9, 10)):   # grows; shrinks; another first block
+        rows.sync([ScheduledSeq(req, 1, 2, blocks, True)])
+        assert _table(rows, req)[:len(blocks)] == list(blocks)
+        assert not any(_table(rows, req)[len(blocks):])          # zero past the row's blocks
+    rows.drop("x")
+    assert len(rows) == 0 and not rows.tables.any()
+
+
+def test_token_rows_follow_outputs_drafts_and_a_shrunk_output():
+    rows = RowBatch(100)
+    req = Request("x", [1, 2, 3], SamplingParams(max_tokens=50))
+    known = lambda: rows.tokens[rows.slot("x"), :req.num_tokens].tolist()
+    rows.sync([ScheduledSeq(req, 3, 0, (0,), True)])
+    assert known() == [1, 2, 3]
+    req.output_token_ids += [7, 8]
+    req.spec_token_ids = [9, 9]
+    rows.sync([ScheduledSeq(req, 3, 4, (0, 1), True)])           # token 4 plus two drafts
+    assert rows.tokens[rows.slot("x"), :7].tolist() == [1, 2, 3, 7, 8, 9, 9]
+    req.output_token_ids[:] = [7, 8, 9, 5]                         # one draft accepted, one added
+    req.spec_token_ids = []
+    rows.sync([ScheduledSeq(req, 1, 6, (0, 1), True)])
+    assert known() == [1, 2, 3, 7, 8, 9, 5]
+    req.output_token_ids[:] = [7]                                  # a stop string cut the output
+    rows.sync([ScheduledSeq(req, 1, 3, (0,), True)])
+    assert known() == [1, 2, 3, 7]
+    req.output_token_ids += [6, 6]                                 # and it grew again, differently
+    rows.sync([ScheduledSeq(req, 1, 5, (0, 1), True)])
+    assert known() == [1, 2, 3, 7, 6, 6]
+
+
+def test_slots_are_reused_grow_and_gather_each_request_s_parameters():
+    rows = RowBatch(100, capacity=2)
+    params = [SamplingParams(max_tokens=5, temperature=0.1 * i, top_k=i, top_p=1 - 0.01 * i, seed=i or None,
+                             repetition_penalty=1 + 0.1 * (i % 3), min_tokens=i % 2, logprobs=i % 4 or None,
+                             logit_bias={3: 1.0} if i == 5 else {})
+              for i in range(9)]
+    reqs = [Request(f"r{i}", [i + 1], sp) for i, sp in enumerate(params)]
+    rows.sync([ScheduledSeq(r, 1, 0, (i,), True) for i, r in enumerate(reqs)])
+    assert len(rows) == 9 and len(set(rows.slot(r.request_id) for r in reqs)) == 9
+    order = [4, 0, 8, 5, 5]
+    got = rows.params([rows.slot(reqs[i].request_id) for i in order])
+    want = RowParams.of([reqs[i] for i in order], 100)
+    for f in RowParams.FIELDS:
+        assert getattr(got, f).tolist() == getattr(want, f).tolist(), f
+    assert (got.num_logprobs, got.any_bias) == (want.num_logprobs, want.any_bias) and got.any_bias
+    freed = rows.slot("r3")
+    rows.release("r3")
+    again = Request("r3", [1], SamplingParams(max_tokens=5, temperature=0.0))   # a reused id
+    rows.sync([ScheduledSeq(again, 1, 0, (1,), True)])
+    assert rows.slot("r3") == freed and rows.params([freed]).greedy.tolist() == [True]
