@@ -111,3 +111,39 @@ def test_serving_code_never_imports_the_training_package():
     # engine.cli is the one door: its train-heads command imports the package when it runs.
     importers = {m for m, edges in graph.items() if edges & training and m not in training}
     assert importers == {"sluice.engine.cli"}, sorted(importers)
+
+
+# engine/DESIGN.md's boundaries, as rules on the graph: (importers' prefix, what they may import
+# of sluice; None: nothing of that prefix is checked) per row of its table that a graph can hold.
+LAYERS = [
+    ("sluice.kernels", lambda t: t.startswith("sluice.kernels")),
+    ("sluice.http_facade", lambda t: t.startswith(("sluice.http_facade", "sluice.engine.rpc"))),
+    ("sluice.engine.scheduler", lambda t: t in ("sluice.engine.config", "sluice.engine.errors",
+                                                "sluice.engine.outputs", "sluice.engine.request")
+                                          or t.startswith("sluice.engine.kv_cache")),
+    ("sluice.engine.kv_cache", lambda t: t in ("sluice.engine.config", "sluice.engine.errors", "sluice.engine.request")
+                                         or t.startswith("sluice.engine.kv_cache")),
+]
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    out = []
+    for prefix, allowed in LAYERS:
+        for mod, edges in graph.items():
+            if mod == prefix or mod.startswith(prefix + "."):
+                out += [f"{mod} -> {t}" for t in sorted(edges) if not allowed(t)]
+    return out
+
+
+def test_the_layer_rules_flag_an_import_across_a_boundary():
+    graph = {"sluice.kernels.paged_decode": {"sluice.engine.attention.base"},
+             "sluice.http_facade.app": {"sluice.engine.rpc.engine_pb2", "sluice.engine.sampler"},
+             "sluice.engine.scheduler": {"sluice.engine.spec_decode.eagle", "sluice.engine.request"},
+             "sluice.engine.kv_cache.block_pool": {"sluice.engine.kv_cache.utils"}}
+    assert layer_violations(graph) == ["sluice.kernels.paged_decode -> sluice.engine.attention.base",
+                                       "sluice.http_facade.app -> sluice.engine.sampler",
+                                       "sluice.engine.scheduler -> sluice.engine.spec_decode.eagle"]
+
+
+def test_packages_import_only_across_the_boundaries_the_design_allows():
+    assert layer_violations(import_graph(module_files())) == []
