@@ -15,9 +15,11 @@ prefix-aware over round robin.
 
     python bench/replicas.py --model smollm2 --replicas 1,2,3 --json replicas.json
 
-Tensor parallelism (``--tp-bench``): one 2-rank group over gloo, on this host's loopback,
-all-reducing the tensors a decode step all-reduces (2 per layer, [rows, hidden] float32) and
-broadcasting a step's inputs; the time per step is the communication a sharded step adds.
+Tensor parallelism (``--tp-bench``): one 2-rank group over gloo, on this host's loopback, moving
+what a step of the model's shape moves, and broadcasting the step's inputs; the time per step is
+the communication a sharded step adds, for each split (``engine.parallel.tensor``): the exact one
+(4 all-gathers per layer: each rank's half of the attention output, of the MLP activation and
+twice of the hidden rows) and the row-parallel one (2 all-reduces of [rows, hidden] per layer).
 
     python bench/replicas.py --tp-bench --model smollm2 --rows 1,8,32
 """
@@ -137,24 +139,38 @@ def routing_bench(args) -> list[dict]:
     return results
 
 
-def _tp_rank(rank: int, world: int, port: int, hidden: int, layers: int, rows_list: list[int], steps: int, out):
+def _tp_rank(rank: int, world: int, port: int, arch, rows_list: list[int], steps: int, out):
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     res = {}
+    widths = (arch.q_size // world, arch.intermediate_size // world, arch.hidden_size // world,
+              arch.hidden_size // world)        # the exact split's pieces, per layer
     for rows in rows_list:
-        x = torch.randn(rows, hidden)
+        x = torch.randn(rows, arch.hidden_size)
+        pieces = [(torch.randn(rows, w), [torch.empty(rows, w) for _ in range(world)]) for w in widths]
         payload = [(torch.arange(rows), torch.arange(rows), {"slots": torch.arange(rows)})]
-        for _ in range(3):
-            dist.all_reduce(x)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            dist.broadcast_object_list(payload, src=0)
-            for _ in range(2 * layers):
+
+        def row_parallel():
+            for _ in range(2 * arch.num_hidden_layers):
                 dist.all_reduce(x)
-        res[rows] = (time.perf_counter() - t0) / steps
+
+        def exact():
+            for _ in range(arch.num_hidden_layers):
+                for mine, every in pieces:
+                    dist.all_gather(every, mine)
+                    torch.cat(every, 1)
+
+        res[rows] = {}
+        for name, collectives in (("exact", exact), ("row_parallel", row_parallel)):
+            collectives()                # warm
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                dist.broadcast_object_list(payload, src=0)
+                collectives()
+            res[rows][name] = (time.perf_counter() - t0) / steps
     if rank == 0:
         out.put(res)
     dist.destroy_process_group()
@@ -178,16 +194,16 @@ def tp_bench(args) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_tp_rank, args=(r, 2, port, arch.hidden_size, arch.num_hidden_layers, rows,
-                                                args.steps, out)) for r in range(2)]
+    procs = [ctx.Process(target=_tp_rank, args=(r, 2, port, arch, rows, args.steps, out)) for r in range(2)]
     for p in procs:
         p.start()
     res = out.get(timeout=600)
     for p in procs:
         p.join(60)
     for r, s in res.items():
-        print(f"tensor parallel, 2 ranks, {arch.num_hidden_layers} layers x 2 all-reduces of [{r}, "
-              f"{arch.hidden_size}] float32 + the step broadcast: {1e3 * s:.2f} ms a step")
+        print(f"tensor parallel, 2 ranks, {r} rows, {arch.num_hidden_layers} layers + the step broadcast: "
+              f"exact split (4 all-gathers a layer) {1e3 * s['exact']:.2f} ms a step, row-parallel "
+              f"(2 all-reduces of [{r}, {arch.hidden_size}] a layer) {1e3 * s['row_parallel']:.2f} ms")
     return {str(k): v for k, v in res.items()}
 
 

@@ -8,7 +8,10 @@
 // A stack's arithmetic is the Python layers' (engine/models/llama.py): RMSNorm, RoPE, SwiGLU and
 // the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
 // product at models/cpu_linear.py's row buckets), each row attending over its own causal prefix.
+#include <pybind11/functional.h>
 #include <torch/extension.h>
+
+#include <functional>
 
 #include <cstdint>
 #include <cstring>
@@ -159,8 +162,9 @@ class DecoderStack {
       store_kv(k, v, key_caches[i], value_caches[i], slots);
       auto attn = paged_decode(qk.narrow(1, 0, heads), key_caches[i], value_caches[i], bt, sl, spec_.scale,
                                tail_start, tail_slots, L.window);
-      auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, spec_.eps);
-      auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
+      auto hn = add_rms_norm(h, gathered(L.o(gathered(attn.view({rows, q_size}), kAttention)), kHidden),
+                             L.post_norm, spec_.eps);
+      auto mlp = gathered(L.down(gathered(silu_mul(L.gate_up(hn[1])), kActivation)), kHidden);
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
       auto hn2 = add_rms_norm(hn[0], mlp, next_norm, spec_.eps);
       h = hn2[0];
@@ -169,7 +173,23 @@ class DecoderStack {
     return normed;
   }
 
+  // Tensor parallelism (engine/parallel/tensor.py): this stack holds one rank's heads, MLP
+  // features and output rows of o and down; `gather(x, what)` returns the ranks' x side by side
+  // along dim 1 (the whole model's attention output, activation or hidden state), so every
+  // projection sums over its whole input in the unsharded order. Called with the GIL held.
+  void set_gather(std::function<torch::Tensor(torch::Tensor, int64_t)> gather) { gather_ = std::move(gather); }
+
  private:
+  static constexpr int64_t kAttention = 0, kActivation = 1, kHidden = 2;
+
+  torch::Tensor gathered(torch::Tensor x, int64_t what) const {
+    if (!gather_) return x;
+    torch::Tensor out = gather_(x.contiguous(), what);
+    TORCH_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
+                "DecoderStack: gather must return a contiguous float32 [rows, width] tensor");
+    return out;
+  }
+
   // The query and key heads of a fused projection's output [T, q + 2 kv], as [T, Hq + Hkv, D]:
   // a view, or with per-head norms the normed heads side by side.
   torch::Tensor queries_and_keys(const StackLayer& L, const torch::Tensor& qkv, int64_t rows) const {
@@ -184,6 +204,7 @@ class DecoderStack {
   StackSpec spec_;
   std::vector<StackLayer> layers_;
   torch::Tensor final_norm_;
+  std::function<torch::Tensor(torch::Tensor, int64_t)> gather_;
 };
 
 // EAGLE's draft layer (spec_decode/heads.py's EagleHead) for serving: the projection fc of the
@@ -303,7 +324,8 @@ void bind_layer_stacks(pybind11::module_& mod) {
       .def("forward", &DecoderStack::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("key_caches"),
            py::arg("value_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("tail_start") = py::none(), py::arg("tail_slots") = py::none(),
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_gather", &DecoderStack::set_gather, py::arg("gather"));
   py::class_<EagleLayer>(mod, "EagleLayer", py::module_local())
       .def(py::init<StackSpec, torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection,
                     Projection>(),

@@ -186,6 +186,11 @@ class ModelArchConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
     shared_expert_intermediate_size: int = 0
+    # One rank's share under tensor parallelism's exact split (engine.parallel.tensor): o_proj and
+    # down_proj hold ``output_shard[0]`` of the hidden_size output rows and read the whole model's
+    # attention output (``[1]`` wide) and MLP activation (``[2]`` wide), which the ranks gather.
+    # None: the projections are whole (or row-parallel, summed by the ranks).
+    output_shard: tuple[int, int, int] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -213,6 +218,12 @@ class ModelArchConfig:
             raise ValueError(f"sliding_layers: must be ascending layer indices below "
                              f"{self.num_hidden_layers}, got {layers!r}")
         self._check_experts()
+        if self.output_shard is not None:
+            rows, attn_in, mlp_in = self.output_shard
+            for name, v in (("rows", rows), ("attention input", attn_in), ("MLP input", mlp_in)):
+                _positive_int(f"output_shard {name}", v)
+            if rows > self.hidden_size:
+                raise ValueError(f"output_shard: {rows} rows of a hidden size of {self.hidden_size}")
 
     def _check_experts(self) -> None:
         moe = ARCHITECTURES[self.architecture].moe

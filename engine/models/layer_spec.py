@@ -66,6 +66,17 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class OutputShard:
+    """Tensor parallelism's exact split (``engine.parallel.tensor``): the layer's ``o_proj`` and
+    ``down_proj`` hold ``rows`` of the hidden output rows and read the whole attention output
+    (``attention_in`` wide) and MLP activation (``mlp_in``), gathered from the ranks by the C++
+    stack, so each output sums over its whole input as one rank would."""
+    rows: int
+    attention_in: int
+    mlp_in: int
+
+
+@dataclass(frozen=True)
 class LayerSpec:
     hidden_size: int
     intermediate_size: int
@@ -74,6 +85,19 @@ class LayerSpec:
     norm: str = "rms"
     mlp: str = "swiglu"
     moe: MoESpec | None = None      # the experts, exactly when mlp == "moe"
+    shard: OutputShard | None = None
+
+    @property
+    def o_shape(self) -> tuple[int, int]:
+        """(out, in) of o_proj."""
+        s = self.shard
+        return (self.hidden_size, self.attention.q_size) if s is None else (s.rows, s.attention_in)
+
+    @property
+    def down_shape(self) -> tuple[int, int]:
+        """(out, in) of down_proj."""
+        s = self.shard
+        return (self.hidden_size, self.intermediate_size) if s is None else (s.rows, s.mlp_in)
 
     def __post_init__(self) -> None:
         if self.norm not in NORMS:
@@ -92,5 +116,7 @@ class LayerSpec:
             qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.layer_window(layer),
             qk_norm_full=traits.qk_norm_full)
         moe = MoESpec.from_arch(arch)
+        shard = None if arch.output_shard is None else OutputShard(*arch.output_shard)
         return cls(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-                   norm_eps=arch.rms_norm_eps, attention=attention, mlp="swiglu" if moe is None else "moe", moe=moe)
+                   norm_eps=arch.rms_norm_eps, attention=attention, mlp="swiglu" if moe is None else "moe", moe=moe,
+                   shard=shard)

@@ -36,6 +36,9 @@ class PythonLayers:
     def forward(self, model, h, cos, sin, kv_caches, meta: AttentionMetadata, attn: AttentionBackend) -> torch.Tensor:
         if meta.tree is not None and not attn.supports_trees:
             raise RuntimeError(f"draft trees: attention backend {attn.name!r} cannot attend through them")
+        if model.spec.shard is not None:
+            raise RuntimeError("tensor parallelism's exact split gathers inside the C++ layer stack; "
+                               "the Python layers cannot run a model split that way")
         for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
             h = layer(h, cos, sin, kv_cache, meta, attn)
         return model.norm(h)

@@ -99,7 +99,8 @@ class LlamaAttention(torch.nn.Module):
         self.scale = att.scale
         self.sliding_window = att.sliding_window        # this layer's window (None: global)
         self.qkv_proj = _Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=att.qkv_bias, **factory)
-        self.o_proj = _Linear(self.q_size, spec.hidden_size, bias=False, **factory)
+        o_out, o_in = spec.o_shape
+        self.o_proj = _Linear(o_in, o_out, bias=False, **factory)
         # Per-head norms of queries and keys (Qwen3), one weight over head_dim each; or one norm
         # over the whole q and k projections (OLMoE, qk_norm_full).
         self.qk_norm_full = att.qk_norm_full
@@ -133,7 +134,7 @@ class LlamaMLP(torch.nn.Module):
         super().__init__()
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = _Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, **factory)
-        self.down_proj = _Linear(spec.intermediate_size, spec.hidden_size, bias=False, **factory)
+        self.down_proj = _Linear(spec.down_shape[1], spec.down_shape[0], bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
@@ -143,6 +144,7 @@ class LlamaMLP(torch.nn.Module):
 class LlamaDecoderLayer(torch.nn.Module):
     def __init__(self, spec: LayerSpec, **factory) -> None:
         super().__init__()
+        self.spec = spec
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps, **factory)
         self.self_attn = LlamaAttention(spec, **factory)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.norm_eps, **factory)
@@ -352,10 +354,11 @@ def _load_layer(layer: LlamaDecoderLayer, weights, prefix: str, arch: ModelArchC
     if qkv.bias is not None:
         for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
             qkv.bias[start:start + rows].copy_(_take(weights, f"{a}{name}.bias", (rows,)))
-    _fill(layer.self_attn.o_proj, weights, [(a + "o_proj.weight", (h, q))], quantizer)
+    spec = layer.spec
+    _fill(layer.self_attn.o_proj, weights, [(a + "o_proj.weight", spec.o_shape)], quantizer)
     if isinstance(layer.mlp, SparseMoE):
         layer.mlp.load(weights, prefix, ARCHITECTURES[arch.architecture].moe, _fill, _take, quantizer)
     else:
         _fill(layer.mlp.gate_up_proj, weights, phi3.gate_up_parts(m, inter, h) if fused else
               [(m + "gate_proj.weight", (inter, h)), (m + "up_proj.weight", (inter, h))], quantizer)
-        _fill(layer.mlp.down_proj, weights, [(m + "down_proj.weight", (h, inter))], quantizer)
+        _fill(layer.mlp.down_proj, weights, [(m + "down_proj.weight", spec.down_shape)], quantizer)

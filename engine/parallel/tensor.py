@@ -1,14 +1,22 @@
 """Tensor parallelism over ``torch.distributed``: one model split across N ranks (processes).
 
-Split (Megatron's column/row scheme, on the Llama decoder's own modules):
+Split, on the Llama decoder's own modules:
   * attention: each rank holds a contiguous range of key/value heads and the query heads of
-    their groups (``q_proj``/``k_proj``/``v_proj`` rows, their biases, ``o_proj`` columns), and
-    its own KV cache for those heads only; when the heads do not divide evenly the first ranks
-    take one more (SmolLM2's 3 KV heads on 2 ranks: 2 and 1);
-  * MLP: each rank holds an equal slice of the intermediate features (``gate``/``up`` rows,
-    ``down`` columns);
-  * ``o_proj`` and ``down_proj`` outputs are partial sums, all-reduced (summed) across ranks
-    before the residual add: two all-reduces per layer and step;
+    their groups (``q_proj``/``k_proj``/``v_proj`` rows and their biases), and its own KV cache
+    for those heads only; when the heads do not divide evenly the first ranks take one more
+    (SmolLM2's 3 KV heads on 2 ranks: 2 and 1);
+  * MLP: each rank holds an equal slice of the intermediate features (``gate``/``up`` rows);
+  * ``o_proj`` and ``down_proj``, in one of two ways:
+    - exact (on CPU, where the C++ layer stack runs): each rank holds a range of their output
+      rows, whole along the input. The stack gathers the ranks' attention outputs (and MLP
+      activations) side by side, runs its rows over the whole input, and gathers the outputs:
+      four all-gathers per layer and step, and every number is the one a single rank computes
+      (each output sums over its whole input in the same order; concatenation reorders
+      nothing), so greedy outputs equal the unsplit model's in every format;
+    - row-parallel (Megatron's; elsewhere): each rank holds their input columns of its heads and
+      features; the partial outputs are all-reduced (summed) before the residual add: two
+      all-reduces per layer and step, in the Python layers. Sums in another order: near the
+      unsplit model's, not equal to it;
   * the embedding, the norms and the LM head are whole on every rank (only rank 0 computes
     logits).
 Weights are sliced as they are read (``ShardedWeights`` over the loader's lazy mapping: one full
@@ -25,9 +33,9 @@ So everything above the model (paged KV, continuous batching, prefix caching, sp
 single-rank engine's. Backend: gloo on CPU. A worker that dies ends the engine at once with a
 message naming it (``watch_workers``), never a hang.
 
-Layers run in Python here (the C++ one-call layer stack has no collectives), so a sharded CPU
-step is slower than an unsharded one on the same cores: tensor parallelism is for models that do
-not fit one device, or for spreading one model over several hosts.
+A sharded CPU step is slower than an unsharded one on the same cores (the gathers cross
+processes, and each rank has half the cores): tensor parallelism is for models that do not fit
+one device, or for spreading one model over several hosts.
 """
 from __future__ import annotations
 
@@ -66,11 +74,14 @@ class Shard:
     q_heads: int
     inter_start: int
     inter: int
+    out_start: int = 0        # the exact split: the o_proj / down_proj output rows held
+    out_rows: int = 0         # (0: row-parallel)
 
 
-def plan_shard(arch: ModelArchConfig, rank: int, world: int) -> Shard:
-    """Which heads and intermediate features ``rank`` of ``world`` holds; ValueError naming
-    ``tensor_parallel_shards`` when the model cannot be split that way."""
+def plan_shard(arch: ModelArchConfig, rank: int, world: int, exact: bool = False) -> Shard:
+    """Which heads and intermediate features ``rank`` of ``world`` holds, and with ``exact`` which
+    output rows of o_proj and down_proj; ValueError naming ``tensor_parallel_shards`` when the
+    model cannot be split that way."""
     kv = arch.num_key_value_heads
     if arch.num_experts:
         raise ValueError(f"tensor_parallel_shards: a mixture-of-experts model ({arch.architecture}) is not "
@@ -89,12 +100,19 @@ def plan_shard(arch: ModelArchConfig, rank: int, world: int) -> Shard:
     kv_heads = base + (rank < extra)
     kv_start = rank * base + min(rank, extra)
     inter = arch.intermediate_size // world
-    return Shard(rank, world, kv_start, kv_heads, kv_start * group, kv_heads * group, rank * inter, inter)
+    out_start = out_rows = 0
+    if exact:
+        base, extra = divmod(arch.hidden_size, world)
+        out_rows = base + (rank < extra)
+        out_start = rank * base + min(rank, extra)
+    return Shard(rank, world, kv_start, kv_heads, kv_start * group, kv_heads * group, rank * inter, inter,
+                 out_start, out_rows)
 
 
 def shard_arch(arch: ModelArchConfig, shard: Shard) -> ModelArchConfig:
+    out = None if not shard.out_rows else (shard.out_rows, arch.q_size, arch.intermediate_size)
     return dataclasses.replace(arch, num_attention_heads=shard.q_heads, num_key_value_heads=shard.kv_heads,
-                               intermediate_size=shard.inter)
+                               intermediate_size=shard.inter, output_shard=out)
 
 
 class ShardedWeights(Mapping):
@@ -110,8 +128,10 @@ class ShardedWeights(Mapping):
     def _cut(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, stop) of this rank's slice of ``name``, None for a whole tensor."""
         s, d = self._s, self._arch.head_dim
+        kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        if s.out_rows and kind in ("o_proj", "down_proj"):     # the exact split: output rows (bias too)
+            return 0, s.out_start, s.out_start + s.out_rows
         if ".self_attn." in name:
-            kind = name.rsplit(".", 2)[-2]
             if kind == "q_proj":
                 return 0, s.q_start * d, (s.q_start + s.q_heads) * d
             if kind in ("k_proj", "v_proj"):
@@ -165,6 +185,26 @@ class ShardedWeights(Mapping):
         return len(self._w)
 
 
+class _Gather:
+    """The C++ stack's gather under the exact split: the ranks' [rows, width] pieces side by side.
+    ``widths[what][rank]``: each rank's width of the attention output, MLP activation or hidden
+    rows (``DecoderStack.set_gather``'s kinds 0, 1, 2); uneven pieces travel padded."""
+
+    def __init__(self, widths: list[list[int]]) -> None:
+        self.widths = widths
+
+    def __call__(self, x: torch.Tensor, what: int) -> torch.Tensor:
+        widths = self.widths[what]
+        pad = max(widths)
+        if x.shape[1] < pad:
+            x = torch.nn.functional.pad(x, (0, pad - x.shape[1]))
+        pieces = [torch.empty(x.shape[0], pad, dtype=x.dtype) for _ in widths]
+        dist.all_gather(pieces, x)
+        if all(w == pad for w in widths):
+            return torch.cat(pieces, 1)
+        return torch.cat([p[:, :w] for p, w in zip(pieces, widths)], 1)
+
+
 class _AllReduce(torch.nn.Module):
     """A row-parallel projection: this rank's partial product, summed over the ranks."""
 
@@ -179,18 +219,42 @@ class _AllReduce(torch.nn.Module):
 
 
 def install(model: torch.nn.Module) -> None:
-    """Make a shard's model sum its row-parallel outputs across ranks; the Python layers run
-    (the C++ layer stack has no collectives)."""
-    for layer in model.layers:
-        layer.self_attn.o_proj = _AllReduce(layer.self_attn.o_proj)
-        layer.mlp.down_proj = _AllReduce(layer.mlp.down_proj)
-    model.use_python_layers()
+    """Join a shard's model to the other ranks. The exact split: the C++ stack gathers (every
+    rank calls this at the same point: the widths are exchanged here). Row-parallel: the Python
+    layers sum their row-parallel outputs across ranks."""
+    shard = model.spec.shard
+    if shard is None:
+        for layer in model.layers:
+            layer.self_attn.o_proj = _AllReduce(layer.self_attn.o_proj)
+            layer.mlp.down_proj = _AllReduce(layer.mlp.down_proj)
+        model.use_python_layers()
+        return
+    stack = model.layer_stack()
+    if not stack.runs_in_cpp:
+        raise ModelLoadError("tensor_parallel_shards: this rank's layers did not get the C++ layer stack that the "
+                             "exact split runs in (a weight format it does not take?); use a block format or "
+                             "float32 with the C++ kernels built")
+    mine = torch.tensor([model.spec.attention.q_size, model.spec.intermediate_size, shard.rows], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    stack.stack.set_gather(_Gather([[int(w[i]) for w in every] for i in range(3)]))
 
 
-def sharder(rank: int, world: int):
+def exact_split(device, quantization: str) -> bool:
+    """Whether the shards split exactly (``install``): on CPU, where the C++ layer stack runs the
+    format (the block formats, or float32 packed for oneDNN unless SLUICE_CPU_CPP_LAYERS=0)."""
+    from sluice.engine import envs
+    from sluice.kernels import cpu_ext
+
+    if torch.device(device).type != "cpu" or quantization in ("int8", "int4", "bf16"):
+        return False
+    return cpu_ext.available() and (quantization != "none" or (envs.cpu_cpp_layers() and envs.cpu_packed_weights()))
+
+
+def sharder(rank: int, world: int, exact: bool = False):
     """The loader's ``transform`` for ``rank``: (arch, weights) -> that rank's (arch, weights)."""
     def transform(arch: ModelArchConfig, weights: Mapping):
-        shard = plan_shard(arch, rank, world)
+        shard = plan_shard(arch, rank, world, exact)
         return shard_arch(arch, shard), ShardedWeights(weights, arch, shard)
     return transform
 
@@ -216,7 +280,7 @@ def load_shard(model: str, rank: int, world: int, dtype, device, quantization: s
     from sluice.engine.loaders import load_model
 
     return load_model(model, dtype=dtype, device=device, quantization=quantization, progress=progress,
-                      transform=sharder(rank, world))
+                      transform=sharder(rank, world, exact_split(device, quantization)))
 
 
 # ---- rank 0: the engine's side -------------------------------------------------------------------
@@ -249,8 +313,11 @@ class TensorParallel:
                 cmd = (sys.executable, "-m", "sluice.engine.parallel.worker", model, "--dtype", dtype,
                        "--device", device, "--quantization", quantization)
                 rendezvous = {"MASTER_ADDR": host, "MASTER_PORT": port, "WORLD_SIZE": str(world),
-                              "RANK": str(rank), "OMP_NUM_THREADS": threads}
-                workers.append(subprocess.Popen(cmd, env={**os.environ, **rendezvous}, preexec_fn=_die_with_parent))
+                              "RANK": str(rank), "OMP_NUM_THREADS": threads, _PARENT: str(os.getpid())}
+                # No preexec_fn: this process has gRPC's and gloo's threads, and Python code run
+                # between fork and exec in a threaded parent can die on a lock a thread held (a
+                # worker aborted at start under load); the worker ties itself to us instead.
+                workers.append(subprocess.Popen(cmd, env={**os.environ, **rendezvous}))
         _join(addr, world, workers)
         tp = cls(world, workers)
         tp.watch_workers()
@@ -343,7 +410,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:
+_PARENT = "SLUICE_TP_PARENT"     # the pid of the rank 0 that started a worker
+
+
+def die_with_parent() -> None:
+    """In a worker rank 0 started: SIGTERM when rank 0 dies (Linux), and exit now if it already
+    did (its pid, in the environment, is no longer our parent)."""
+    parent = os.environ.get(_PARENT)
+    if parent is None:           # started by a launcher: its own supervision applies
+        return
+    _prctl_pdeathsig()
+    if os.getppid() != int(parent):
+        sys.exit("sluice tensor-parallel worker: the engine that started it has exited")
+
+
+def _prctl_pdeathsig() -> None:
     try:
         import ctypes
         import signal

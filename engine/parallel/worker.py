@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from sluice.engine.attention.selector import get_attention_backend
 from sluice.engine.model_runner import zeroed_pool
-from sluice.engine.parallel.tensor import _IDLE_TIMEOUT, install, load_shard
+from sluice.engine.parallel.tensor import _IDLE_TIMEOUT, die_with_parent, install, load_shard
 
 log = logging.getLogger("sluice.parallel.worker")
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu")
     p.add_argument("--quantization", default="auto")
     args = p.parse_args(argv)
+    die_with_parent()
     logging.basicConfig(level="INFO", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     missing = [k for k in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK") if k not in os.environ]
     if missing:
