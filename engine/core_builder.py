@@ -84,14 +84,14 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
         raise ValueError("sliding_window_size: the engine must load the model itself on one rank to apply it")
 
     def load(name: str) -> LoadedModel:
-        return _load(name, dtype, device, progress, quantization)
+        return _load(name, dtype, device, progress, quantization, max_seq_len=config.max_model_len)
 
     tp = None
     if config.device.tensor_parallel_shards > 1:
         if loaded is not None:
             raise ValueError("tensor_parallel_shards: the engine loads its own shards; give a model name")
         tp, loaded = start_tensor_parallel(config, dtype, device, quantization, progress)
-    loaded = loaded or _load(config.model, dtype, device, progress, quantization, transform)
+    loaded = loaded or _load(config.model, dtype, device, progress, quantization, transform, config.max_model_len)
     draft = load_draft(config.speculative, loaded, load, draft_loaded)
     heads = load_heads(config.speculative, loaded, dtype, device, heads)   # eagle / medusa
     arch = loaded.arch
@@ -149,14 +149,19 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
 
 
 def _load(model: str, dtype: torch.dtype, device: torch.device, progress: bool,
-          quantization: str = "none", transform=None) -> LoadedModel:
+          quantization: str = "none", transform=None, max_seq_len: int | None = None) -> LoadedModel:
+    """``max_seq_len``: the context the engine serves (``max_model_len``; None: the model's own),
+    which a rope whose frequencies depend on it reads: LongRoPE takes its short factors when the
+    context fits the original one (exactly transformers' for every sequence then), its long
+    factors otherwise; dynamic NTK never goes below the model's own context."""
     if not progress:
-        return load_model(model, dtype=dtype, device=device, quantization=quantization, transform=transform)
+        return load_model(model, dtype=dtype, device=device, quantization=quantization, transform=transform,
+                          max_seq_len=max_seq_len)
     from tqdm import tqdm
 
     with tqdm(desc=f"loading {model}", unit="tensor", leave=False) as bar:
         return load_model(model, dtype=dtype, device=device, progress=bar, quantization=quantization,
-                          transform=transform)
+                          transform=transform, max_seq_len=max_seq_len)
 
 
 def _max_model_len(config: EngineConfig, arch) -> int:

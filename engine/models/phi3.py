@@ -19,9 +19,10 @@ LongRoPE's short or long factors (``rope._longrope``): transformers switches to 
 when a sequence passes ``original_max_position_embeddings`` and recomputes the whole cache;
 a paged cache must rotate a position one way for its life, so the choice is made once per
 model, as llama.cpp makes it from its context: long factors when the context the model is built
-for (``max_seq_len``, else ``max_position_embeddings``) exceeds the original length, short
-otherwise. That equals transformers for every sequence when the context is at most the original
-length, and for sequences longer than it otherwise.
+for (``max_seq_len``: the engine's ``max_model_len``, else ``max_position_embeddings``) exceeds
+the original length, short otherwise. That equals transformers for every sequence when the
+context is at most the original length (serve Phi-3-mini-128k with ``max_model_len`` 4096 for
+that), and for sequences longer than it otherwise.
 """
 from __future__ import annotations
 

@@ -221,6 +221,24 @@ def test_greedy_batched_matches_transformers(phi3, monkeypatch, layers):
     assert ours == theirs
 
 
+def test_an_engine_serving_the_original_context_takes_the_short_factors(phi3):
+    """max_model_len within original_max_position_embeddings: the engine builds its model for
+    that context, so LongRoPE takes its short factors, as transformers does for every sequence
+    that fits it (a model built for 256 would take the long ones and answer differently). The
+    window variant has no rope scaling: the shorter context changes nothing there."""
+    _variant, folder, hf = phi3
+    llm = LLM(str(folder), quantization="none", kv_cache_memory_bytes=8 << 20, max_model_len=ORIGINAL)
+    try:
+        params = SamplingParams(max_tokens=ORIGINAL - 12, temperature=0.0, ignore_eos=True)
+        ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
+    finally:
+        llm.close()
+    with torch.no_grad():
+        theirs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=ORIGINAL - 12, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
+    assert ours == theirs
+
+
 def test_a_q8_0_gguf_stays_within_the_block_formats_bounds(phi3, tmp_path):
     variant, _, hf = phi3
     _write_gguf(tmp_path / "q.gguf", hf, q8_0=True)
