@@ -15,7 +15,7 @@
   backend says; with another backend than ``torch`` (the paged cache is then not the C++ one's
   to read) it runs the Python layers.
 
-The model is duck-typed here (``layers``, ``norm``, ``spec``, ``linears()``,
+The model is duck-typed here (``layers`` and their ``spec``, ``norm``, ``spec``, ``linears()``,
 ``_float32_packed()``): this module sits below ``models.llama``, which imports it.
 """
 from __future__ import annotations
@@ -68,9 +68,10 @@ class CppLayers:
 
 def select_layer_stack(model) -> PythonLayers | CppLayers:
     linears = model.linears()
-    if not linears or model.spec.mlp == "moe":
-        # Mixture of experts: cpu_stack.cpp has no routed experts; the Python layers run them
-        # (models.moe), each expert's projections in the model's format (block formats included).
+    if not linears or any(layer.spec.cpp_stack_lacks() for layer in model.layers):
+        # What cpu_stack.cpp cannot run (LayerSpec.cpp_stack_lacks: MoE's routed experts, Gemma's
+        # layers) runs in the Python layers (models.moe, models.gemma), each projection in the
+        # model's format (block formats included).
         return PythonLayers()
     blockq = all(isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in linears)
     if not (blockq or model._float32_packed()):
