@@ -5,8 +5,8 @@
 // LayerSpec; no architecture is spelled out here. EagleLayer is EAGLE's draft layer, from the
 // same structs (built by engine/spec_decode/heads.py).
 //
-// A stack's arithmetic is the Python layers' (engine/models/llama.py): RMSNorm, RoPE, SwiGLU and
-// the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
+// A stack's arithmetic is the Python layers' (engine/models/llama.py, gemma.py): RMSNorm, RoPE,
+// SwiGLU or GeGLU and the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
 // product at models/cpu_linear.py's row buckets), each row attending over its own causal prefix.
 #include <torch/extension.h>
 
@@ -24,7 +24,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale, std::optional<torch::Tensor> tail_start,
-                           std::optional<torch::Tensor> tail_slots, int64_t window);
+                           std::optional<torch::Tensor> tail_slots, int64_t window, double softcap);
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
 torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, const std::vector<torch::Tensor>& key_caches,
                                      const std::vector<torch::Tensor>& value_caches, const std::vector<int64_t>& before,
@@ -83,20 +83,34 @@ struct Projection {
 
 // What every layer of a stack is: attention heads (query, key/value; of head_dim each), the
 // attention's scale, RMSNorm's epsilon, and whether queries and keys pass a per-head RMSNorm
-// before RoPE (Qwen3). The MLP is SwiGLU and the norms RMSNorm.
+// before RoPE (Qwen3). The MLP is SwiGLU, or GeGLU (gelu_tanh(gate) * up) with geglu; the norms
+// RMSNorm (a weight is the multiplier: Gemma's 1 + w comes added). With sandwich (Gemma), the
+// attention's and the MLP's outputs pass a norm of their own before each residual add, and the
+// MLP's input is normed by pre_mlp_norm instead of post_norm (which norms the attention's output).
+// softcap > 0: attention scores pass softcap * tanh(score / softcap) (Gemma 2; paged_decode).
 struct StackSpec {
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 0, scale = 0;
-  bool qk_norm = false;
+  bool qk_norm = false, geglu = false, sandwich = false;
+  double softcap = 0;
 };
 
 // One layer's weights by name. q_norm and k_norm are [head_dim] with StackSpec::qk_norm, empty
-// otherwise. window: the layer's sliding window (its LayerSpec's), 0 for none.
+// otherwise; pre_mlp_norm and post_mlp_norm [hidden] with StackSpec::sandwich, empty otherwise.
+// window: the layer's sliding window (its LayerSpec's), 0 for none. local_rope: the layer rotates
+// with forward's local tables (Gemma 3's sliding layers), not the global ones.
 struct StackLayer {
-  torch::Tensor input_norm, post_norm, q_norm, k_norm;
+  torch::Tensor input_norm, post_norm, q_norm, k_norm, pre_mlp_norm, post_mlp_norm;
   Projection qkv, o, gate_up, down;
   int64_t window = 0;
+  bool local_rope = false;
 };
+
+// GeGLU over a fused [T, 2I] gate/up: gelu_tanh(gate) * up, as the Python layers compute it.
+torch::Tensor gelu_mul(const torch::Tensor& gate_up) {
+  const int64_t inter = gate_up.size(1) / 2;
+  return torch::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
+}
 
 // A projection as the stacks accept it: at least one part, each of a known kind (float32 only
 // alone), and a bias that is empty or a contiguous float32 [out]. `who` names the caller.
@@ -135,32 +149,44 @@ class DecoderStack {
         TORCH_CHECK(L.q_norm.size(0) == spec_.head_dim && L.k_norm.size(0) == spec_.head_dim,
                     "DecoderStack: layer ", i, ": q_norm and k_norm must have head_dim (", spec_.head_dim, ") weights");
       }
+      if (spec_.sandwich) {
+        check_f32(L.pre_mlp_norm, "pre_mlp_norm", 1);
+        check_f32(L.post_mlp_norm, "post_mlp_norm", 1);
+      }
     }
   }
 
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
                         torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
+                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots,
+                        std::optional<torch::Tensor> local_cos, std::optional<torch::Tensor> local_sin) {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "DecoderStack: one cache pair per layer");
+    TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "DecoderStack: local_cos and local_sin go together");
     const int64_t heads = spec_.heads, kv_heads = spec_.kv_heads, dim = spec_.head_dim;
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, rows = h.size(0);
     auto bt = block_tables.to(torch::kInt32).contiguous();
     auto sl = seq_lens.to(torch::kInt32).contiguous();
     auto cs = cos.contiguous(), sn = sin.contiguous();
+    auto lcs = local_cos ? local_cos->contiguous() : cs, lsn = local_sin ? local_sin->contiguous() : sn;
     torch::Tensor normed = rms_norm(h, layers_[0].input_norm, spec_.eps);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& L = layers_[i];
       auto qkv = L.qkv(normed);                                                     // [T, q + 2 kv]
-      auto qk = rotary(queries_and_keys(L, qkv, rows), cs, sn);                     // [T, Hq + Hkv, D]
+      TORCH_CHECK(!L.local_rope || local_cos, "DecoderStack: layer ", i, " rotates with the local tables: pass them");
+      auto qk = rotary(queries_and_keys(L, qkv, rows), L.local_rope ? lcs : cs, L.local_rope ? lsn : sn);  // [T, Hq + Hkv, D]
       auto k = qk.narrow(1, heads, kv_heads);
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim});
       store_kv(k, v, key_caches[i], value_caches[i], slots);
       auto attn = paged_decode(qk.narrow(1, 0, heads), key_caches[i], value_caches[i], bt, sl, spec_.scale,
-                               tail_start, tail_slots, L.window);
-      auto hn = add_rms_norm(h, L.o(attn.view({rows, q_size})), L.post_norm, spec_.eps);
-      auto mlp = L.down(silu_mul(L.gate_up(hn[1])));
+                               tail_start, tail_slots, L.window, spec_.softcap);
+      auto out = L.o(attn.view({rows, q_size}));                                    // [T, hidden]
+      auto hn = spec_.sandwich ? add_rms_norm(h, rms_norm(out, L.post_norm, spec_.eps), L.pre_mlp_norm, spec_.eps)
+                               : add_rms_norm(h, out, L.post_norm, spec_.eps);
+      auto gate_up = L.gate_up(hn[1]);
+      auto mlp = L.down(spec_.geglu ? gelu_mul(gate_up) : silu_mul(gate_up));
+      if (spec_.sandwich) mlp = rms_norm(mlp, L.post_mlp_norm, spec_.eps);
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
       auto hn2 = add_rms_norm(hn[0], mlp, next_norm, spec_.eps);
       h = hn2[0];
@@ -283,26 +309,32 @@ void bind_layer_stacks(pybind11::module_& mod) {
            }),
            py::arg("parts"), py::arg("bias"));
   py::class_<StackSpec>(mod, "StackSpec", py::module_local())
-      .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool qk_norm) {
-             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm};
+      .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool qk_norm,
+                       bool geglu, bool sandwich, double softcap) {
+             TORCH_CHECK(softcap >= 0, "StackSpec: softcap must be >= 0 (0: none), got ", softcap);
+             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm, geglu, sandwich, softcap};
            }),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
-           py::arg("qk_norm"));
+           py::arg("qk_norm"), py::arg("geglu") = false, py::arg("sandwich") = false, py::arg("softcap") = 0.0);
   py::class_<StackLayer>(mod, "StackLayer", py::module_local())
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, Projection qkv, Projection o,
                        Projection gate_up, Projection down, torch::Tensor q_norm, torch::Tensor k_norm,
-                       int64_t window) {
+                       int64_t window, torch::Tensor pre_mlp_norm, torch::Tensor post_mlp_norm, bool local_rope) {
              TORCH_CHECK(window >= 0, "StackLayer: window must be >= 0 (0: none), got ", window);
-             return StackLayer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, window};
+             return StackLayer{input_norm, post_norm, q_norm, k_norm, pre_mlp_norm, post_mlp_norm,
+                               qkv, o, gate_up, down, window, local_rope};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("window") = 0);
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("window") = 0,
+           py::arg("pre_mlp_norm") = torch::empty({0}), py::arg("post_mlp_norm") = torch::empty({0}),
+           py::arg("local_rope") = false);
   py::class_<DecoderStack>(mod, "DecoderStack", py::module_local())
       .def(py::init<StackSpec, std::vector<StackLayer>, torch::Tensor>(), py::arg("spec"), py::arg("layers"),
            py::arg("final_norm"))
       .def("forward", &DecoderStack::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("key_caches"),
            py::arg("value_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("tail_start") = py::none(), py::arg("tail_slots") = py::none(),
+           py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
            py::call_guard<py::gil_scoped_release>());
   py::class_<EagleLayer>(mod, "EagleLayer", py::module_local())
       .def(py::init<StackSpec, torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection,

@@ -19,8 +19,9 @@ What sets them apart, all of it here or in ``gemma_config`` (their config and me
   Gemma 3's sliding-type layers rotate with their own RoPE base, unscaled (``local_rope``): the
   model hands the layer stack both tables and each layer takes its own (``RopeTables``).
 
-They run on the Python layers only (``LayerSpec.cpp_stack_lacks``), in float32 or any block
-format, with the torch attention backend, or Triton / flash-attn on CUDA for Gemma 3 (no
+They run on either layer stack (``models.layer_stack``: the C++ stack builds Gemma's layer from
+``LayerSpec``'s geglu / sandwich_norms / softcap and the layers' ``rope``), in float32 or any
+block format, with the torch attention backend, or Triton / flash-attn on CUDA for Gemma 3 (no
 attention soft-cap).
 """
 from __future__ import annotations

@@ -95,11 +95,11 @@ class LayerSpec:
     def cpp_stack_lacks(self) -> str | None:
         """What of this layer ``kernels/cpu_stack.cpp``'s DecoderStack cannot run (the C++ stack
         is then never chosen: ``layer_stack.select_layer_stack``), or None."""
+        # It runs Gemma's (1 + weight) norms (their weights hold the multiplier, in float32), GeGLU,
+        # the sandwich norms, any query scale, attention soft-capping and Gemma 3's local RoPE tables.
         lacks = [name for name, on in (
-            ("(1 + weight) RMSNorms", self.norm != "rms"), ("a GeGLU MLP", self.mlp == "geglu"),
-            ("routed experts", self.mlp == "moe"), ("post-attention and post-MLP norms", self.sandwich_norms),
-            ("attention soft-capping", self.attention.softcap is not None),
-            ("a query scale other than head_dim's", self.attention.scale_base is not None)) if on]
+            ("routed experts", self.mlp == "moe"),
+            ("q/k norms over whole projections", self.attention.qk_norm_full)) if on]
         return ", ".join(lacks) or None
 
     @classmethod

@@ -56,11 +56,15 @@ class CppLayers:
             return PythonLayers().forward(model, h, cos, sin, kv_caches, meta, attn)
         keys, values = (list(c) for c in zip(*kv_caches))
         tables, lens = row_prefixes(meta)
+        local = {}
+        if isinstance(cos, tuple):      # (global, local) tables (models.gemma.RopeTables)
+            (cos, local_cos), (sin, local_sin) = cos, sin
+            local = {"local_cos": local_cos, "local_sin": local_sin}
         if meta.tree is None:
-            return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, lens)
+            return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, lens, **local)
         tree = meta.tree
         return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, tree.lens,
-                                  tree.tail_start, tree.tail_slots)
+                                  tree.tail_start, tree.tail_slots, **local)
 
     def attends_trees(self, attn: AttentionBackend) -> bool:
         return attn.name == "torch" or attn.supports_trees
@@ -86,12 +90,18 @@ def select_layer_stack(model) -> PythonLayers | CppLayers:
 def build_decoder_stack(model, ops):
     """The model's layers as ``ops.DecoderStack`` (``ops``: the compiled module, ``cpu_ext.module()``)."""
     att = model.spec.attention
+    sandwich = model.spec.sandwich_norms
     spec = ops.StackSpec(heads=att.num_heads, kv_heads=att.num_kv_heads, head_dim=att.head_dim,
-                         eps=float(model.spec.norm_eps), scale=att.scale, qk_norm=att.qk_norm)
+                         eps=float(model.spec.norm_eps), scale=att.scale, qk_norm=att.qk_norm,
+                         geglu=model.spec.mlp == "geglu", sandwich=sandwich, softcap=att.softcap or 0.0)
     layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(ops.StackLayer(
+        # Gemma (models.gemma): norms on both outputs and one before the MLP; Gemma 3's local RoPE.
+        extra = {} if not sandwich else {
+            "pre_mlp_norm": layer.pre_feedforward_layernorm.weight.detach(),
+            "post_mlp_norm": layer.post_feedforward_layernorm.weight.detach(), "local_rope": layer.rope == 1}
+        layers.append(ops.StackLayer(**extra,
             input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
             qkv=_projection(ops, attn.qkv_proj), o=_projection(ops, attn.o_proj),
             gate_up=_projection(ops, mlp.gate_up_proj), down=_projection(ops, mlp.down_proj),

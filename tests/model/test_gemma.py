@@ -17,9 +17,9 @@ linear rope scaling):
 
 For each: float32 logits equal transformers' (folder and GGUF), greedy continuations past the
 window equal transformers' with several requests batched (chunked prefill), a Q8_0 GGUF within
-the bounds test_quantization holds SmolLM2's w8a8 to. Gemma runs on the Python layers only (the
-C++ stack lacks its layer), with the torch attention backend for Gemma 2's soft-capped attention;
-everything not supported is refused by name.
+the bounds test_quantization holds SmolLM2's w8a8 to; through the C++ stack and the Python layers,
+with the torch attention backend (Gemma 2's soft-capped attention needs it); everything not
+supported is refused by name.
 """
 from __future__ import annotations
 
@@ -193,25 +193,32 @@ def test_the_gguf_query_scale_is_llama_cpps():
         assert gguf_fields(meta, arch, layers - 4, 4608, 32, 128, 8192)["gemma"].query_pre_attn_scalar == 128
 
 
+@pytest.mark.parametrize("layers", ["cpp", "python"])
 @pytest.mark.parametrize("source", ["folder", "gguf"])
-def test_float32_logits_match_transformers(gemma, gguf_path, source):
+def test_float32_logits_match_transformers(gemma, gguf_path, monkeypatch, source, layers):
     variant, folder, hf = gemma
     if source == "gguf" and variant == "gemma2_scalar":
         pytest.skip("a GGUF carries no query_pre_attn_scalar: llama.cpp derives it (test_the_gguf_query_scale)")
+    if layers == "python":
+        monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")
     arch, weights = load_hf_folder(folder) if source == "folder" else load_gguf(gguf_path)[:2]
     model = build_model(arch, weights, torch.float32, torch.device("cpu"))
-    assert model._cpu_decoder() is None            # the Python layers: the C++ stack lacks Gemma's layer
+    assert (model._cpu_decoder() is not None) == (layers == "cpp")
     for ids in PROMPTS:
         _assert_logits_match(_prefill_logits(model, ids), _reference(hf, ids))
 
 
-def test_greedy_batched_matches_transformers(gemma):
+@pytest.mark.parametrize("layers", ["cpp", "python"])
+def test_greedy_batched_matches_transformers(gemma, monkeypatch, layers):
     """Three requests batched, prefill chunked at 16 tokens, 12 generated: past the window on
     the sliding layers, the global layers reading everything."""
     variant, folder, hf = gemma
+    if layers == "python":
+        monkeypatch.setenv("SLUICE_CPU_CPP_LAYERS", "0")
     llm = LLM(str(folder), quantization="none", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16)
     try:
         assert llm.engine.model_info.attention_backend == "torch"
+        assert (llm.engine.runner.model._cpu_decoder() is not None) == (layers == "cpp")
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]
     finally:
@@ -229,7 +236,7 @@ def test_a_q8_0_gguf_stays_within_the_block_formats_bounds(gemma, tmp_path):
     _write_gguf(tmp_path / "q.gguf", hf, q8_0=True)
     arch, weights, _ = load_gguf(tmp_path / "q.gguf")
     model = build_model(arch, weights, torch.float32, torch.device("cpu"), quantization="w8a8")
-    assert model._cpu_decoder() is None            # Python layers over the Q8_0 blocks as stored
+    assert model._cpu_decoder() is not None          # the C++ stack over the Q8_0 blocks as stored
     changes = [(_prefill_logits(model, ids) - _reference(hf, ids)).abs() for ids in PROMPTS]
     assert max(c.max() for c in changes) <= MAX_LOGIT_CHANGE["w8a8"]
     assert torch.cat([c.flatten() for c in changes]).mean() <= MEAN_LOGIT_CHANGE["w8a8"]
