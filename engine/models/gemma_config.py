@@ -131,7 +131,8 @@ def hf_fields(cfg: dict, architecture: str) -> dict:
     """The ModelArchConfig fields a Gemma config.json sets differently from a Llama one: window,
     RoPE (``rope_theta`` and the raw ``rope_scaling`` dict, which config normalises) and ``gemma``.
     ValueError naming each feature that is not supported."""
-    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    # transformers reads hidden_activation only (Gemma 2/3 configs also carry a hidden_act it ignores).
+    act = cfg.get("hidden_activation") or "gelu_pytorch_tanh"
     if act not in ACTIVATIONS:
         raise ValueError(f"hidden_activation: only gelu_pytorch_tanh (GeGLU) is supported for {architecture}, "
                          f"got {act!r}")

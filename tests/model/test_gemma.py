@@ -107,7 +107,7 @@ def _gguf_tensors(hf) -> dict[str, np.ndarray]:
     return out
 
 
-def _write_gguf(path, hf, q8_0: bool = False) -> None:
+def _write_gguf(path, hf, q8_0: bool = False, pattern: list[bool] | None = None) -> None:
     import gguf
 
     config = hf.config
@@ -133,7 +133,7 @@ def _write_gguf(path, hf, q8_0: bool = False) -> None:
         writer.add_rope_freq_base_swa(LOCAL_THETA)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)
-        writer.add_sliding_window_pattern([t == "sliding_attention" for t in GEMMA3_TYPES])
+        writer.add_sliding_window_pattern(pattern or [t == "sliding_attention" for t in GEMMA3_TYPES])
     for name, w in _gguf_tensors(hf).items():
         if q8_0 and w.ndim == 2:
             writer.add_tensor(name, gguf.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0),
@@ -191,6 +191,18 @@ def test_the_gguf_query_scale_is_llama_cpps():
     for arch, layers in (("gemma2", 46), ("gemma3", 62)):
         assert gguf_fields(meta, arch, layers, 4608, 32, 128, 8192)["gemma"].query_pre_attn_scalar == 144
         assert gguf_fields(meta, arch, layers - 4, 4608, 32, 128, 8192)["gemma"].query_pre_attn_scalar == 128
+
+
+def test_a_gguf_sliding_window_pattern_of_the_wrong_length_is_refused(gemma, tmp_path):
+    from sluice.engine.errors import ModelLoadError
+
+    variant, _, hf = gemma
+    if variant != "gemma3":
+        pytest.skip("the per-layer pattern is written for gemma3")
+    _write_gguf(tmp_path / "p.gguf", hf, pattern=[True, True, False])
+    with pytest.raises(ModelLoadError, match=r"gemma3\.attention\.sliding_window_pattern: must give each of the "
+                                             r"4 layers, got 3"):
+        load_gguf(tmp_path / "p.gguf")
 
 
 @pytest.mark.parametrize("layers", ["cpp", "python"])
@@ -276,6 +288,8 @@ def test_the_hub_spellings_read_as_transformers_reads_them():
     assert arch.rope_theta == 1e6 and arch.gemma.local_rope_theta == 1e4
     assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0}
     assert ModelArchConfig.from_hf_config(GEMMA2).sliding_layers == (0, 2)
+    # transformers reads hidden_activation; the hidden_act hub configs carry beside it is ignored.
+    assert ModelArchConfig.from_hf_config({**GEMMA2, "hidden_act": "gelu"}).gemma is not None
     # A window spanning the context: no layer slides, but Gemma 3's sliding-type layers keep their RoPE.
     wide = ModelArchConfig.from_hf_config({**GEMMA3, "sliding_window": 512})
     assert wide.sliding_window is None and wide.gemma.local_layers == (0, 1, 2, 3)
