@@ -18,8 +18,8 @@ linear rope scaling):
 For each: float32 logits equal transformers' (folder and GGUF), greedy continuations past the
 window equal transformers' with several requests batched (chunked prefill), a Q8_0 GGUF within
 the bounds test_quantization holds SmolLM2's w8a8 to; through the C++ stack and the Python layers,
-with the torch attention backend (Gemma 2's soft-capped attention needs it); everything not
-supported is refused by name.
+with the torch attention backend (Gemma 2's soft-capped attention needs it); Gemma 3 also through
+the Triton kernels (under the interpreter here); everything not supported is refused by name.
 """
 from __future__ import annotations
 
@@ -239,6 +239,30 @@ def test_greedy_batched_matches_transformers(gemma, monkeypatch, layers):
         theirs = [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                               max_new_tokens=12, do_sample=False)[0, len(p):].tolist() for p in PROMPTS]
     assert ours == theirs
+
+
+def test_gemma3_through_the_triton_kernels(gemma):
+    """Gemma 3 (no attention soft-cap) may run on the Triton backend (CUDA's default; here under
+    the interpreter): a prefill through the extend kernel, then decode steps through paged_decode,
+    each step's logits transformers'. Past the window on the sliding layers."""
+    from sluice.engine.attention.triton_backend import TritonAttentionBackend
+    from tests.model.test_logits import _blocks_for, _caches, _meta
+
+    variant, folder, hf = gemma
+    if variant != "gemma3":
+        pytest.skip("Gemma 2's soft-capped attention is refused on Triton (test_attention_soft_capping_...)")
+    ids = PROMPTS[1]                                       # 21 tokens: 18 prefilled, 3 decoded
+    arch, weights = load_hf_folder(folder)
+    model = build_model(arch, weights, torch.float32, torch.device("cpu"))
+    ref, triton = _reference(hf, ids), TritonAttentionBackend()
+    table = _blocks_for(len(ids), 1)
+    caches = _caches(arch, max(table) + 1)
+    steps = [(0, 18)] + [(n, 1) for n in range(18, len(ids))]
+    for context, count in steps:
+        meta = _meta([context], [count], [table])
+        hidden = model(torch.tensor(ids[context:context + count]), torch.arange(context, context + count),
+                       caches, meta, triton)
+        _assert_logits_match(model.compute_logits(hidden), ref[context:context + count])
 
 
 def test_a_q8_0_gguf_stays_within_the_block_formats_bounds(gemma, tmp_path):
