@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from sluice.engine import envs
-from sluice.engine.attention.selector import get_attention_backend
+from sluice.engine.attention.selector import backend_for_models, get_attention_backend
 from sluice.engine.config import EngineConfig
 from sluice.engine.devices import resolve_device
 from sluice.engine.kv_cache import KVCacheManager, num_blocks_for_budget
@@ -62,6 +62,11 @@ class CoreParts:
     model_info: ModelInfo
 
 
+def _softcapped(*models) -> list[str]:
+    """The models (their names) whose attention is soft-capped (Gemma 2)."""
+    return [m.name for m in models if m is not None and m.arch.gemma is not None and m.arch.gemma.attn_softcap]
+
+
 def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel | None = None,
                draft_loaded: LoadedModel | None = None, heads=None) -> CoreParts:
     if config.scheduler.num_speculative_tokens and not config.speculative.enabled:
@@ -93,6 +98,7 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
         tp, loaded = start_tensor_parallel(config, dtype, device, quantization, progress)
     loaded = loaded or _load(config.model, dtype, device, progress, quantization, transform, config.max_model_len)
     draft = load_draft(config.speculative, loaded, load, draft_loaded)
+    attn = backend_for_models(attn, config.device.attention_backend, _softcapped(loaded, draft))
     heads = load_heads(config.speculative, loaded, dtype, device, heads)   # eagle / medusa
     arch = loaded.arch
     max_model_len = _max_model_len(config, arch)

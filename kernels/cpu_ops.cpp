@@ -9,7 +9,8 @@
 //   rotary          models.rope.apply_rotary (rotate-half layout)
 //   silu_mul        F.silu(gate) * up over a fused [T, 2I] gate/up
 //   store_kv        attention.torch_backend.store_kv
-//   paged_decode    attention.torch_backend's decode (one query token per sequence, GQA)
+//   paged_decode    attention.torch_backend's decode (one query token per sequence, GQA; with a
+//                   soft-cap, the backend's _short)
 // Every row is computed on its own, in an order that does not depend on the batch: a sequence's
 // bits are the same alone and among others. The KV caches hold float32 or float16
 // (kv_cache_dtype); float16 values are widened exactly where they are read.
@@ -394,10 +395,17 @@ struct Partial {
   float* l;     // [G]
 };
 
+// Attention soft-capping (Gemma 2): each score s -> cap * tanh(s / cap), before the softmax; a
+// cap of 0 is none.
+inline void cap_scores(float* s, int64_t n, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
+}
+
 // One chunk's kernel (chunk_fixed's specialisations; nullptr: chunk_any).
 template <typename T>
 using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int64_t,
-                         const RowKeys&, int64_t, int64_t, int64_t, float, std::vector<float>&);
+                         const RowKeys&, int64_t, int64_t, int64_t, float, float, std::vector<float>&);
 
 #if SLUICE_V16
 // One chunk for G query heads per KV head and a head size of 16 * CH, everything in registers.
@@ -408,7 +416,7 @@ using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int
 template <int G, int CH, typename T>
 void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t kv_heads,
                  int64_t kvh, const RowKeys& keys, int64_t block_size, int64_t t0, int64_t t1, float scale,
-                 std::vector<float>& scores) {
+                 float softcap, std::vector<float>& scores) {
   constexpr int64_t dim = 16 * CH;
   const int64_t len = t1 - t0;
   scores.resize(static_cast<size_t>(G * len));
@@ -430,6 +438,7 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
       sc[g * len + (t - t0)] = v_sum(v_add(a0, a1)) * scale;
     }
   });
+  cap_scores(sc, G * len, softcap);
   for (int g = 0; g < G; ++g) {
     float* sg = sc + g * len;
     float mx = -std::numeric_limits<float>::infinity();
@@ -492,7 +501,7 @@ inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
 template <typename T>
 void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T* kc,
                const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& keys,
-               int64_t block_size, int64_t t0, int64_t t1, float scale, std::vector<float>& scores) {
+               int64_t block_size, int64_t t0, int64_t t1, float scale, float softcap, std::vector<float>& scores) {
   const int64_t len = t1 - t0;
   scores.resize(static_cast<size_t>(group * len));
   std::vector<float> buf(static_cast<size_t>(dim));
@@ -501,6 +510,7 @@ void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T
     const float* kt = as_float(k16, dim, buf.data());
     for (int64_t g = 0; g < group; ++g) scores[g * len + (t - t0)] = dot(q + g * dim, kt, dim) * scale;
   });
+  cap_scores(scores.data(), group * len, softcap);
   for (int64_t g = 0; g < group; ++g) {
     float* sg = scores.data() + g * len;
     float mx = -std::numeric_limits<float>::infinity();
@@ -558,11 +568,12 @@ void merge_chunks(const Partial* parts, int64_t n, int64_t group, int64_t dim, f
 template <typename T>
 void attend_one_chunk(ChunkFn<T> fixed, const float* q, const Partial& part, int64_t group, int64_t dim,
                       const T* kc, const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& keys,
-                      int64_t block_size, int64_t t0, int64_t t1, float scale, std::vector<float>& scores) {
+                      int64_t block_size, int64_t t0, int64_t t1, float scale, float softcap,
+                      std::vector<float>& scores) {
   if (fixed != nullptr) {
-    fixed(q, part, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, scores);
+    fixed(q, part, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, softcap, scores);
   } else {
-    chunk_any(q, part, group, dim, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, scores);
+    chunk_any(q, part, group, dim, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, softcap, scores);
   }
 }
 
@@ -579,10 +590,12 @@ void attend_one_chunk(ChunkFn<T> fixed, const float* q, const Partial& part, int
 // A sliding window (window > 0; 0: none) limits row b to its last `window` tokens, positions
 // seq_lens[b] - window .. seq_lens[b] - 1: the chunks start there, and no earlier block-table
 // entry is read (the KV manager may have freed those blocks).
+// softcap > 0: each score s becomes softcap * tanh(s / softcap) before the softmax (Gemma 2).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
                            torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
                            std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots,
-                           int64_t window) {
+                           int64_t window, double softcap) {
+  TORCH_CHECK(softcap >= 0, "paged_decode: softcap must be >= 0 (0: none), got ", softcap);
   check_cache(kc, vc);
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat32, "paged_decode: q must be float32 [B, Hq, D]");
   auto qc = q.contiguous();
@@ -663,7 +676,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
         const float* qh = qp + (b * heads + kvh * group) * dim;
         const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
         attend_one_chunk<T>(fixed, qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
-                            static_cast<float>(scale), scores);
+                            static_cast<float>(scale), static_cast<float>(softcap), scores);
         if (slot[c] < 0) merge_chunks(&part, 1, group, dim, op + (b * heads + kvh * group) * dim);
       }
     });
@@ -749,7 +762,7 @@ torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, con
         const int64_t len = before[i] + r + 1, row = first[i] + r;
         const float* q = qkp + row * qk_row + kvh * group * dim;
         attend_one_chunk<float>(fixed, q, part, group, dim, kc, vc, kv_heads, kvh, keys, cap, 0, len,
-                                static_cast<float>(scale), scores);
+                                static_cast<float>(scale), 0.f, scores);
         merge_chunks(&part, 1, group, dim, ap + (row * heads + kvh * group) * dim);
       }
     }
@@ -918,7 +931,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("paged_decode", &paged_decode, pybind11::arg("q"), pybind11::arg("key_cache"), pybind11::arg("value_cache"),
           pybind11::arg("block_tables"), pybind11::arg("seq_lens"), pybind11::arg("scale"),
           pybind11::arg("tail_start") = pybind11::none(), pybind11::arg("tail_slots") = pybind11::none(),
-          pybind11::arg("window") = 0);
+          pybind11::arg("window") = 0, pybind11::arg("softcap") = 0.0);
   mod.def("move_slots", &move_slots, "copy slot src[i] to dst[i], in order, in every cache");
   mod.def("argmax_rows", &argmax_rows, "each row's first maximum (or first NaN), as torch.argmax");
   mod.def("top_probs", &top_probs, "each row's k largest logits' softmax probabilities and indices");

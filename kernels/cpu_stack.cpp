@@ -5,8 +5,8 @@
 // LayerSpec; no architecture is spelled out here. EagleLayer is EAGLE's draft layer, from the
 // same structs (built by engine/spec_decode/heads.py).
 //
-// A stack's arithmetic is the Python layers' (engine/models/llama.py): RMSNorm, RoPE, SwiGLU and
-// the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
+// A stack's arithmetic is the Python layers' (engine/models/llama.py, gemma.py): RMSNorm, RoPE,
+// SwiGLU or GeGLU and the residuals in float32, the same products (the block kernels, or oneDNN's packed float32
 // product at models/cpu_linear.py's row buckets), each row attending over its own causal prefix.
 #include <pybind11/functional.h>
 #include <torch/extension.h>
@@ -27,7 +27,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up);
 void store_kv(torch::Tensor k, torch::Tensor v, torch::Tensor kc, torch::Tensor vc, torch::Tensor slots);
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor block_tables,
                            torch::Tensor seq_lens, double scale, std::optional<torch::Tensor> tail_start,
-                           std::optional<torch::Tensor> tail_slots, int64_t window);
+                           std::optional<torch::Tensor> tail_slots, int64_t window, double softcap);
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& bias);
 torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, const std::vector<torch::Tensor>& key_caches,
                                      const std::vector<torch::Tensor>& value_caches, const std::vector<int64_t>& before,
@@ -86,20 +86,76 @@ struct Projection {
 
 // What every layer of a stack is: attention heads (query, key/value; of head_dim each), the
 // attention's scale, RMSNorm's epsilon, and whether queries and keys pass a per-head RMSNorm
-// before RoPE (Qwen3). The MLP is SwiGLU and the norms RMSNorm.
+// before RoPE (Qwen3). The MLP is SwiGLU, or GeGLU (gelu_tanh(gate) * up) with geglu; the norms
+// RMSNorm (a weight is the multiplier: Gemma's 1 + w comes added). With sandwich (Gemma), the
+// attention's and the MLP's outputs pass a norm of their own before each residual add, and the
+// MLP's input is normed by pre_mlp_norm instead of post_norm (which norms the attention's output).
+// softcap > 0: attention scores pass softcap * tanh(score / softcap) (Gemma 2; paged_decode).
 struct StackSpec {
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 0, scale = 0;
-  bool qk_norm = false;
+  bool qk_norm = false, geglu = false, sandwich = false;
+  double softcap = 0;
 };
 
 // One layer's weights by name. q_norm and k_norm are [head_dim] with StackSpec::qk_norm, empty
-// otherwise. window: the layer's sliding window (its LayerSpec's), 0 for none.
-struct StackLayer {
-  torch::Tensor input_norm, post_norm, q_norm, k_norm;
-  Projection qkv, o, gate_up, down;
-  int64_t window = 0;
+// otherwise; pre_mlp_norm and post_mlp_norm [hidden] with StackSpec::sandwich, empty otherwise.
+// window: the layer's sliding window (its LayerSpec's), 0 for none. local_rope: the layer rotates
+// with forward's local tables (Gemma 3's sliding layers), not the global ones.
+// A mixture-of-experts MLP (engine/models/moe.py, whose arithmetic this repeats op for op): a
+// float32 router [E, hidden]; each token's top_k experts by softmax probability, renormalised
+// over the k with norm_topk; each expert a SwiGLU of its own gate_up and down projections, run
+// once on all the tokens that chose it, its outputs scaled by their weights and added into the
+// tokens' rows in ascending expert order. With shared_gate ([1, hidden], Qwen2-MoE): a shared
+// SwiGLU expert on every token, scaled by sigmoid(shared_gate . x).
+struct StackMoE {
+  torch::Tensor router;
+  std::vector<Projection> gate_up, down;
+  int64_t top_k = 0;
+  bool norm_topk = true;
+  Projection shared_gate_up, shared_down;
+  torch::Tensor shared_gate;
 };
+
+struct StackLayer {
+  torch::Tensor input_norm, post_norm, q_norm, k_norm, pre_mlp_norm, post_mlp_norm;
+  Projection qkv, o, gate_up, down;     // gate_up and down: no parts when moe is set
+  int64_t window = 0;
+  bool local_rope = false;
+  std::optional<StackMoE> moe;
+};
+
+// GeGLU over a fused [T, 2I] gate/up: gelu_tanh(gate) * up, as the Python layers compute it.
+torch::Tensor moe_mlp(const StackMoE& m, const torch::Tensor& x) {
+  const int64_t experts = m.router.size(0);
+  auto probs = torch::softmax(torch::linear(x, m.router), -1);                    // [T, E]
+  auto [weights, chosen] = torch::topk(probs, m.top_k, -1);                       // [T, k] each
+  if (m.norm_topk) weights = weights / weights.sum(-1, true);
+  auto flat = chosen.flatten();                                                   // [T * k]
+  auto order = torch::argsort(flat, /*stable=*/true, 0, false);                   // pairs grouped by expert
+  auto tokens = torch::div(order, m.top_k, "floor");
+  auto scales = weights.flatten().index_select(0, order);
+  auto counts = torch::bincount(flat, {}, experts).contiguous();
+  const int64_t* count = counts.data_ptr<int64_t>();
+  auto out = torch::zeros_like(x);
+  int64_t start = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t n = count[e];
+    if (!n) continue;
+    auto rows = tokens.narrow(0, start, n);
+    auto y = m.down[e](silu_mul(m.gate_up[e](x.index_select(0, rows)))).mul_(scales.narrow(0, start, n).unsqueeze(1));
+    out.index_add_(0, rows, y);
+    start += n;
+  }
+  if (m.shared_gate.numel())
+    out = out + torch::sigmoid(torch::linear(x, m.shared_gate)) * m.shared_down(silu_mul(m.shared_gate_up(x)));
+  return out;
+}
+
+torch::Tensor gelu_mul(const torch::Tensor& gate_up) {
+  const int64_t inter = gate_up.size(1) / 2;
+  return torch::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
+}
 
 // A projection as the stacks accept it: at least one part, each of a known kind (float32 only
 // alone), and a bias that is empty or a contiguous float32 [out]. `who` names the caller.
@@ -130,13 +186,24 @@ class DecoderStack {
                 "DecoderStack: heads must be a multiple of kv_heads, both positive, head_dim at least 2");
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& L = layers_[i];
-      const Projection* w[4] = {&L.qkv, &L.o, &L.gate_up, &L.down};
-      for (const Projection* p : w) check_projection(*p, "DecoderStack: layer " + std::to_string(i));
+      const std::string who = "DecoderStack: layer " + std::to_string(i);
+      check_projection(L.qkv, who);
+      check_projection(L.o, who);
+      if (L.moe) {
+        check_moe(*L.moe, who);
+      } else {
+        check_projection(L.gate_up, who);
+        check_projection(L.down, who);
+      }
       if (spec_.qk_norm) {
         check_f32(L.q_norm, "q_norm", 1);
         check_f32(L.k_norm, "k_norm", 1);
         TORCH_CHECK(L.q_norm.size(0) == spec_.head_dim && L.k_norm.size(0) == spec_.head_dim,
                     "DecoderStack: layer ", i, ": q_norm and k_norm must have head_dim (", spec_.head_dim, ") weights");
+      }
+      if (spec_.sandwich) {
+        check_f32(L.pre_mlp_norm, "pre_mlp_norm", 1);
+        check_f32(L.post_mlp_norm, "post_mlp_norm", 1);
       }
     }
   }
@@ -144,27 +211,40 @@ class DecoderStack {
   torch::Tensor forward(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                         std::vector<torch::Tensor> key_caches, std::vector<torch::Tensor> value_caches,
                         torch::Tensor slots, torch::Tensor block_tables, torch::Tensor seq_lens,
-                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots) {
+                        std::optional<torch::Tensor> tail_start, std::optional<torch::Tensor> tail_slots,
+                        std::optional<torch::Tensor> local_cos, std::optional<torch::Tensor> local_sin) {
     TORCH_CHECK(key_caches.size() == layers_.size() && value_caches.size() == layers_.size(),
                 "DecoderStack: one cache pair per layer");
+    TORCH_CHECK(local_cos.has_value() == local_sin.has_value(), "DecoderStack: local_cos and local_sin go together");
     const int64_t heads = spec_.heads, kv_heads = spec_.kv_heads, dim = spec_.head_dim;
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim, rows = h.size(0);
     auto bt = block_tables.to(torch::kInt32).contiguous();
     auto sl = seq_lens.to(torch::kInt32).contiguous();
     auto cs = cos.contiguous(), sn = sin.contiguous();
+    auto lcs = local_cos ? local_cos->contiguous() : cs, lsn = local_sin ? local_sin->contiguous() : sn;
     torch::Tensor normed = rms_norm(h, layers_[0].input_norm, spec_.eps);
     for (size_t i = 0; i < layers_.size(); ++i) {
       const StackLayer& L = layers_[i];
       auto qkv = L.qkv(normed);                                                     // [T, q + 2 kv]
-      auto qk = rotary(queries_and_keys(L, qkv, rows), cs, sn);                     // [T, Hq + Hkv, D]
+      TORCH_CHECK(!L.local_rope || local_cos, "DecoderStack: layer ", i, " rotates with the local tables: pass them");
+      auto qk = rotary(queries_and_keys(L, qkv, rows), L.local_rope ? lcs : cs, L.local_rope ? lsn : sn);  // [T, Hq + Hkv, D]
       auto k = qk.narrow(1, heads, kv_heads);
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({rows, kv_heads, dim});
       store_kv(k, v, key_caches[i], value_caches[i], slots);
       auto attn = paged_decode(qk.narrow(1, 0, heads), key_caches[i], value_caches[i], bt, sl, spec_.scale,
-                               tail_start, tail_slots, L.window);
-      auto hn = add_rms_norm(h, gathered(L.o(gathered(attn.view({rows, q_size}), kAttention)), kHidden),
-                             L.post_norm, spec_.eps);
-      auto mlp = gathered(L.down(gathered(silu_mul(L.gate_up(hn[1])), kActivation)), kHidden);
+                               tail_start, tail_slots, L.window, spec_.softcap);
+      auto out = gathered(L.o(gathered(attn.view({rows, q_size}), kAttention)), kHidden);   // [T, hidden]
+      auto hn = spec_.sandwich ? add_rms_norm(h, rms_norm(out, L.post_norm, spec_.eps), L.pre_mlp_norm, spec_.eps)
+                               : add_rms_norm(h, out, L.post_norm, spec_.eps);
+      torch::Tensor mlp;
+      if (L.moe) {
+        TORCH_CHECK(!gather_, "DecoderStack: routed experts are not split over ranks");
+        mlp = moe_mlp(*L.moe, hn[1]);
+      } else {
+        auto gate_up = L.gate_up(hn[1]);
+        mlp = gathered(L.down(gathered(spec_.geglu ? gelu_mul(gate_up) : silu_mul(gate_up), kActivation)), kHidden);
+      }
+      if (spec_.sandwich) mlp = rms_norm(mlp, L.post_mlp_norm, spec_.eps);
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
       auto hn2 = add_rms_norm(hn[0], mlp, next_norm, spec_.eps);
       h = hn2[0];
@@ -181,6 +261,25 @@ class DecoderStack {
 
  private:
   static constexpr int64_t kAttention = 0, kActivation = 1, kHidden = 2;
+
+  static void check_moe(const StackMoE& m, const std::string& who) {
+    check_f32(m.router, "router", 2);
+    const int64_t experts = m.router.size(0);
+    TORCH_CHECK(experts >= 1 && (int64_t)m.gate_up.size() == experts && (int64_t)m.down.size() == experts &&
+                    m.top_k >= 1 && m.top_k <= experts,
+                who, ": a router of E experts needs E gate_up and E down projections and 1 <= top_k <= E");
+    for (int64_t e = 0; e < experts; ++e) {
+      check_projection(m.gate_up[e], who + " expert " + std::to_string(e));
+      check_projection(m.down[e], who + " expert " + std::to_string(e));
+    }
+    if (m.shared_gate.numel()) {
+      check_f32(m.shared_gate, "shared_gate", 2);
+      TORCH_CHECK(m.shared_gate.size(0) == 1 && m.shared_gate.size(1) == m.router.size(1),
+                  who, ": shared_gate must be [1, hidden]");
+      check_projection(m.shared_gate_up, who + " shared expert");
+      check_projection(m.shared_down, who + " shared expert");
+    }
+  }
 
   torch::Tensor gathered(torch::Tensor x, int64_t what) const {
     if (!gather_) return x;
@@ -304,26 +403,46 @@ void bind_layer_stacks(pybind11::module_& mod) {
            }),
            py::arg("parts"), py::arg("bias"));
   py::class_<StackSpec>(mod, "StackSpec", py::module_local())
-      .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool qk_norm) {
-             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm};
+      .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool qk_norm,
+                       bool geglu, bool sandwich, double softcap) {
+             TORCH_CHECK(softcap >= 0, "StackSpec: softcap must be >= 0 (0: none), got ", softcap);
+             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm, geglu, sandwich, softcap};
            }),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
-           py::arg("qk_norm"));
+           py::arg("qk_norm"), py::arg("geglu") = false, py::arg("sandwich") = false, py::arg("softcap") = 0.0);
+  py::class_<StackMoE>(mod, "StackMoE", py::module_local())
+      .def(py::init([](torch::Tensor router, std::vector<Projection> gate_up, std::vector<Projection> down,
+                       int64_t top_k, bool norm_topk, std::optional<Projection> shared_gate_up,
+                       std::optional<Projection> shared_down, torch::Tensor shared_gate) {
+             TORCH_CHECK(shared_gate_up.has_value() == shared_down.has_value() &&
+                             shared_gate_up.has_value() == (shared_gate.numel() > 0),
+                         "StackMoE: a shared expert needs its gate_up, down and shared_gate together");
+             return StackMoE{router, std::move(gate_up), std::move(down), top_k, norm_topk,
+                             shared_gate_up.value_or(Projection()), shared_down.value_or(Projection()), shared_gate};
+           }),
+           py::arg("router"), py::arg("gate_up"), py::arg("down"), py::arg("top_k"), py::arg("norm_topk"),
+           py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+           py::arg("shared_gate") = torch::empty({0}));
   py::class_<StackLayer>(mod, "StackLayer", py::module_local())
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, Projection qkv, Projection o,
                        Projection gate_up, Projection down, torch::Tensor q_norm, torch::Tensor k_norm,
-                       int64_t window) {
+                       int64_t window, torch::Tensor pre_mlp_norm, torch::Tensor post_mlp_norm, bool local_rope,
+                       std::optional<StackMoE> moe) {
              TORCH_CHECK(window >= 0, "StackLayer: window must be >= 0 (0: none), got ", window);
-             return StackLayer{input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down, window};
+             return StackLayer{input_norm, post_norm, q_norm, k_norm, pre_mlp_norm, post_mlp_norm,
+                               qkv, o, gate_up, down, window, local_rope, std::move(moe)};
            }),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
-           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("window") = 0);
+           py::arg("down"), py::arg("q_norm"), py::arg("k_norm"), py::arg("window") = 0,
+           py::arg("pre_mlp_norm") = torch::empty({0}), py::arg("post_mlp_norm") = torch::empty({0}),
+           py::arg("local_rope") = false, py::arg("moe") = py::none());
   py::class_<DecoderStack>(mod, "DecoderStack", py::module_local())
       .def(py::init<StackSpec, std::vector<StackLayer>, torch::Tensor>(), py::arg("spec"), py::arg("layers"),
            py::arg("final_norm"))
       .def("forward", &DecoderStack::forward, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("key_caches"),
            py::arg("value_caches"), py::arg("slots"), py::arg("block_tables"), py::arg("seq_lens"),
            py::arg("tail_start") = py::none(), py::arg("tail_slots") = py::none(),
+           py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def("set_gather", &DecoderStack::set_gather, py::arg("gather"));
   py::class_<EagleLayer>(mod, "EagleLayer", py::module_local())

@@ -105,6 +105,9 @@ class AttentionBackend(ABC):
     # Whether ``forward`` reads ``AttentionMetadata.tree`` (draft trees); a backend that does not
     # never gets one (``LlamaForCausalLM.supports_draft_trees``).
     supports_trees: bool = False
+    # Whether ``forward`` applies attention soft-capping (``softcap``, Gemma 2); a backend that
+    # does not is never chosen for a model that needs it (``selector.backend_for_models``).
+    supports_softcap: bool = False
 
     @abstractmethod
     def forward(
@@ -116,5 +119,6 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,  # the layer's sliding window; None: the whole causal prefix
+        softcap: float | None = None,  # scores -> cap * tanh(score / cap) before the mask (supports_softcap)
     ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
         ...

@@ -38,7 +38,10 @@ class FlashAttnBackend(AttentionBackend):
         self._varlen = load_flash_attn_varlen(device)
 
     def forward(self, query, key, value, kv_cache: KVCache, meta: AttentionMetadata, scale: float,
-                window: int | None = None):
+                window: int | None = None, softcap: float | None = None):
+        if softcap is not None:
+            raise ValueError("attention_backend=flash_attn: attention soft-capping is not supported (its decode "
+                             "runs on the Triton kernels; attention_backend=torch applies it)")
         key_cache, value_cache = kv_cache
         kv_store(key, value, key_cache, value_cache, meta.slot_mapping)
         if meta.is_pure_decode and query.shape[0] == meta.num_seqs:

@@ -62,3 +62,17 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     from sluice.engine.attention.flash_attn_backend import FlashAttnBackend
 
     return FlashAttnBackend(device)
+
+
+def backend_for_models(attn: AttentionBackend, name: str, softcapped: list[str]) -> AttentionBackend:
+    """``attn`` (chosen by ``get_attention_backend(name, ...)``) checked against the models it
+    serves: ``softcapped`` names those whose attention is soft-capped (Gemma 2). A backend that
+    cannot apply the cap is replaced by torch's under ``auto`` and refused when forced."""
+    if not softcapped or attn.supports_softcap:
+        return attn
+    if name == "auto":
+        logger.info("attention_backend=auto: %s soft-caps its attention scores, which the %s backend cannot; "
+                    "serving with the torch backend", softcapped[0], attn.name)
+        return TorchAttentionBackend()
+    raise ValueError(f"attention_backend={name}: {softcapped[0]} soft-caps its attention scores "
+                     f"(attn_logit_softcapping), which the {attn.name} backend cannot apply; use torch or auto")

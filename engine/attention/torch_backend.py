@@ -9,6 +9,10 @@ contexts (verification of many short requests, short prompts) attend all at once
 one SDPA each, with a causal mask offset by the tokens already in the cache. A draft tree's
 sequence attends through ``_short`` with the tree's mask (``TreeRows``) in place of the causal one.
 
+Attention soft-capping (``softcap``, Gemma 2: scores -> cap * tanh(score / cap), before the
+mask) is not something SDPA does: with a cap every sequence attends through ``_short``'s
+matmuls, its queries in chunks of ``_SOFTCAP_CHUNK`` rows (``_softcapped``).
+
 A sliding window (``window``) is one more condition in each of these masks: key position >
 query position - window. The gathers start at the block holding the earliest position any of a
 sequence's rows sees (``_first_block``): the entries before it may name blocks the KV manager
@@ -71,15 +75,20 @@ def _in_window(k_pos: torch.Tensor, q_pos: torch.Tensor, window: int | None) -> 
 # sequence takes 0.35 ms alone against 0.6 batched.
 _SHORT_QUERY = 16
 _BATCHED_SHORT_MAX_LEN = 256
+# Query rows per soft-capped matmul: its scores are at most [Hq, 256, context] float32.
+_SOFTCAP_CHUNK = 256
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_trees = True
+    supports_softcap = True
 
     def forward(self, query, key, value, kv_cache, meta: AttentionMetadata, scale: float,
-                window: int | None = None):
+                window: int | None = None, softcap: float | None = None):
         store_kv(key, value, kv_cache, meta.slot_mapping)
+        if softcap is not None:
+            return self._softcapped(query, kv_cache, meta, scale, window, softcap)
         if meta.is_pure_decode:
             return self._decode(query, kv_cache, meta.block_tables, meta.seq_lens, meta.max_seq_len, scale, window)
         out = torch.empty_like(query)
@@ -117,9 +126,33 @@ class TorchAttentionBackend(AttentionBackend):
             start += q_len
         return out
 
+    def _softcapped(self, query, kv_cache: KVCache, meta: AttentionMetadata, scale: float, window: int | None,
+                    softcap: float):
+        """Every sequence through ``_short`` with the cap: a draft tree's with its mask, the
+        others' queries ``_SOFTCAP_CHUNK`` rows at a time (a chunk ending at position p - 1 is
+        the last rows of the sequence's first p tokens, which is what ``_short`` attends)."""
+        out = torch.empty_like(query)
+        trees = set() if meta.tree is None else set(meta.tree.tree_seqs)
+        start = 0
+        for i, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            if i in trees:
+                rows = slice(start, start + q_len)
+                seen = tree_seen(meta.tree.node_start[rows], meta.tree.visible[rows], seq_len)
+                if window is not None:
+                    seen = window_seen(seen, meta.tree.lens[rows] - 1, window, meta.tree.node_start[rows])
+                out[rows] = self._short(query[rows], kv_cache, meta.block_tables[i], seq_len, scale, seen, window,
+                                        softcap)
+            else:
+                for a in range(0, q_len, _SOFTCAP_CHUNK):
+                    b = min(q_len, a + _SOFTCAP_CHUNK)
+                    out[start + a:start + b] = self._short(query[start + a:start + b], kv_cache, meta.block_tables[i],
+                                                           seq_len - q_len + b, scale, window=window, softcap=softcap)
+            start += q_len
+        return out
+
     @staticmethod
     def _short(query, kv_cache: KVCache, block_table, seq_len: int, scale: float, seen: torch.Tensor | None = None,
-               window: int | None = None):
+               window: int | None = None, softcap: float | None = None):
         """query [Lq, Hq, D] at positions seq_len-Lq .. seq_len-1 of one sequence, Lq small.
 
         On CPU a masked SDPA for a few query tokens, or one decode row per token (each with its
@@ -127,7 +160,8 @@ class TorchAttentionBackend(AttentionBackend):
         History): the sequence is gathered once, the query heads of each KV head are stacked
         as rows of one matmul, and the causal mask is an additive bias. ``seen`` [Lq, seq_len]
         bool replaces the causal mask (a draft tree's sequence: ``tree_seen``; with a window
-        applied, ``window`` says where the gather may start)."""
+        applied, ``window`` says where the gather may start). ``softcap``: the scores are capped
+        before the mask is added."""
         key_cache, value_cache = kv_cache
         q_len, num_heads, head_dim = query.shape
         num_kv = key_cache.shape[2]
@@ -146,8 +180,12 @@ class TorchAttentionBackend(AttentionBackend):
             seen = seen[:, off:]
         bias = torch.zeros(q_len, seq_len - off, dtype=torch.float32,
                            device=query.device).masked_fill_(~seen, float("-inf"))
-        scores = torch.baddbmm(bias.repeat(group, 1).expand(num_kv, -1, -1), q.float(),
-                               k.float().permute(1, 2, 0), alpha=scale)     # [Hkv, group * Lq, L]
+        if softcap is None:
+            scores = torch.baddbmm(bias.repeat(group, 1).expand(num_kv, -1, -1), q.float(),
+                                   k.float().permute(1, 2, 0), alpha=scale)     # [Hkv, group * Lq, L]
+        else:
+            scores = torch.bmm(q.float(), k.float().permute(1, 2, 0)).mul_(scale / softcap).tanh_().mul_(softcap)
+            scores += bias.repeat(group, 1)
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         out = torch.bmm(probs, v.transpose(0, 1))                            # [Hkv, group * Lq, D]
         return out.view(num_kv, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)

@@ -28,7 +28,11 @@ class TritonAttentionBackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:            # [num_tokens, num_heads, head_dim]
+        if softcap is not None:
+            raise ValueError("attention_backend=triton: attention soft-capping is not supported by the Triton "
+                             "kernels (attention_backend=torch applies it)")
         key_cache, value_cache = kv_cache
         kv_store(key, value, key_cache, value_cache, meta.slot_mapping)
         if meta.is_pure_decode and query.shape[0] == meta.num_seqs:

@@ -14,7 +14,8 @@ import torch
 from sluice.engine import envs
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.heap import release_freed_heap
-from sluice.engine.models.config import ModelArchConfig
+from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
+from sluice.engine.models.gemma import GemmaForCausalLM
 from sluice.engine.models.llama import LlamaForCausalLM
 from sluice.engine.models.registry import is_short_name, resolve_short_name
 from sluice.engine.tokenizer import Tokenizer
@@ -99,7 +100,8 @@ def build_model(
     packs float32 for oneDNN; the others build ``models.quant`` weights instead."""
     from sluice.engine.loaders.quantized import Quantizer
 
-    model = LlamaForCausalLM(arch, max_seq_len, dtype=dtype, device=device)
+    model_class = GemmaForCausalLM if ARCHITECTURES[arch.architecture].gemma else LlamaForCausalLM
+    model = model_class(arch, max_seq_len, dtype=dtype, device=device)
     model.load_hf_weights(weights, quantizer=None if quantization == "none" else Quantizer(quantization))
     model = model.eval().requires_grad_(False)
     if quantization == "none" and envs.cpu_packed_weights():

@@ -24,7 +24,7 @@ import torch
 
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.models.config import ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelArchConfig
-from sluice.engine.models import phi3
+from sluice.engine.models import gemma_config, phi3
 from sluice.engine.models.moe import HF_NAMES
 
 ProgressFn = Callable[[int, int], None]   # (tensors done, tensors total)
@@ -276,7 +276,12 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
     head_dim = gguf_metadata(reader, f"{arch}.attention.key_length") or hidden // heads
     _check_rotary_dims(reader, arch, int(head_dim), path)
     try:
-        return ModelArchConfig(
+        gemma = {}
+        if ARCHITECTURES[architecture].gemma:
+            gemma = gemma_config.gguf_fields(
+                lambda key, default=None: gguf_metadata(reader, f"{arch}.{key}", default), architecture,
+                int(req("block_count")), hidden, heads, int(head_dim), int(req("context_length")))
+        fields = dict(
             architecture=architecture,
             vocab_size=int(vocab) if vocab is not None else 0,
             hidden_size=hidden,
@@ -294,6 +299,7 @@ def _arch_from_metadata(reader, path: Path) -> ModelArchConfig:
             sliding_window=_sliding_window(reader, arch),
             **_experts(reader, arch, architecture, req),
         )
+        return ModelArchConfig(**{**fields, **gemma})
     except ValueError as exc:
         raise ModelLoadError(f"{path}: bad model metadata: {exc}") from exc
 
@@ -332,13 +338,14 @@ def _moe_layer_names(moe: str | None) -> dict[str, str]:
             "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight"}
 
 
-def hf_name(gguf_name: str, path: Path, moe: str | None = None, fused: bool = False) -> str:
+def hf_name(gguf_name: str, path: Path, moe: str | None = None, fused: bool = False, gemma: bool = False) -> str:
     """``fused``: the architecture's checkpoints hold q/k/v and gate/up fused (``ArchTraits.fused``,
-    Phi-3's ``attn_qkv`` and ``ffn_up``)."""
+    Phi-3's ``attn_qkv`` and ``ffn_up``); ``gemma``: Gemma's four norms a layer."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    names = {**_LAYER_NAMES, **_moe_layer_names(moe), **(phi3.GGUF_LAYER_NAMES if fused else {})}
+    names = {**_LAYER_NAMES, **_moe_layer_names(moe), **(phi3.GGUF_LAYER_NAMES if fused else {}),
+             **(gemma_config.GGUF_LAYER_NAMES if gemma else {})}
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
         return f"model.layers.{parts[1]}.{names[parts[2]]}"
     raise ModelLoadError(f"{path}: unexpected tensor {gguf_name!r} for a Llama-family model")
@@ -431,11 +438,16 @@ class GGUFWeights(Mapping):
             if experts is not None:
                 self._tensors.update((name, _Expert(tensor, e)) for e, name in enumerate(experts))
                 continue
-            self._tensors[hf_name(tensor.name, path, moe, traits.fused)] = tensor
+            self._tensors[hf_name(tensor.name, path, moe, traits.fused, traits.gemma)] = tensor
+        # llama.cpp stores Gemma's norm weights with 1 added (gemma_config.GGUF_NORM_OFFSET); taken
+        # off here, so that both loaders give transformers' values.
+        self._norm_offset = gemma_config.GGUF_NORM_OFFSET if ARCHITECTURES[arch.architecture].gemma else 0.0
         self._done = 0
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = torch.from_numpy(_dequantized(self._tensors[name], self._arch, self._path))
+        if self._norm_offset and name.endswith("norm.weight"):
+            w = w - self._norm_offset
         self._advance()
         return w
 

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from sluice.engine.models import gemma_config
+from sluice.engine.models.gemma_config import GemmaParams
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,9 @@ class ArchTraits:
     # The checkpoint holds q/k/v and gate/up fused (``qkv_proj``, ``gate_up_proj``: Phi-3,
     # ``models.phi3``), fed to the fused projections as they are.
     fused: bool = False
+    # Gemma 2 / Gemma 3 (``models.gemma``, ``gemma_config``): GeGLU, (1 + weight) norms around
+    # attention and MLP, scaled embeddings, soft-capping; ``ModelArchConfig.gemma`` holds the rest.
+    gemma: bool = False
 
 
 ARCHITECTURES = {
@@ -44,6 +49,9 @@ ARCHITECTURES = {
     "qwen3_moe": ArchTraits(qk_norm=True, window="opt_in", moe="qwen"),
     "olmoe": ArchTraits(qk_norm=True, qk_norm_full=True, window="never", moe="olmoe"),
     "phi3": ArchTraits(fused=True),
+    # Their sliding windows come with their own layer pattern (gemma_config), not config._sliding_window.
+    "gemma2": ArchTraits(window="never", gemma=True),
+    "gemma3": ArchTraits(qk_norm=True, window="never", gemma=True),
 }
 SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 # "factors": per-frequency divisors of the base frequencies, as GGUF files carry Llama 3.1/3.2's
@@ -191,6 +199,8 @@ class ModelArchConfig:
     # attention output (``[1]`` wide) and MLP activation (``[2]`` wide), which the ranks gather.
     # None: the projections are whole (or row-parallel, summed by the ranks).
     output_shard: tuple[int, int, int] | None = None
+    # Gemma 2 / 3 (exactly when ArchTraits.gemma): attention scale, soft-caps, local RoPE.
+    gemma: GemmaParams | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -224,6 +234,11 @@ class ModelArchConfig:
                 _positive_int(f"output_shard {name}", v)
             if rows > self.hidden_size:
                 raise ValueError(f"output_shard: {rows} rows of a hidden size of {self.hidden_size}")
+        if (self.gemma is not None) != ARCHITECTURES[self.architecture].gemma:
+            raise ValueError(f"gemma: a {self.architecture} model {'needs' if self.gemma is None else 'takes no'} "
+                             "GemmaParams")
+        if self.gemma is not None and any(not 0 <= i < self.num_hidden_layers for i in self.gemma.local_layers):
+            raise ValueError(f"gemma.local_layers: must be layer indices below {self.num_hidden_layers}")
 
     def _check_experts(self) -> None:
         moe = ARCHITECTURES[self.architecture].moe
@@ -279,7 +294,7 @@ class ModelArchConfig:
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArchConfig:  # noqa: C901 - a flat list of checks
         """From a parsed ``config.json``; raises ValueError naming the missing or bad field."""
-        model_type = cfg.get("model_type")
+        model_type = gemma_config.check_model_type(cfg.get("model_type")) or cfg.get("model_type")
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"architecture: model_type {model_type!r} is not supported; "
@@ -303,7 +318,7 @@ class ModelArchConfig:
                 from sluice.engine.models.phi3 import check_hf_config
 
                 rope_scaling = check_hf_config(cfg, rope_scaling)
-            return cls(
+            fields = dict(
                 architecture=model_type,
                 vocab_size=cfg["vocab_size"],
                 hidden_size=hidden,
@@ -322,6 +337,11 @@ class ModelArchConfig:
                 sliding_layers=_sliding_layers(cfg, model_type) if _sliding_window(cfg, model_type) else None,
                 **_experts(cfg, model_type),
             )
+            if ARCHITECTURES[model_type].gemma:
+                gemma = gemma_config.hf_fields(cfg, model_type)
+                gemma["rope_scaling"] = normalize_rope_scaling(gemma["rope_scaling"])
+                fields.update(gemma)
+            return cls(**fields)
         except KeyError as exc:
             raise ValueError(f"{exc.args[0]}: missing from config.json") from None
 

@@ -11,9 +11,11 @@ from dataclasses import dataclass
 
 from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 
-NORMS = ("rms",)          # RMSNorm (statistics in float32, HF's order of operations)
-MLPS = ("swiglu", "moe")  # swiglu: down(silu(gate(x)) * up(x)), gate and up fused into one product;
-                          # moe: routed SwiGLU experts (``MoESpec``, ``models.moe``)
+NORMS = ("rms", "gemma_rms")  # rms: RMSNorm (statistics in float32, HF's order of operations);
+                              # gemma_rms: the same times (1 + weight), in float32, rounded last (Gemma)
+MLPS = ("swiglu", "moe", "geglu")  # swiglu: down(silu(gate(x)) * up(x)), gate and up fused into one
+                          # product; moe: routed SwiGLU experts (``MoESpec``, ``models.moe``);
+                          # geglu: down(gelu_tanh(gate(x)) * up(x)) (Gemma)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,10 @@ class AttentionSpec:
     # With qk_norm: one RMSNorm over the whole q (q_size) and k (kv_size) projections instead of
     # one per head (OLMoE). The Python layers only: MoE models never run the C++ stack.
     qk_norm_full: bool = False
+    # Queries are scaled by scale_base ** -0.5 (Gemma's query_pre_attn_scalar); None: head_dim's.
+    scale_base: float | None = None
+    # Scores pass cap * tanh(score / cap) before the mask and the softmax (Gemma 2); None: not.
+    softcap: float | None = None
 
     @property
     def q_size(self) -> int:
@@ -62,7 +68,7 @@ class AttentionSpec:
 
     @property
     def scale(self) -> float:
-        return self.head_dim ** -0.5
+        return (self.head_dim if self.scale_base is None else self.scale_base) ** -0.5
 
 
 @dataclass(frozen=True)
@@ -85,6 +91,9 @@ class LayerSpec:
     norm: str = "rms"
     mlp: str = "swiglu"
     moe: MoESpec | None = None      # the experts, exactly when mlp == "moe"
+    # Norms on the attention's and the MLP's outputs too, before each residual add, and one
+    # before the MLP (Gemma's four norms a layer): models.gemma.GemmaDecoderLayer.
+    sandwich_norms: bool = False
     shard: OutputShard | None = None
 
     @property
@@ -107,16 +116,29 @@ class LayerSpec:
         if (self.mlp == "moe") != (self.moe is not None):
             raise ValueError(f"moe: a {self.mlp} MLP {'needs' if self.mlp == 'moe' else 'takes no'} MoESpec")
 
+    def cpp_stack_lacks(self) -> str | None:
+        """What of this layer ``kernels/cpu_stack.cpp``'s DecoderStack cannot run (the C++ stack
+        is then never chosen: ``layer_stack.select_layer_stack``), or None."""
+        # It runs Gemma's (1 + weight) norms (their weights hold the multiplier, in float32), GeGLU,
+        # the sandwich norms, any query scale, attention soft-capping, Gemma 3's local RoPE tables
+        # and routed experts (StackMoE, models.moe's arithmetic).
+        lacks = [name for name, on in (
+            ("q/k norms over whole projections", self.attention.qk_norm_full),) if on]
+        return ", ".join(lacks) or None
+
     @classmethod
     def from_arch(cls, arch: ModelArchConfig, layer: int = 0) -> LayerSpec:
         """Layer ``layer``'s description (layers differ only in their window so far)."""
         traits = ARCHITECTURES[arch.architecture]
+        gemma = arch.gemma
         attention = AttentionSpec(
             num_heads=arch.num_attention_heads, num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
             qkv_bias=arch.attention_bias, qk_norm=traits.qk_norm, sliding_window=arch.layer_window(layer),
-            qk_norm_full=traits.qk_norm_full)
+            qk_norm_full=traits.qk_norm_full, scale_base=None if gemma is None else float(gemma.query_pre_attn_scalar),
+            softcap=None if gemma is None else gemma.attn_softcap)
         moe = MoESpec.from_arch(arch)
+        mlp = "geglu" if gemma is not None else "swiglu" if moe is None else "moe"
         shard = None if arch.output_shard is None else OutputShard(*arch.output_shard)
         return cls(hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-                   norm_eps=arch.rms_norm_eps, attention=attention, mlp="swiglu" if moe is None else "moe", moe=moe,
-                   shard=shard)
+                   norm_eps=arch.rms_norm_eps, attention=attention, mlp=mlp, moe=moe,
+                   norm="rms" if gemma is None else "gemma_rms", sandwich_norms=gemma is not None, shard=shard)

@@ -15,7 +15,7 @@
   backend says; with another backend than ``torch`` (the paged cache is then not the C++ one's
   to read) it runs the Python layers.
 
-The model is duck-typed here (``layers``, ``norm``, ``spec``, ``linears()``,
+The model is duck-typed here (``layers`` and their ``spec``, ``norm``, ``spec``, ``linears()``,
 ``_float32_packed()``): this module sits below ``models.llama``, which imports it.
 """
 from __future__ import annotations
@@ -59,11 +59,15 @@ class CppLayers:
             return PythonLayers().forward(model, h, cos, sin, kv_caches, meta, attn)
         keys, values = (list(c) for c in zip(*kv_caches))
         tables, lens = row_prefixes(meta)
+        local = {}
+        if isinstance(cos, tuple):      # (global, local) tables (models.gemma.RopeTables)
+            (cos, local_cos), (sin, local_sin) = cos, sin
+            local = {"local_cos": local_cos, "local_sin": local_sin}
         if meta.tree is None:
-            return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, lens)
+            return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, lens, **local)
         tree = meta.tree
         return self.stack.forward(h, cos, sin, keys, values, meta.slot_mapping, tables, tree.lens,
-                                  tree.tail_start, tree.tail_slots)
+                                  tree.tail_start, tree.tail_slots, **local)
 
     def attends_trees(self, attn: AttentionBackend) -> bool:
         return attn.name == "torch" or attn.supports_trees
@@ -71,9 +75,10 @@ class CppLayers:
 
 def select_layer_stack(model) -> PythonLayers | CppLayers:
     linears = model.linears()
-    if not linears or model.spec.mlp == "moe":
-        # Mixture of experts: cpu_stack.cpp has no routed experts; the Python layers run them
-        # (models.moe), each expert's projections in the model's format (block formats included).
+    if not linears or any(layer.spec.cpp_stack_lacks() for layer in model.layers):
+        # What cpu_stack.cpp cannot run (LayerSpec.cpp_stack_lacks: OLMoE's q/k norms over whole
+        # projections) runs in the Python layers, each projection in the model's format (block
+        # formats included).
         return PythonLayers()
     blockq = all(isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in linears)
     if not (blockq or model._float32_packed()):
@@ -88,19 +93,43 @@ def select_layer_stack(model) -> PythonLayers | CppLayers:
 def build_decoder_stack(model, ops):
     """The model's layers as ``ops.DecoderStack`` (``ops``: the compiled module, ``cpu_ext.module()``)."""
     att = model.spec.attention
+    sandwich = model.spec.sandwich_norms
     spec = ops.StackSpec(heads=att.num_heads, kv_heads=att.num_kv_heads, head_dim=att.head_dim,
-                         eps=float(model.spec.norm_eps), scale=att.scale, qk_norm=att.qk_norm)
+                         eps=float(model.spec.norm_eps), scale=att.scale, qk_norm=att.qk_norm,
+                         geglu=model.spec.mlp == "geglu", sandwich=sandwich, softcap=att.softcap or 0.0)
     layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        layers.append(ops.StackLayer(
+        # Gemma (models.gemma): norms on both outputs and one before the MLP; Gemma 3's local RoPE.
+        extra = {} if not sandwich else {
+            "pre_mlp_norm": layer.pre_feedforward_layernorm.weight.detach(),
+            "post_mlp_norm": layer.post_feedforward_layernorm.weight.detach(), "local_rope": layer.rope == 1}
+        if layer.spec.mlp == "moe":     # models.moe.SparseMoE: the experts by name, no dense MLP
+            extra["moe"] = _experts(ops, mlp)
+            gate_up = down = ops.StackProjection(parts=[], bias=_NONE)
+        else:
+            gate_up, down = _projection(ops, mlp.gate_up_proj), _projection(ops, mlp.down_proj)
+        layers.append(ops.StackLayer(**extra,
             input_norm=layer.input_layernorm.weight.detach(), post_norm=layer.post_attention_layernorm.weight.detach(),
-            qkv=_projection(ops, attn.qkv_proj), o=_projection(ops, attn.o_proj),
-            gate_up=_projection(ops, mlp.gate_up_proj), down=_projection(ops, mlp.down_proj),
+            qkv=_projection(ops, attn.qkv_proj), o=_projection(ops, attn.o_proj), gate_up=gate_up, down=down,
             q_norm=_NONE if attn.q_norm is None else attn.q_norm.weight.detach(),
             k_norm=_NONE if attn.k_norm is None else attn.k_norm.weight.detach(),
             window=attn.sliding_window or 0))       # the layer's own window (0: global)
     return ops.DecoderStack(spec=spec, layers=layers, final_norm=model.norm.weight.detach())
+
+
+def _experts(ops, moe):
+    """A ``models.moe.SparseMoE`` as ``ops.StackMoE``: its float32 router, each expert's projections
+    in their format, and the shared expert with its gate when the model has one."""
+    shared = {}
+    if moe.shared_expert is not None:
+        shared = {"shared_gate_up": _projection(ops, moe.shared_expert.gate_up_proj),
+                  "shared_down": _projection(ops, moe.shared_expert.down_proj),
+                  "shared_gate": moe.shared_gate.detach().float().contiguous()}
+    return ops.StackMoE(router=moe.router.detach().float().contiguous(),
+                        gate_up=[_projection(ops, e.gate_up_proj) for e in moe.experts],
+                        down=[_projection(ops, e.down_proj) for e in moe.experts],
+                        top_k=moe.top_k, norm_topk=moe.norm_topk_prob, **shared)
 
 
 def _projection(ops, linear):

@@ -90,6 +90,26 @@ class RMSNorm(torch.nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (``layer_spec`` kind "gemma_rms"): the statistics, the product with the
+    weight and the weight itself in float32, the result rounded to the input's dtype last. The
+    weight held is the multiplier, (1 + the checkpoint's weight): ``models.gemma`` adds the 1 at
+    load, so that the norm runs as one fused op in float32."""
+
+    def __init__(self, size: int, eps: float, **factory) -> None:
+        super().__init__(size, eps, **{**factory, "dtype": torch.float32})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+def make_norm(kind: str, size: int, eps: float, **factory) -> RMSNorm:
+    """A ``layer_spec.NORMS`` norm."""
+    return (GemmaRMSNorm if kind == "gemma_rms" else RMSNorm)(size, eps, **factory)
+
+
 class LlamaAttention(torch.nn.Module):
     def __init__(self, spec: LayerSpec, **factory) -> None:
         super().__init__()
@@ -98,6 +118,9 @@ class LlamaAttention(torch.nn.Module):
         self.q_size, self.kv_size = att.q_size, att.kv_size
         self.scale = att.scale
         self.sliding_window = att.sliding_window        # this layer's window (None: global)
+        # Attention soft-capping (Gemma 2), passed only when set: a backend that cannot apply it
+        # is never chosen for the model (attention.selector.backend_for_models).
+        self.softcap = {} if att.softcap is None else {"softcap": att.softcap}
         self.qkv_proj = _Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=att.qkv_bias, **factory)
         o_out, o_in = spec.o_shape
         self.o_proj = _Linear(o_in, o_out, bias=False, **factory)
@@ -105,8 +128,8 @@ class LlamaAttention(torch.nn.Module):
         # over the whole q and k projections (OLMoE, qk_norm_full).
         self.qk_norm_full = att.qk_norm_full
         q_dim, k_dim = (self.q_size, self.kv_size) if att.qk_norm_full else (att.head_dim, att.head_dim)
-        self.q_norm = RMSNorm(q_dim, spec.norm_eps, **factory) if att.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, spec.norm_eps, **factory) if att.qk_norm else None
+        self.q_norm = make_norm(spec.norm, q_dim, spec.norm_eps, **factory) if att.qk_norm else None
+        self.k_norm = make_norm(spec.norm, k_dim, spec.norm_eps, **factory) if att.qk_norm else None
 
     def forward(self, x, cos, sin, kv_cache: KVCache, meta: AttentionMetadata, attn: AttentionBackend):
         # x [T, hidden]
@@ -123,22 +146,24 @@ class LlamaAttention(torch.nn.Module):
         qk = apply_rotary(qk, cos, sin)
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)              # [T, Hq, D], [T, Hkv, D]
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)                        # [T, Hkv, D]
-        out = attn.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window)   # [T, Hq, D]
+        out = attn.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window, **self.softcap)  # [T, Hq, D]
         return self.o_proj(out.reshape(-1, self.q_size))                         # [T, hidden]
 
 
 class LlamaMLP(torch.nn.Module):
-    """SwiGLU (the one ``layer_spec.MLPS`` kind)."""
+    """SwiGLU, or GeGLU (``layer_spec.MLPS``: the activation of the gate differs)."""
 
     def __init__(self, spec: LayerSpec, **factory) -> None:
         super().__init__()
         self.intermediate_size = spec.intermediate_size
+        self.geglu = spec.mlp == "geglu"
         self.gate_up_proj = _Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False, **factory)
         self.down_proj = _Linear(spec.down_shape[1], spec.down_shape[0], bias=False, **factory)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, I] each
-        return self.down_proj(F.silu(gate) * up)                                 # [T, hidden]
+        act = F.gelu(gate, approximate="tanh") if self.geglu else F.silu(gate)
+        return self.down_proj(act * up)                                          # [T, hidden]
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -173,8 +198,8 @@ class LlamaForCausalLM(torch.nn.Module):
         self.rotary = RotaryEmbedding(arch, max_seq_len, device=device)
         specs = [LayerSpec.from_arch(arch, i) for i in range(arch.num_hidden_layers)]   # per-layer windows
         spec = specs[0]
-        self.layers = torch.nn.ModuleList(LlamaDecoderLayer(s, **factory) for s in specs)
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, **factory)
+        self.layers = torch.nn.ModuleList(self.make_layer(i, s, **factory) for i, s in enumerate(specs))
+        self.norm = make_norm(spec.norm, arch.hidden_size, arch.rms_norm_eps, **factory)
         # Tied: the output projection is the embedding matrix itself (no copy).
         self.lm_head = None if arch.tie_word_embeddings else _Linear(
             arch.hidden_size, arch.vocab_size, bias=False, **factory)
@@ -196,6 +221,10 @@ class LlamaForCausalLM(torch.nn.Module):
         h = self.embed(input_ids)                              # [T, hidden]
         cos, sin = self.rotary.cos_sin(positions, h.dtype)     # [T, 1, D/2] each, shared by all layers
         return self.layer_stack().forward(self, h, cos, sin, kv_caches, meta, attn)
+
+    def make_layer(self, index: int, spec: LayerSpec, **factory) -> torch.nn.Module:
+        """Layer ``index`` built from its spec (``models.gemma`` builds its own)."""
+        return LlamaDecoderLayer(spec, **factory)
 
     def layer_stack(self):
         """How this model's layers run (``models.layer_stack``): chosen once, on the first step

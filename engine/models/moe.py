@@ -9,7 +9,9 @@ scaled by ``sigmoid(shared_expert_gate . x)``.
 
 The experts run batched per step: the step's (token, slot) pairs are sorted by expert and each
 expert that any token chose runs once on all of its tokens; its outputs, scaled by their routing
-weights, are added into the tokens' rows in ascending expert order (as transformers adds them).
+weights, are added into the tokens' rows in ascending expert order (as transformers adds them). The C++
+layer stack runs the same steps with the same ATen ops (``kernels/cpu_stack.cpp``'s ``StackMoE``,
+built by ``layer_stack._experts``) when every projection is in a format it takes.
 The router and the shared gate stay float32 whatever the format (llama.cpp keeps ``ffn_gate_inp``
 F32 too): a rounded router could pick other experts than the model's.
 

@@ -89,6 +89,10 @@ def plan_shard(arch: ModelArchConfig, rank: int, world: int, exact: bool = False
     if world > 1 and ARCHITECTURES[arch.architecture].fused:
         raise ValueError(f"tensor_parallel_shards: a {arch.architecture} checkpoint stores q/k/v and gate/up fused, "
                          "which the ranks do not slice yet; run it with tensor_parallel_shards=1")
+    if world > 1 and ARCHITECTURES[arch.architecture].gemma:
+        raise ValueError(f"tensor_parallel_shards: a {arch.architecture} model is not split over ranks yet (its "
+                         "layers are models.gemma's, which the ranks' sharding was not checked on); run it with "
+                         "tensor_parallel_shards=1")
     if world > kv:
         raise ValueError(f"tensor_parallel_shards: {world} ranks need at least {world} key/value heads; "
                          f"the model has {kv}")

@@ -9,10 +9,12 @@ tensors, the router ``ffn_gate_inp`` (F32), Qwen2-MoE's shared expert ``ffn_*_sh
 gate ``ffn_gate_inp_shexp`` (1-D); Mixtral as a "llama" with ``expert_count`` and Q/K rows
 permuted, as llama.cpp's converter writes it.
 
-* float32 logits equal transformers' within test_logits' tolerance, from the folder and the GGUF;
+* float32 logits equal transformers' within test_logits' tolerance, from the folder and the GGUF,
+  through the C++ stack (its StackMoE; OLMoE always runs the Python layers) and the Python layers;
 * greedy continuations equal transformers', the prompts batched together (chunked prefill);
-* a Q8_0 GGUF, its experts kept as stored (w8a8, one block weight per expert, the Python layers),
-  stays within the bounds test_quantization holds SmolLM2's w8a8 to.
+* a Q8_0 GGUF, its experts kept as stored (w8a8, one block weight per expert), stays within the
+  bounds test_quantization holds SmolLM2's w8a8 to: on average through the C++ stack, and per
+  position in the Python layers, where the experts each position runs can be watched.
 
 Each token runs 2 of 6-8 experts; the tests check that the prompts route to several experts.
 """
@@ -198,11 +200,19 @@ def test_the_config_and_the_gguf_describe_the_same_model(moe, tmp_path):
     assert arch.shared_expert_intermediate_size == (96 if arch.architecture == "qwen2_moe" else 0)
 
 
+def _runs_in_cpp(hf) -> bool:
+    """The C++ stack runs the experts (StackMoE), except OLMoE's (q/k norms over whole projections)."""
+    return hf.config.model_type != "olmoe"
+
+
+@pytest.mark.parametrize("layers", ["cpp", "python"])
 @pytest.mark.parametrize("source", ["folder", "gguf"])
-def test_float32_logits_match_transformers(moe, tmp_path, source):
+def test_float32_logits_match_transformers(moe, tmp_path, source, layers):
     _, hf = moe
     model = build_model(*_load(moe, tmp_path, source), torch.float32, torch.device("cpu"))
-    assert model._cpu_decoder() is None and model.spec.mlp == "moe"     # the Python layers run the experts
+    assert model.spec.mlp == "moe" and (model._cpu_decoder() is not None) == _runs_in_cpp(hf)
+    if layers == "python":
+        model.use_python_layers()
     for ids in PROMPTS:
         _assert_logits_match(_prefill_logits(model, ids), _reference(hf, ids))
 
@@ -271,7 +281,10 @@ def test_a_q8_0_gguf_keeps_its_experts_as_stored_within_the_block_formats_bounds
     _write_gguf(tmp_path / "q.gguf", hf, q8_0=True)
     arch, weights, _ = load_gguf(tmp_path / "q.gguf")
     model = build_model(arch, weights, torch.float32, torch.device("cpu"), quantization="w8a8")
-    assert model._cpu_decoder() is None               # MoE: the Python layers, block weights per expert
+    assert (model._cpu_decoder() is not None) == _runs_in_cpp(hf)   # the C++ stack, block weights per expert
+    cpp = [(_prefill_logits(model, ids) - _reference(hf, ids)).abs() for ids in PROMPTS]
+    assert torch.cat([c.flatten() for c in cpp]).mean() <= MEAN_LOGIT_CHANGE["w8a8"]
+    model.use_python_layers()                         # where the routing below can be watched
     experts = model.layers[1].mlp
     assert isinstance(experts, SparseMoE)
     from sluice.engine.models import quant

@@ -341,6 +341,34 @@ def test_a_draft_tree_row_attends_as_the_same_tokens_in_a_plain_sequence(ops, kv
         ops.paged_decode(q, kc, vc, tables, lens, dim ** -0.5, tail_start, None)
 
 
+@pytest.mark.parametrize("kv_heads,group,dim", [(2, 2, 128), (1, 4, 64), (2, 5, 64), (2, 3, 16)])
+def test_soft_capped_scores_match_the_torch_backend(ops, kv_heads, group, dim):
+    """Gemma 2's attention soft-cap (scores -> cap * tanh(score / cap) before the softmax), in the
+    register kernels and the general loops, one chunk and several, with and without a window:
+    the torch backend's capped ``_short`` per row, a row's bits the same alone, and not the
+    uncapped result."""
+    kc, vc = _cache(blocks=120, block_size=4, kv_heads=kv_heads, dim=dim, seed=5)
+    g = torch.Generator().manual_seed(2)
+    tables = torch.stack([torch.randperm(120, generator=g)[:100] for _ in range(3)]).to(torch.int32)
+    lens = torch.tensor([9, 300, 1], dtype=torch.int32)                  # 1, 2 and 1 chunks
+    q = 3 * torch.randn(3, kv_heads * group, dim, generator=g)           # scores large enough to bend
+    cap, scale = 2.0, dim ** -0.5
+    for window in (0, 7):
+        got = ops.paged_decode(q, kc, vc, tables, lens, scale, window=window, softcap=cap)
+        for b in range(3):
+            want = TorchAttentionBackend._short(q[b:b + 1], (kc, vc), tables[b], int(lens[b]), scale,
+                                                window=window or None, softcap=cap)
+            torch.testing.assert_close(got[b:b + 1], want, rtol=1e-5, atol=1e-5)
+            alone = ops.paged_decode(q[b:b + 1].contiguous(), kc, vc, tables[b:b + 1], lens[b:b + 1], scale,
+                                     window=window, softcap=cap)
+            assert torch.equal(alone[0], got[b])
+        assert not torch.allclose(got, ops.paged_decode(q, kc, vc, tables, lens, scale, window=window), atol=1e-3)
+        torch.testing.assert_close(cpu_ext.portable_module().paged_decode(q, kc, vc, tables, lens, scale, window=window,
+                                                                          softcap=cap), got, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match=r"paged_decode: softcap must be >= 0 \(0: none\), got -1"):
+        ops.paged_decode(q, kc, vc, tables, lens, scale, softcap=-1.0)
+
+
 @pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 5, 64)])
 def test_long_rows_attend_in_chunks_that_merge_to_sdpa(ops, kv_heads, group, dim):
     """Rows past 256 tokens attend in chunks of 256 merged afterwards (so one long sequence keeps

@@ -34,7 +34,20 @@ def test_a_sliding_window_is_in_force_as_each_architecture_reads_it(model_type, 
 
 def test_a_kind_no_stack_implements_is_refused_by_name():
     spec = _spec("llama")
-    with pytest.raises(ValueError, match=r"norm: must be one of \('rms',\), got 'layer'"):
+    with pytest.raises(ValueError, match=r"norm: must be one of \('rms', 'gemma_rms'\), got 'layer'"):
         dataclasses.replace(spec, norm="layer")
-    with pytest.raises(ValueError, match=r"mlp: must be one of \(.*'swiglu'.*\), got 'geglu'"):
-        dataclasses.replace(spec, mlp="geglu")
+    with pytest.raises(ValueError, match=r"mlp: must be one of \(.*'swiglu'.*'geglu'\), got 'relu2'"):
+        dataclasses.replace(spec, mlp="relu2")
+
+
+def test_gemma_layers_say_their_norms_mlp_scale_and_cap():
+    gemma = {"head_dim": 24, "query_pre_attn_scalar": 20, "sliding_window": 8, "num_hidden_layers": 4}
+    spec = _spec("gemma2", **gemma, attn_logit_softcapping=5.0)
+    assert (spec.norm, spec.mlp, spec.sandwich_norms) == ("gemma_rms", "geglu", True)
+    assert spec.attention.scale == 20 ** -0.5 and spec.attention.softcap == 5.0 and not spec.attention.qk_norm
+    assert spec.cpp_stack_lacks() is None
+    spec3 = _spec("gemma3_text", **gemma)
+    assert spec3.attention.qk_norm and spec3.attention.softcap is None and spec3.attention.scale == 20 ** -0.5
+    assert _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32).cpp_stack_lacks() is None
+    assert _spec("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32).cpp_stack_lacks() \
+        == "q/k norms over whole projections"
