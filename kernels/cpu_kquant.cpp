@@ -28,10 +28,14 @@
 // that bit of k = 4g + j). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
 // Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6).
 //
-// AVX2 (vpmaddubsw, then vpmaddwd by ones) computes the same exact integer sums as the portable
-// loop and the same float operations in the same order, so both give the same bits; an AVX-512
-// host compiles and runs the AVX2 path. The int16 pair sums stay below 2^15: a byte product is at
-// most 63 * 127, and the sums are widened every 8 (4-bit), 4 (5-bit) or 2 (6-bit) groups of 4.
+// Paths, widest first, each with the same exact integer sums as the portable loop and the same
+// float operations in the same order per lane, so all give the same bits:
+//   AVX-512 VNNI  all 16 lanes of a tile in one vector; vpdpbusd (unsigned bytes times signed
+//                 bytes, four products into each int32 lane) takes the stored values as they are
+//   AVX-VNNI      the AVX2 tile (8 lanes a vector) with vpdpbusd in place of the two steps below
+//   AVX2          vpmaddubsw, then vpmaddwd by ones. The int16 pair sums stay below 2^15: a byte
+//                 product is at most 63 * 127, and the sums are widened every 8 (4-bit), 4
+//                 (5-bit) or 2 (6-bit) groups of 4.
 // Every output element's order of operations is fixed by K alone: a row's result is bitwise the
 // same alone and in a batch, whatever the thread split.
 #include <torch/extension.h>
@@ -53,6 +57,12 @@
 #define SLUICE_KQ_VNNI512 1
 #else
 #define SLUICE_KQ_VNNI512 0
+#endif
+// AVX-VNNI without AVX-512 (e.g. Alder Lake, Sierra Forest): the AVX2 tile with vpdpbusd.
+#if SLUICE_KQ_AVX2 && !SLUICE_KQ_VNNI512 && defined(__AVXVNNI__)
+#define SLUICE_KQ_VNNI256 1
+#else
+#define SLUICE_KQ_VNNI256 0
 #endif
 
 void blockq_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, float* s, float* ss);
@@ -194,6 +204,16 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
   template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, const int8_t* ab) {
     const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / 2) + 32 * h));
     const __m256i v = group_values<F::VB, G>(nib, hi);
+#if SLUICE_KQ_VNNI256
+    // vpdpbusd: each lane's four unsigned-by-signed products straight into its exact int32 sum.
+    constexpr int i2 = (4 * G) / F::SUB;
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      int32_t a4;
+      std::memcpy(&a4, ab + r * k + 4 * G, 4);
+      isum[r][i2] = _mm256_dpbusd_avx_epi32(isum[r][i2], v, _mm256_set1_epi32(a4));
+    }
+#else
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       int32_t a4;
@@ -211,6 +231,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
         p16[r] = _mm256_setzero_si256();
       }
     }
+#endif
   }
 
   // One block's half h: the integer sums, then per sub-block acc = fma(I, D s, acc) (+ fma(M, s sum a, acc)).
@@ -223,7 +244,11 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
     for (int pb = 0; pb < F::VB - 4; ++pb)
       hi[pb] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256 + 64 * pb + 32 * h));
 #pragma GCC unroll 8
-    for (int r = 0; r < MR; ++r) p16[r] = _mm256_setzero_si256();
+    for (int r = 0; r < MR; ++r) {
+      p16[r] = _mm256_setzero_si256();
+      if (SLUICE_KQ_VNNI256)
+        for (int i2 = 0; i2 < L::PER; ++i2) isum[r][i2] = _mm256_setzero_si256();
+    }
     group<0>(body, h, hi, ab); group<1>(body, h, hi, ab); group<2>(body, h, hi, ab); group<3>(body, h, hi, ab);
     group<4>(body, h, hi, ab); group<5>(body, h, hi, ab); group<6>(body, h, hi, ab); group<7>(body, h, hi, ab);
 #pragma GCC unroll 2
@@ -285,14 +310,15 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 #endif
 
 #if SLUICE_KQ_VNNI512
-// Input rows per pass of the 512-bit tile: one 16-lane accumulator per row and sub-block of a
-// block of 32 plus one float32 one per row, in 32 registers (measured with bench/kquant_ab.py on
-// a 2-core AVX-512 Xeon, 2026-12-06). -DSLUICE_KQ_ROWS=R sets one count for all.
+// Input rows per pass of the 512-bit tile: one int32 accumulator per row and sub-block of a block
+// of 32 plus one float32 one per row must fit the 32 registers. Measured with bench/kquant_ab.py
+// on a 2-core AVX-512 Xeon, 2026-12-06: Q4_K 12 rows 0.92-0.96x the time of 8; Q6_K (two
+// sub-blocks) 6 rows 1.03-1.42x the time of 8. -DSLUICE_KQ_ROWS=R sets one count for all.
 template <int PER> constexpr int64_t rows_vnni() {
 #ifdef SLUICE_KQ_ROWS
   return SLUICE_KQ_ROWS;
 #else
-  return PER == 1 ? 8 : 8;
+  return PER == 1 ? 12 : 8;
 #endif
 }
 
@@ -629,4 +655,6 @@ torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, to
 int64_t kquant_chunk_bytes(int64_t fmt) { return chunk_bytes(fmt); }
 
 // The integer path compiled in: "avx2" (also on AVX-512 hosts) or "portable".
-std::string kquant_isa() { return SLUICE_KQ_VNNI512 ? "avx512vnni" : SLUICE_KQ_AVX2 ? "avx2" : "portable"; }
+std::string kquant_isa() {
+  return SLUICE_KQ_VNNI512 ? "avx512vnni" : SLUICE_KQ_VNNI256 ? "avxvnni" : SLUICE_KQ_AVX2 ? "avx2" : "portable";
+}
