@@ -25,16 +25,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("kquant_linear", &kquant_linear
 """
 
 
-def build(src: Path, work: Path):
+def build(src: Path, work: Path, arch: list[str]):
     from torch.utils import cpp_extension
 
-    name = "kq_" + hashlib.sha256(src.read_bytes()).hexdigest()[:12]
+    name = "kq_" + hashlib.sha256(src.read_bytes() + " ".join(arch).encode()).hexdigest()[:12]
     out = work / name
     out.mkdir(parents=True, exist_ok=True)
     bind = work / "bind.cpp"
     bind.write_text(_BIND)
     return cpp_extension.load(name=name, sources=[str(src), str(ROOT / "kernels" / "cpu_blockq.cpp"), str(bind)],
-                              build_directory=str(out), extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                              build_directory=str(out), extra_cflags=["-O3", *arch, "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -51,11 +51,15 @@ def main() -> None:
     p.add_argument("--shapes", default="2048x2048,11264x2048,2048x5632")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", type=float, default=0.3)
+    p.add_argument("--arch", default="-march=native",
+                   help="compiler flags choosing the path, e.g. '-march=native -mno-avx512f' (AVX-VNNI without "
+                        "AVX-512) or -march=x86-64-v3 (AVX2 only); default: %(default)s")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     work = Path(tempfile.gettempdir()) / "sluice-kquant-ab"
-    old, new = build(args.old.resolve(), work), build(args.new.resolve(), work)
-    print(f"{args.threads} threads; µs per call, best of {args.budget} s each; new / old")
+    arch = args.arch.split()
+    old, new = build(args.old.resolve(), work, arch), build(args.new.resolve(), work, arch)
+    print(f"{args.threads} threads, {args.arch}; µs per call, best of {args.budget} s each; new / old")
     print("| format | weight | rows | old | new | new / old |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for kind in args.kinds.split(","):

@@ -267,7 +267,10 @@ def _free_port() -> int:
 
 def _spawn(name: str, cmd: list[str], logdir: Path, threads: int) -> tuple[subprocess.Popen, Path]:
     log_path = logdir / f"{name}.log"
-    env = {**os.environ, "PYTHONPATH": str(REPO), "SLUICE_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
+    # A caller's PYTHONPATH stays in front: a package folder linking `sluice` to another checkout
+    # (a git worktree of a branch, against the installed one) is how two versions are compared.
+    path = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
+    env = {**os.environ, "PYTHONPATH": path, "SLUICE_NUM_THREADS": str(threads), "OMP_NUM_THREADS": str(threads)}
     with open(log_path, "wb") as log:
         # Own session: `sluice serve` has children, and stopping the group stops them all.
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -394,7 +397,7 @@ def llamacpp_available() -> bool:
 @contextlib.contextmanager
 def open_targets(args: argparse.Namespace):
     """The targets of this run, ready; servers started here are stopped on exit."""
-    targets = [Target("sluice-http", "openai", args.url.rstrip("/"))] if args.url else []
+    targets = [Target(args.url_name, "openai", args.url.rstrip("/"))] if args.url else []
     if args.grpc:
         targets.append(Target("sluice-grpc", "grpc", args.grpc))
     if args.peer_url:
@@ -585,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     g = ap.add_argument_group("targets (at least one)")
     g.add_argument("--url", help="a running sluice facade (OpenAI API), e.g. http://127.0.0.1:8000")
+    g.add_argument("--url-name", default="sluice-http",
+                   help="its name in the report (default: %(default)s; another, e.g. sluice-base, to measure it "
+                        "beside a sluice this run launches)")
     g.add_argument("--grpc", help="a running sluice engine's gRPC address, e.g. 127.0.0.1:50051")
     g.add_argument("--launch", action="append", choices=("http", "grpc"), default=[],
                    help="start sluice itself: http = `sluice serve` (facade+engine), grpc = `sluice engine`")

@@ -38,7 +38,15 @@ def _cpu_flags() -> bytes:
     return b""
 
 
-def build_dir(portable: bool = False) -> Path:
+# Builds of the same sources: the one sluice runs (-march=native) and the ones tests hold it to.
+# "portable": x86-64-v2, no AVX2 (the portable C++ loops); "avx2": x86-64-v3 (AVX2, FMA, F16C, no
+# AVX-512 or VNNI: the path AVX2-only CPUs such as AMD Zen 2/3 run); "avxvnni": this CPU without
+# AVX-512 (the 256-bit AVX-VNNI paths of CPUs that have AVX-VNNI but no AVX-512).
+VARIANTS = {"native": ["-march=native"], "portable": ["-march=x86-64-v2"], "avx2": ["-march=x86-64-v3"],
+            "avxvnni": ["-march=native", "-mno-avx512f"]}
+
+
+def build_dir(variant: str = "native") -> Path:
     root = Path(os.environ.get("SLUICE_CACHE_DIR", Path.home() / ".cache" / "sluice")) / "ext"
     # The sources' folder and torch's own are part of the key: torch's build files name the sources
     # and torch's headers by path, so two checkouts (or an install and a checkout), or two
@@ -47,17 +55,16 @@ def build_dir(portable: bool = False) -> Path:
     key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + torch.__version__.encode() + _cpu_flags()
                          + str(_SOURCES[0].resolve().parent).encode()
                          + str(Path(torch.__file__).resolve().parent).encode())
-    return root / f"cpu-{'portable-' if portable else ''}{key.hexdigest()[:16]}"
+    return root / f"cpu-{'' if variant == 'native' else variant + '-'}{key.hexdigest()[:16]}"
 
 
-def _build(portable: bool):
+def _build(variant: str):
     from torch.utils import cpp_extension
 
-    build = build_dir(portable)
+    build = build_dir(variant)
     build.mkdir(parents=True, exist_ok=True)
     # -fopenmp: at::parallel_for is OpenMP inline in the headers; without it the loops run on one
     # thread. The libgomp.so.1 that torch has loaded is the one used.
-    arch = "-march=x86-64-v2" if portable else "-march=native"
     with open(build / "sluice.lock", "w") as guard:
         # torch marks a build in progress with a `lock` file that it deletes when done, and waits,
         # without a timeout, for one it finds. A process killed while it built (Ctrl-C during a
@@ -70,13 +77,13 @@ def _build(portable: bool):
             log.info("waiting for another process that is building sluice's C++ CPU kernels in %s", build)
             fcntl.flock(guard, fcntl.LOCK_EX)
         (build / "lock").unlink(missing_ok=True)
-        name = "sluice_cpu_portable" if portable else "sluice_cpu"
+        name = "sluice_cpu" if variant == "native" else f"sluice_cpu_{variant}"
         if not (build / f"{name}.so").exists():   # a first start spends a minute here: say so, or it looks hung
             log.info("compiling sluice's C++ CPU kernels%s into %s (once per machine, torch and source; "
-                     "about a minute on 2 cores)", " (portable build)" if portable else "", build)
+                     "about a minute on 2 cores)", "" if variant == "native" else f" ({variant} build)", build)
         return cpp_extension.load(
             name=name, sources=[str(p) for p in _SOURCES],
-            build_directory=str(build), extra_cflags=["-O3", arch, "-fopenmp"], extra_ldflags=["-fopenmp"],
+            build_directory=str(build), extra_cflags=["-O3", *VARIANTS[variant], "-fopenmp"], extra_ldflags=["-fopenmp"],
             verbose=False)
 
 
@@ -86,7 +93,7 @@ def _load():
         if _module is not None or _error is not None:
             return _module
         try:
-            _module = _build(portable=False)
+            _module = _build("native")
         except Exception as exc:                      # no compiler, no ninja, a build error
             text = str(exc).strip()
             _error = f"{type(exc).__name__}: {text.splitlines()[-1] if text else exc!r}"
@@ -96,7 +103,15 @@ def _load():
 def portable_module():
     """The same sources built without AVX2 or AVX-512 (x86-64-v2): the portable C++ paths, for
     tests that hold them to the vector ones. Raises when the build fails."""
-    return _build(portable=True)
+    return _build("portable")
+
+
+def variant_module(variant: str):
+    """The same sources built for one of ``VARIANTS`` (tests hold each path the CPU can run to the
+    others). Raises when the build fails."""
+    if variant not in VARIANTS:
+        raise ValueError(f"no build variant {variant!r}; one of {sorted(VARIANTS)}")
+    return _build(variant)
 
 
 def available() -> bool:
@@ -126,4 +141,4 @@ if __name__ == "__main__":       # `python -m sluice.kernels.cpu_ext [--portable
               "w4a8/w8a8", file=sys.stderr)
     if "--portable" in sys.argv[1:]:   # the build the tests hold the vector paths to (make setup builds it too)
         portable_module()
-        print(f"sluice CPU kernels, portable build: built in {build_dir(portable=True)}")
+        print(f"sluice CPU kernels, portable build: built in {build_dir('portable')}")

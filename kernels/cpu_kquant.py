@@ -20,11 +20,12 @@ the kernel forms the products, which are exact in float32, where it reads them. 
 belong to sub-blocks of 16, so its kernel keeps one integer sum per 16 and applies each scale to
 its own sum (exact), under the block of 32's input scale.
 
-Paths (``isa()``): AVX2 intrinsics, which AVX-512 hosts compile and run too, and portable C++
-with the same integer sums and the same float operations in the same order: bit for bit the same
-results (tests/unit/test_kquant.py holds the portable build to the native one). There is no
-AVX-512 or VNNI variant: it could not be tested where this was written, and the AVX2 one is
-correct on every x86-64 CPU that has AVX2, FMA and F16C.
+Paths (``isa()``), chosen by the build (``cpu_ext``: -march=native): ``avx512vnni`` (512-bit
+vpdpbusd, all 16 lanes of a row tile per vector), ``avxvnni`` (the AVX2 tile with 256-bit
+vpdpbusd, for CPUs with AVX-VNNI and no AVX-512), ``avx2`` (vpmaddubsw / vpmaddwd), and portable
+C++. All have the same integer sums and the same float operations in the same order per output:
+bit for bit the same results (tests/unit/test_kquant.py builds every path this CPU can run and
+holds each to the native one).
 
 The input is rounded to int8 per row and block of 32 (``cpu_blockq.quantize_input``, the same
 rounding as the Q4_0/Q4_1/Q8_0 products): finer than llama.cpp's Q8_K (one scale per 256), so the
@@ -68,7 +69,7 @@ Parts = tuple  # (u, d, dm | None, sc | None, mn | None)
 
 
 def isa() -> str | None:
-    """``avx2`` (also what AVX-512 hosts run) or ``portable``; None when the kernels are not built."""
+    """``avx512vnni``, ``avxvnni``, ``avx2`` or ``portable``; None when the kernels are not built."""
     return str(cpu_ext.module().kquant_isa()) if cpu_ext.available() else None
 
 

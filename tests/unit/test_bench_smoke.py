@@ -100,6 +100,27 @@ def test_serving_needs_a_target_and_positive_lengths():
     assert r.returncode == 2 and "--input-len: must be a positive integer" in r.stderr
 
 
+def test_launched_servers_keep_the_callers_pythonpath_first_and_a_url_target_takes_a_name(tmp_path, monkeypatch):
+    """Two sluice versions side by side: one already running (--url, named), one launched with the
+    caller's PYTHONPATH (a package folder linking `sluice` to another checkout) ahead of the repo."""
+    seen = {}
+
+    def fake_popen(cmd, cwd, env, **kw):
+        seen["path"] = env["PYTHONPATH"]
+        return None
+
+    monkeypatch.setattr(serving.subprocess, "Popen", fake_popen)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere/pkg")
+    serving._spawn("x", ["true"], tmp_path, threads=1)
+    assert seen["path"] == os.pathsep.join(["/elsewhere/pkg", str(REPO)])
+    monkeypatch.delenv("PYTHONPATH")
+    serving._spawn("x", ["true"], tmp_path, threads=1)
+    assert seen["path"] == str(REPO)
+    args = serving.build_parser().parse_args(["--url", "http://x", "--url-name", "sluice-main"])
+    assert args.url_name == "sluice-main"
+    assert serving.build_parser().parse_args(["--url", "http://x"]).url_name == "sluice-http"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
 def test_plot_without_matplotlib_exits_2_with_the_install_hint(tmp_path):
     r = _run(["bench/serving.py", "--url", "http://127.0.0.1:9", "--plot", str(tmp_path)], timeout=60)

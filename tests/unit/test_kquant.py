@@ -6,7 +6,8 @@
 * Products: each format against its float64 reference (the kernel's own input rounding, exact
   integer sums), and against a float product of the dequantized weight, at 1, 4, 32 and 512
   rows; a row's bits are the same alone and in a batch, and the portable build (plain
-  x86-64-v2) gives the native build's bits.
+  x86-64-v2), the AVX2 build (x86-64-v3) and the AVX-VNNI one (no AVX-512) give the native
+  build's bits (on an AVX-512 VNNI host, the 512-bit path's).
 * The test encoder (tests/helpers/kquant_encode.py) writes blocks that decode to near the floats.
 
 The C++ extension is built on first use; if it cannot be built these tests fail, they do not skip.
@@ -117,20 +118,54 @@ def test_a_rows_bits_do_not_depend_on_the_batch_or_threads(ops, kind):
         torch.set_num_threads(threads)
 
 
-def test_the_portable_build_computes_what_the_native_one_does(ops):
-    """Plain x86-64-v2 (no AVX2): the same integer sums and fused multiply-adds as the vector
-    path, so the same bits, at 1, 4, 32 and 512 rows, with a partial row tile."""
-    portable = cpu_ext.portable_module()
-    assert portable.kquant_isa() == "portable"
-    flags = set(cpu_ext._cpu_flags().decode().split())
-    assert ops.kquant_isa() == ("avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+_AVX2 = {"avx2", "fma", "f16c"}
+
+
+def _native_isa(flags: set[str]) -> str:
+    """The path -march=native compiles on a CPU with these /proc/cpuinfo flags."""
+    if {"avx512f", "avx512bw", "avx512_vnni"} | _AVX2 <= flags:
+        return "avx512vnni"
+    if {"avx_vnni"} | _AVX2 <= flags:
+        return "avxvnni"
+    return "avx2" if _AVX2 <= flags else "portable"
+
+
+def _same_products(other, rows_list=(1, 4, 11, 32, 512)):
+    """``other`` (a build of the kernels) gives the native build's bits for every format, with a
+    partial row tile (33) and row counts that leave a remainder after each path's rows per pass."""
     for kind in FORMATS:
         w, _ = weight(kind, 33, 512, seed=6)
         ids = torch.tensor([0, 32, 17])
-        assert torch.equal(portable.kquant_rows(ids, w.packed, w.type_id, 33, 512), w.rows(ids))
-        for rows in (1, 4, 32, 512):
+        assert torch.equal(other.kquant_rows(ids, w.packed, w.type_id, 33, 512), w.rows(ids))
+        for rows in rows_list:
             x = _inputs(rows, 512, seed=rows)
-            assert torch.equal(portable.kquant_linear(x, w.packed, w.type_id, 33), w(x)), (kind, rows)
+            assert torch.equal(other.kquant_linear(x, w.packed, w.type_id, 33), w(x)), (kind, rows)
+
+
+def test_the_portable_build_computes_what_the_native_one_does(ops):
+    """Plain x86-64-v2 (no AVX2): the same integer sums and fused multiply-adds as the vector
+    paths, so the same bits, at 1 to 512 rows, with a partial row tile. The native build runs the
+    widest path this CPU has."""
+    portable = cpu_ext.portable_module()
+    assert portable.kquant_isa() == "portable"
+    assert ops.kquant_isa() == _native_isa(set(cpu_ext._cpu_flags().decode().split()))
+    _same_products(portable)
+
+
+@pytest.mark.parametrize("variant,needs", [("avx2", _AVX2), ("avxvnni", _AVX2 | {"avx_vnni"})])
+def test_each_narrower_vector_path_computes_what_the_native_one_does(ops, variant, needs):
+    """The AVX2 path (what AVX2-only CPUs such as AMD Zen 2/3 run) and the 256-bit AVX-VNNI one
+    (CPUs with AVX-VNNI and no AVX-512), built here with the wider paths turned off: the same bits
+    as the native build (on an AVX-512 VNNI host, the 512-bit path). Where the native build is
+    that path already, it is the one compared with the portable build above."""
+    flags = set(cpu_ext._cpu_flags().decode().split())
+    if not needs <= flags:
+        pytest.skip(f"this CPU cannot run the {variant} path (needs {sorted(needs - flags)})")
+    if ops.kquant_isa() == variant:
+        pytest.skip(f"the native build is the {variant} path")
+    other = cpu_ext.variant_module(variant)
+    assert other.kquant_isa() == variant
+    _same_products(other)
 
 
 def test_stacked_parts_in_different_formats(ops):
