@@ -40,6 +40,8 @@ class RowBatch:
         self._params = {f: np.zeros(capacity, dtype=t) for f, t in zip(RowParams.FIELDS, RowParams.DTYPES)}
         self._logprobs: list[int | None] = [None] * capacity
         self._bias = [False] * capacity
+        self._version = 0            # bumped when a slot changes hands: keys the last gather
+        self._gathered: tuple | None = None     # (slots, version, RowParams) of the last params()
 
     def __len__(self) -> int:
         return len(self._slot)
@@ -55,6 +57,7 @@ class RowBatch:
         """A preempted request: its blocks went back to the pool, its slot goes; its tally stays."""
         slot = self._slot.pop(request_id, None)
         if slot is not None:
+            self._version += 1
             self._owner[slot] = None
             self.tables[slot, :self._blocks[slot]] = 0
             self._blocks[slot] = self._known[slot] = 0
@@ -88,10 +91,16 @@ class RowBatch:
 
     def params(self, slots) -> RowParams:
         """The sampling parameters of the rows whose slots are ``slots`` (a row per entry)."""
-        idx = np.asarray(slots, dtype=np.int64)
-        return RowParams(**{f: a[idx] for f, a in self._params.items()},
-                         num_logprobs=tuple(self._logprobs[i] for i in idx.tolist()),
-                         any_bias=any(self._bias[i] for i in idx.tolist()))
+        key = tuple(slots)
+        last = self._gathered
+        if last is not None and last[0] == key and last[1] == self._version:   # a steady batch: as before
+            return last[2]
+        idx = np.asarray(key, dtype=np.int64)
+        params = RowParams(**{f: a[idx] for f, a in self._params.items()},
+                           num_logprobs=tuple(self._logprobs[i] for i in key),
+                           any_bias=any(self._bias[i] for i in key))
+        self._gathered = (key, self._version, params)
+        return params
 
     # ---- slots --------------------------------------------------------------------------------
     def _take(self, req) -> int:
@@ -100,6 +109,7 @@ class RowBatch:
         if not self._free:
             self._grow()
         slot = self._free.pop()
+        self._version += 1
         self._slot[req.request_id] = slot
         self._owner[slot] = req
         for f, v in zip(RowParams.FIELDS, entry):
@@ -133,6 +143,10 @@ class RowBatch:
 
     def _sync_tokens(self, slot: int, req, n: int) -> None:
         known, n_prompt = self._known[slot], req.num_prompt_tokens
+        if known == n - 1 and known >= n_prompt and n <= self.tokens.shape[1]:   # a decode step: one token
+            self.tokens[slot, known] = req.output_token_ids[-1]
+            self._known[slot] = n
+            return
         self._fit_tokens(n)
         row = self.tokens[slot]
         if known > n or known < n_prompt:   # new, or its output shrank (a stop string cut drafts)

@@ -94,15 +94,31 @@ def test_one_batch_for_plain_and_drafted_rows_equals_each_on_its_own():
 
 
 def test_parameters_come_from_the_request_s_slot():
-    reqs = _requests()[:1]
-    runner = _runner()
-    scheduled = _scheduled(reqs)
-    batch = runner.prepare(scheduled, runner.rows)
     hidden = torch.zeros(1, VOCAB)
     hidden[0, 5] = 1.0
     hidden[0, 9] = 0.99            # the repetition penalty (token 5 was output) makes 9 the most likely
-    slot = runner.rows.slot(reqs[0].request_id)
-    runner.rows._params["greedy"][slot] = True
-    assert runner.sample(scheduled, batch, hidden).sampled_token_ids[reqs[0].request_id] == [9]
-    runner.rows._params["repetition"][slot] = 1.0   # the slot, not the request, is read
-    assert runner.sample(scheduled, batch, hidden).sampled_token_ids[reqs[0].request_id] == [5]
+    for repetition, want in ((None, 9), (1.0, 5)):
+        reqs = _requests()[:1]     # sampling at T=0.9 with repetition_penalty 1.4
+        runner = _runner()
+        scheduled = _scheduled(reqs)
+        batch = runner.prepare(scheduled, runner.rows)
+        slot = runner.rows.slot(reqs[0].request_id)
+        runner.rows._params["greedy"][slot] = True           # the slot, not the request, is read
+        if repetition is not None:
+            runner.rows._params["repetition"][slot] = repetition
+        assert runner.sample(scheduled, batch, hidden).sampled_token_ids[reqs[0].request_id] == [want]
+
+
+def test_a_steady_batch_reuses_its_gather_and_a_new_request_renews_it():
+    reqs = _requests()
+    runner = _runner()
+    rows = runner.rows
+    rows.sync(_scheduled(reqs[:2]))
+    slots = [rows.slot(r.request_id) for r in reqs[:2]]
+    first = rows.params(slots)
+    assert rows.params(slots) is first                       # nothing changed hands
+    rows.release(reqs[1].request_id)
+    rows.sync(_scheduled(reqs[2:3]))                         # another request takes the freed slot
+    assert rows.slot(reqs[2].request_id) == slots[1]
+    again = rows.params(slots)
+    assert again is not first and again.greedy.tolist() == [False, True]   # plain-greedy's own parameters
