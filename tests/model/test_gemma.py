@@ -35,6 +35,7 @@ from sluice.engine.loaders.gguf_loader import load_gguf
 from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.sampling_params import SamplingParams
+from tests.model import gguf_writing
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
@@ -112,17 +113,7 @@ def _write_gguf(path, hf, q8_0: bool = False, pattern: list[bool] | None = None)
 
     config = hf.config
     arch = "gemma2" if config.model_type == "gemma2" else "gemma3"
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_vocab_size(config.vocab_size)
+    writer = gguf_writing.start(path, arch, config, head_dim=config.head_dim)
     writer.add_sliding_window(config.sliding_window)
     writer.add_final_logit_softcapping(config.final_logit_softcapping)
     if arch == "gemma2":
@@ -134,16 +125,7 @@ def _write_gguf(path, hf, q8_0: bool = False, pattern: list[bool] | None = None)
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)
         writer.add_sliding_window_pattern(pattern or [t == "sliding_attention" for t in GEMMA3_TYPES])
-    for name, w in _gguf_tensors(hf).items():
-        if q8_0 and w.ndim == 2:
-            writer.add_tensor(name, gguf.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_writing.finish(writer, _gguf_tensors(hf), lambda name, w: q8_0 and w.ndim == 2)
 
 
 @pytest.fixture(scope="module")

@@ -32,6 +32,7 @@ from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.moe import SparseMoE, route
 from sluice.engine.sampling_params import SamplingParams
+from tests.model import gguf_writing
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
@@ -131,23 +132,10 @@ def _gguf_tensors(hf) -> dict[str, np.ndarray]:
 def _write_gguf(path, hf, q8_0: bool = False) -> None:
     """llama.cpp's layout and metadata; ``q8_0``: every 2-D and 3-D weight but the router and the
     shared gate (which llama.cpp keeps F32) in Q8_0 blocks."""
-    import gguf
-
     config = hf.config
     arch = GGUF_ARCH[config.model_type]
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(THETA)
-    writer.add_vocab_size(config.vocab_size)
+    writer = gguf_writing.start(path, arch, config, rope_base=THETA, head_dim=head_dim)
     if config.model_type == "mixtral":
         writer.add_expert_count(config.num_local_experts)
     elif config.model_type == "olmoe":     # llama.cpp's olmoe: feed_forward_length is per expert
@@ -158,17 +146,7 @@ def _write_gguf(path, hf, q8_0: bool = False) -> None:
     writer.add_expert_used_count(config.num_experts_per_tok)
     if config.model_type == "qwen2_moe":
         writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
-    for name, w in _gguf_tensors(hf).items():
-        if q8_0 and w.ndim >= 2 and "gate_inp" not in name:
-            q = np.stack([gguf.quantize(np.ascontiguousarray(m), gguf.GGMLQuantizationType.Q8_0)
-                          for m in w.reshape(-1, *w.shape[-2:])]).reshape(*w.shape[:-1], -1)
-            writer.add_tensor(name, q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    gguf_writing.finish(writer, _gguf_tensors(hf), lambda name, w: q8_0 and w.ndim >= 2 and "gate_inp" not in name)
 
 
 def _reference(hf, ids: list[int]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.rope import compute_inv_freq
 from sluice.engine.sampling_params import SamplingParams
+from tests.model import gguf_writing
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
@@ -96,20 +97,9 @@ def _gguf_tensors(hf) -> dict[str, np.ndarray]:
 
 def _write_gguf(path, hf, q8_0: bool = False, rope_dims: int | None = None, drop: str | None = None) -> None:
     """llama.cpp's phi3 layout and metadata (its converter's Phi3MiniModel)."""
-    import gguf
-
     config = hf.config
-    writer = gguf.GGUFWriter(str(path), "phi3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer = gguf_writing.start(path, "phi3", config, rope_base=THETA)
     writer.add_rope_dimension_count(rope_dims or HEAD_DIM)
-    writer.add_rope_freq_base(THETA)
-    writer.add_vocab_size(config.vocab_size)
     tensors = _gguf_tensors(hf)
     if config.sliding_window is not None:
         writer.add_sliding_window(config.sliding_window)
@@ -120,18 +110,8 @@ def _write_gguf(path, hf, q8_0: bool = False, rope_dims: int | None = None, drop
         writer.add_rope_scaling_orig_ctx_len(ORIGINAL)
         tensors["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
         tensors["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
-    for name, w in tensors.items():
-        if name == drop:
-            continue
-        if q8_0 and w.ndim == 2:
-            writer.add_tensor(name, gguf.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0),
-                              raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    tensors.pop(drop, None)
+    gguf_writing.finish(writer, tensors, lambda name, w: q8_0 and w.ndim == 2)
 
 
 def _reference(hf, ids: list[int]) -> torch.Tensor:

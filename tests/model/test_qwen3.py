@@ -15,7 +15,6 @@ hidden / heads, so a loader that derived it would fail here.
 """
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -24,6 +23,7 @@ from sluice.engine.loaders import build_model
 from sluice.engine.loaders.gguf_loader import load_gguf
 from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.sampling_params import SamplingParams
+from tests.model import gguf_writing
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
@@ -70,27 +70,9 @@ def _gguf_name(hf: str) -> str:
 
 def _write_gguf(path, hf) -> None:
     """The model's weights and shape in llama.cpp's qwen3 layout (float32 tensors)."""
-    import gguf
-
     config = hf.config
-    writer = gguf.GGUFWriter(str(path), "qwen3")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_key_length(config.head_dim)
-    writer.add_value_length(config.head_dim)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(THETA)
-    writer.add_vocab_size(config.vocab_size)
-    for name, tensor in hf.state_dict().items():
-        writer.add_tensor(_gguf_name(name), np.ascontiguousarray(tensor.numpy()))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    writer = gguf_writing.start(path, "qwen3", config, rope_base=THETA, head_dim=config.head_dim)
+    gguf_writing.finish(writer, {_gguf_name(name): t.numpy() for name, t in hf.state_dict().items()})
 
 
 def _reference(hf, ids: list[int]) -> torch.Tensor:

@@ -33,6 +33,7 @@ from sluice.engine.loaders.gguf_loader import load_gguf
 from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.sampling_params import SamplingParams
+from tests.model import gguf_writing
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
@@ -162,35 +163,18 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _write_q8_gguf(path, hf) -> None:
     """The weights in llama.cpp's llama layout, the 2-D ones as Q8_0, the window in its key."""
-    import gguf
-
     config = hf.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_vocab_size(config.vocab_size)
+    writer = gguf_writing.start(path, "llama", config, rope_base=10000.0)
     writer.add_sliding_window(WINDOW)
+    tensors = {}
     for name, tensor in hf.state_dict().items():
         w = tensor.numpy().astype(np.float32)
         if name.endswith("q_proj.weight"):
             w = _permute(w, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             w = _permute(w, config.num_key_value_heads)
-        if w.ndim == 2:
-            q = gguf.quantize(np.ascontiguousarray(w), gguf.GGMLQuantizationType.Q8_0)
-            writer.add_tensor(_gguf_name(name), q, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(_gguf_name(name), np.ascontiguousarray(w))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        tensors[_gguf_name(name)] = w
+    gguf_writing.finish(writer, tensors, lambda name, w: w.ndim == 2)
 
 
 def test_a_q8_0_gguf_with_its_window_stays_within_the_block_formats_bounds(mistral, tmp_path):
