@@ -143,7 +143,6 @@ class ShardedWeights(Mapping):
             if kind == "o_proj" and name.endswith(".weight"):
                 return 1, s.q_start * d, (s.q_start + s.q_heads) * d
         if ".mlp." in name:
-            kind = name.rsplit(".", 2)[-2]
             if kind in ("gate_proj", "up_proj"):
                 return 0, s.inter_start, s.inter_start + s.inter
             if kind == "down_proj":
