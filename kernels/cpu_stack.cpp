@@ -86,20 +86,24 @@ struct Projection {
 
 // What every layer of a stack is: attention heads (query, key/value; of head_dim each), the
 // attention's scale, RMSNorm's epsilon, and whether queries and keys pass a per-head RMSNorm
-// before RoPE (Qwen3). The MLP is SwiGLU, or GeGLU (gelu_tanh(gate) * up) with geglu; the norms
-// RMSNorm (a weight is the multiplier: Gemma's 1 + w comes added). With sandwich (Gemma), the
-// attention's and the MLP's outputs pass a norm of their own before each residual add, and the
-// MLP's input is normed by pre_mlp_norm instead of post_norm (which norms the attention's output).
+// before RoPE (Qwen3), or with qk_norm_full too one RMSNorm over the whole q and one over the whole
+// k projection, still before RoPE (OLMoE: a head's norm then depends on every head). The MLP is
+// SwiGLU, or GeGLU (gelu_tanh(gate) * up) with geglu; the norms RMSNorm (a weight is the
+// multiplier: Gemma's 1 + w comes added). With sandwich (Gemma), the attention's and the MLP's
+// outputs pass a norm of their own before each residual add, and the MLP's input is normed by
+// pre_mlp_norm instead of post_norm (which norms the attention's output).
 // softcap > 0: attention scores pass softcap * tanh(score / softcap) (Gemma 2; paged_decode).
 struct StackSpec {
   int64_t heads = 0, kv_heads = 0, head_dim = 0;
   double eps = 0, scale = 0;
   bool qk_norm = false, geglu = false, sandwich = false;
   double softcap = 0;
+  bool qk_norm_full = false;
 };
 
-// One layer's weights by name. q_norm and k_norm are [head_dim] with StackSpec::qk_norm, empty
-// otherwise; pre_mlp_norm and post_mlp_norm [hidden] with StackSpec::sandwich, empty otherwise.
+// One layer's weights by name. q_norm and k_norm are [head_dim] with StackSpec::qk_norm ([q_size]
+// and [kv_size] with qk_norm_full too), empty otherwise; pre_mlp_norm and post_mlp_norm [hidden]
+// with StackSpec::sandwich, empty otherwise.
 // window: the layer's sliding window (its LayerSpec's), 0 for none. local_rope: the layer rotates
 // with forward's local tables (Gemma 3's sliding layers), not the global ones.
 // A mixture-of-experts MLP (engine/models/moe.py, whose arithmetic this repeats op for op): a
@@ -198,8 +202,15 @@ class DecoderStack {
       if (spec_.qk_norm) {
         check_f32(L.q_norm, "q_norm", 1);
         check_f32(L.k_norm, "k_norm", 1);
-        TORCH_CHECK(L.q_norm.size(0) == spec_.head_dim && L.k_norm.size(0) == spec_.head_dim,
-                    "DecoderStack: layer ", i, ": q_norm and k_norm must have head_dim (", spec_.head_dim, ") weights");
+        if (spec_.qk_norm_full) {
+          const int64_t q_size = spec_.heads * spec_.head_dim, kv_size = spec_.kv_heads * spec_.head_dim;
+          TORCH_CHECK(L.q_norm.size(0) == q_size && L.k_norm.size(0) == kv_size, "DecoderStack: layer ", i,
+                      ": q_norm and k_norm over whole projections must have q_size (", q_size, ") and kv_size (",
+                      kv_size, ") weights");
+        } else {
+          TORCH_CHECK(L.q_norm.size(0) == spec_.head_dim && L.k_norm.size(0) == spec_.head_dim, "DecoderStack: layer ",
+                      i, ": q_norm and k_norm must have head_dim (", spec_.head_dim, ") weights");
+        }
       }
       if (spec_.sandwich) {
         check_f32(L.pre_mlp_norm, "pre_mlp_norm", 1);
@@ -290,11 +301,16 @@ class DecoderStack {
   }
 
   // The query and key heads of a fused projection's output [T, q + 2 kv], as [T, Hq + Hkv, D]:
-  // a view, or with per-head norms the normed heads side by side.
+  // a view, or with q/k norms (per head, or over each whole projection) the normed heads side by side.
   torch::Tensor queries_and_keys(const StackLayer& L, const torch::Tensor& qkv, int64_t rows) const {
     const int64_t heads = spec_.heads, kv_heads = spec_.kv_heads, dim = spec_.head_dim;
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     if (!spec_.qk_norm) return qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, dim});
+    if (spec_.qk_norm_full) {
+      auto q = rms_norm(qkv.narrow(1, 0, q_size).contiguous(), L.q_norm, spec_.eps);         // [T, q]
+      auto k = rms_norm(qkv.narrow(1, q_size, kv_size).contiguous(), L.k_norm, spec_.eps);   // [T, kv]
+      return torch::cat({q, k}, 1).view({rows, heads + kv_heads, dim});
+    }
     auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({rows * heads, dim}), L.q_norm, spec_.eps);
     auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({rows * kv_heads, dim}), L.k_norm, spec_.eps);
     return torch::cat({q.view({rows, heads, dim}), k.view({rows, kv_heads, dim})}, 1);
@@ -404,12 +420,14 @@ void bind_layer_stacks(pybind11::module_& mod) {
            py::arg("parts"), py::arg("bias"));
   py::class_<StackSpec>(mod, "StackSpec", py::module_local())
       .def(py::init([](int64_t heads, int64_t kv_heads, int64_t head_dim, double eps, double scale, bool qk_norm,
-                       bool geglu, bool sandwich, double softcap) {
+                       bool geglu, bool sandwich, double softcap, bool qk_norm_full) {
              TORCH_CHECK(softcap >= 0, "StackSpec: softcap must be >= 0 (0: none), got ", softcap);
-             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm, geglu, sandwich, softcap};
+             TORCH_CHECK(qk_norm || !qk_norm_full, "StackSpec: qk_norm_full needs qk_norm");
+             return StackSpec{heads, kv_heads, head_dim, eps, scale, qk_norm, geglu, sandwich, softcap, qk_norm_full};
            }),
            py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("eps"), py::arg("scale"),
-           py::arg("qk_norm"), py::arg("geglu") = false, py::arg("sandwich") = false, py::arg("softcap") = 0.0);
+           py::arg("qk_norm"), py::arg("geglu") = false, py::arg("sandwich") = false, py::arg("softcap") = 0.0,
+           py::arg("qk_norm_full") = false);
   py::class_<StackMoE>(mod, "StackMoE", py::module_local())
       .def(py::init([](torch::Tensor router, std::vector<Projection> gate_up, std::vector<Projection> down,
                        int64_t top_k, bool norm_topk, std::optional<Projection> shared_gate_up,

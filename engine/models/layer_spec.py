@@ -51,7 +51,7 @@ class AttentionSpec:
     # layer_window), so that sliding and global layers may alternate; both stacks read it here.
     sliding_window: int | None
     # With qk_norm: one RMSNorm over the whole q (q_size) and k (kv_size) projections instead of
-    # one per head (OLMoE). The Python layers only: MoE models never run the C++ stack.
+    # one per head (OLMoE); both stacks run it.
     qk_norm_full: bool = False
     # Queries are scaled by scale_base ** -0.5 (Gemma's query_pre_attn_scalar); None: head_dim's.
     scale_base: float | None = None
@@ -120,11 +120,11 @@ class LayerSpec:
         """What of this layer ``kernels/cpu_stack.cpp``'s DecoderStack cannot run (the C++ stack
         is then never chosen: ``layer_stack.select_layer_stack``), or None."""
         # It runs Gemma's (1 + weight) norms (their weights hold the multiplier, in float32), GeGLU,
-        # the sandwich norms, any query scale, attention soft-capping, Gemma 3's local RoPE tables
-        # and routed experts (StackMoE, models.moe's arithmetic).
-        lacks = [name for name, on in (
-            ("q/k norms over whole projections", self.attention.qk_norm_full),) if on]
-        return ", ".join(lacks) or None
+        # the sandwich norms, any query scale, attention soft-capping, Gemma 3's local RoPE tables,
+        # routed experts (StackMoE, models.moe's arithmetic) and q/k norms per head or over the
+        # whole projections (StackSpec.qk_norm_full, OLMoE): every layer a LayerSpec describes so
+        # far. A field it cannot run names itself here, and its models keep the Python layers.
+        return None
 
     @classmethod
     def from_arch(cls, arch: ModelArchConfig, layer: int = 0) -> LayerSpec:

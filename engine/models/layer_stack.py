@@ -76,9 +76,8 @@ class CppLayers:
 def select_layer_stack(model) -> PythonLayers | CppLayers:
     linears = model.linears()
     if not linears or any(layer.spec.cpp_stack_lacks() for layer in model.layers):
-        # What cpu_stack.cpp cannot run (LayerSpec.cpp_stack_lacks: OLMoE's q/k norms over whole
-        # projections) runs in the Python layers, each projection in the model's format (block
-        # formats included).
+        # What cpu_stack.cpp cannot run (LayerSpec.cpp_stack_lacks; nothing so far) runs in the
+        # Python layers, each projection in the model's format (block formats included).
         return PythonLayers()
     blockq = all(isinstance(m.quantized, kquant.BLOCK_CLASSES) for m in linears)
     if not (blockq or model._float32_packed()):
@@ -96,7 +95,8 @@ def build_decoder_stack(model, ops):
     sandwich = model.spec.sandwich_norms
     spec = ops.StackSpec(heads=att.num_heads, kv_heads=att.num_kv_heads, head_dim=att.head_dim,
                          eps=float(model.spec.norm_eps), scale=att.scale, qk_norm=att.qk_norm,
-                         geglu=model.spec.mlp == "geglu", sandwich=sandwich, softcap=att.softcap or 0.0)
+                         geglu=model.spec.mlp == "geglu", sandwich=sandwich, softcap=att.softcap or 0.0,
+                         qk_norm_full=att.qk_norm_full)
     layers = []
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp

@@ -10,8 +10,10 @@ gate ``ffn_gate_inp_shexp`` (1-D); Mixtral as a "llama" with ``expert_count`` an
 permuted, as llama.cpp's converter writes it.
 
 * float32 logits equal transformers' within test_logits' tolerance, from the folder and the GGUF,
-  through the C++ stack (its StackMoE; OLMoE always runs the Python layers) and the Python layers;
-* greedy continuations equal transformers', the prompts batched together (chunked prefill);
+  through the C++ stack (its StackMoE; OLMoE's q/k norms over whole projections with
+  StackSpec.qk_norm_full) and the Python layers; the C++ runs fail if a Python layer runs;
+* greedy continuations equal transformers', the prompts batched together (chunked prefill), on
+  the C++ stack;
 * a Q8_0 GGUF, its experts kept as stored (w8a8, one block weight per expert), stays within the
   bounds test_quantization holds SmolLM2's w8a8 to: on average through the C++ stack, and per
   position in the Python layers, where the experts each position runs can be watched.
@@ -178,19 +180,27 @@ def test_the_config_and_the_gguf_describe_the_same_model(moe, tmp_path):
     assert arch.shared_expert_intermediate_size == (96 if arch.architecture == "qwen2_moe" else 0)
 
 
-def _runs_in_cpp(hf) -> bool:
-    """The C++ stack runs the experts (StackMoE), except OLMoE's (q/k norms over whole projections)."""
-    return hf.config.model_type != "olmoe"
+def _python_layers_refused(model, monkeypatch) -> None:
+    """The C++ stack was chosen, and a step that fell back to the Python layers would fail."""
+    assert model._cpu_decoder() is not None
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a Python decoder layer ran where the C++ stack should have")
+
+    for layer in model.layers:
+        monkeypatch.setattr(layer, "forward", refused)
 
 
 @pytest.mark.parametrize("layers", ["cpp", "python"])
 @pytest.mark.parametrize("source", ["folder", "gguf"])
-def test_float32_logits_match_transformers(moe, tmp_path, source, layers):
+def test_float32_logits_match_transformers(moe, tmp_path, source, layers, monkeypatch):
     _, hf = moe
     model = build_model(*_load(moe, tmp_path, source), torch.float32, torch.device("cpu"))
-    assert model.spec.mlp == "moe" and (model._cpu_decoder() is not None) == _runs_in_cpp(hf)
+    assert model.spec.mlp == "moe" and model._cpu_decoder() is not None
     if layers == "python":
         model.use_python_layers()
+    else:
+        _python_layers_refused(model, monkeypatch)
     for ids in PROMPTS:
         _assert_logits_match(_prefill_logits(model, ids), _reference(hf, ids))
 
@@ -211,10 +221,11 @@ def test_the_prompts_route_to_several_experts_as_transformers_does(moe, tmp_path
     assert len(experts.unique()) >= 5
 
 
-def test_greedy_batched_matches_transformers(moe):
+def test_greedy_batched_matches_transformers(moe, monkeypatch):
     folder, hf = moe
     llm = LLM(str(folder), quantization="none", kv_cache_memory_bytes=8 << 20, max_num_batched_tokens=16)
     try:
+        _python_layers_refused(llm.engine.runner.model, monkeypatch)
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         ours = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, params)]    # one batch, chunked prefill
     finally:
@@ -259,8 +270,9 @@ def test_a_q8_0_gguf_keeps_its_experts_as_stored_within_the_block_formats_bounds
     _write_gguf(tmp_path / "q.gguf", hf, q8_0=True)
     arch, weights, _ = load_gguf(tmp_path / "q.gguf")
     model = build_model(arch, weights, torch.float32, torch.device("cpu"), quantization="w8a8")
-    assert (model._cpu_decoder() is not None) == _runs_in_cpp(hf)   # the C++ stack, block weights per expert
-    cpp = [(_prefill_logits(model, ids) - _reference(hf, ids)).abs() for ids in PROMPTS]
+    with monkeypatch.context() as patched:       # the C++ stack, block weights per expert
+        _python_layers_refused(model, patched)
+        cpp = [(_prefill_logits(model, ids) - _reference(hf, ids)).abs() for ids in PROMPTS]
     assert torch.cat([c.flatten() for c in cpp]).mean() <= MEAN_LOGIT_CHANGE["w8a8"]
     model.use_python_layers()                         # where the routing below can be watched
     experts = model.layers[1].mlp
@@ -344,3 +356,22 @@ def test_olmoe_reads_its_expert_fields_and_refuses_clip_qkv_by_name():
     assert ModelArchConfig.from_hf_config({**OLMOE, "norm_topk_prob": True}).norm_topk_prob
     with pytest.raises(ValueError, match=r"clip_qkv: clamping q/k/v \(OLMoE's clip_qkv=8\.0\) is not supported"):
         ModelArchConfig.from_hf_config({**OLMOE, "clip_qkv": 8.0})
+
+
+@pytest.mark.parametrize("moe", ["olmoe"], indirect=True)
+def test_olmoe_whole_projection_norms_of_the_wrong_size_are_refused_by_name(moe, tmp_path):
+    """The C++ stack checks OLMoE's q/k norm weights against the whole projections (q_size,
+    kv_size) when it is built, rather than reading past them; the flag needs the norms on."""
+    from sluice.engine.models.layer_stack import build_decoder_stack
+    from sluice.kernels import cpu_ext
+
+    model = build_model(*_load(moe, tmp_path, "folder"), torch.float32, torch.device("cpu"))
+    att = model.spec.attention
+    assert att.qk_norm_full and model.layers[1].self_attn.k_norm.weight.shape == (att.kv_size,)
+    model.layers[1].self_attn.k_norm.weight = torch.nn.Parameter(torch.ones(att.head_dim), requires_grad=False)
+    with pytest.raises(RuntimeError, match=r"layer 1: q_norm and k_norm over whole projections must have "
+                                           rf"q_size \({att.q_size}\) and kv_size \({att.kv_size}\) weights"):
+        build_decoder_stack(model, cpu_ext.module())
+    with pytest.raises(RuntimeError, match=r"StackSpec: qk_norm_full needs qk_norm"):
+        cpu_ext.module().StackSpec(heads=4, kv_heads=2, head_dim=16, eps=1e-6, scale=0.25, qk_norm=False,
+                                   qk_norm_full=True)

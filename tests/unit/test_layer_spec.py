@@ -49,5 +49,5 @@ def test_gemma_layers_say_their_norms_mlp_scale_and_cap():
     spec3 = _spec("gemma3_text", **gemma)
     assert spec3.attention.qk_norm and spec3.attention.softcap is None and spec3.attention.scale == 20 ** -0.5
     assert _spec("qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32).cpp_stack_lacks() is None
-    assert _spec("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32).cpp_stack_lacks() \
-        == "q/k norms over whole projections"
+    olmoe = _spec("olmoe", num_experts=4, num_experts_per_tok=2, intermediate_size=32)
+    assert olmoe.attention.qk_norm_full and olmoe.cpp_stack_lacks() is None   # StackSpec.qk_norm_full
