@@ -17,6 +17,8 @@ _KV_DTYPES = ("auto", "float32", "float16")
 _BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # Weight formats (engine.models.quant): none = float32; the others are CPU-only.
 QUANTIZATIONS = ("none", "bf16", "int8", "int4", "w8a8", "w4a8", "auto")
+# What EngineConfig.window_fit may name: the KV capacity in tokens and the prefill chunk.
+WINDOW_FIT = ("max_total_tokens", "max_num_batched_tokens")
 
 
 def _positive(name: str, value: int) -> None:
@@ -124,6 +126,10 @@ class EngineConfig:
     # MLC's sliding_window_size: the window of the model's sliding layers (None: the model's own;
     # -1: off, every layer attends over the whole context).
     sliding_window_size: int | None = None
+    # The options (WINDOW_FIT) whose values are a --mode's defaults, not the user's, and which the
+    # engine may lower for a model whose every layer slides (core_builder._fit_to_window):
+    # max_total_tokens, and with it max_num_batched_tokens. Empty: every value stands as given.
+    window_fit: frozenset[str] = frozenset()
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -139,3 +145,5 @@ class EngineConfig:
             _positive("max_model_len", self.max_model_len)
         if self.sliding_window_size is not None and self.sliding_window_size != -1:
             _positive("sliding_window_size", self.sliding_window_size)
+        if not set(self.window_fit) <= set(WINDOW_FIT):
+            raise ValueError(f"window_fit: may name only {', '.join(WINDOW_FIT)}, got {sorted(self.window_fit)}")

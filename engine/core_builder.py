@@ -102,6 +102,7 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
     heads = load_heads(config.speculative, loaded, dtype, device, heads)   # eagle / medusa
     arch = loaded.arch
     max_model_len = _max_model_len(config, arch)
+    config = _fit_to_window(config, _kv_window(arch, draft), max_model_len)
     block_size = config.cache.block_size
     kv_dtype = resolve_kv_dtype(config.cache.kv_cache_dtype, dtype, device)
     # A byte budget is split between the two models' KV; a capacity in tokens holds for both.
@@ -193,6 +194,37 @@ def _kv_window(arch, draft) -> int | None:
     and of a draft model (which reads the same block tables) slides."""
     windows = [arch.kv_window] + ([] if draft is None else [draft.arch.kv_window])
     return None if None in windows else max(windows)
+
+
+def windowed_blocks(num_tokens: int, chunk: int, window: int, block_size: int) -> int:
+    """The most blocks a sequence of up to ``num_tokens`` tokens holds when every layer slides
+    and it runs at most ``chunk`` tokens a step: ``KVCacheManager.max_blocks_for``'s rule, here
+    without a manager, for sizing the pool before there is one."""
+    return min(-(-num_tokens // block_size), -(-(window - 1 + chunk) // block_size) + 1)
+
+
+def _fit_to_window(config: EngineConfig, window: int | None, max_model_len: int) -> EngineConfig:
+    """``--mode local`` and ``interactive`` size the pool for a whole context (max_total_tokens:
+    the context window). A model whose every layer slides (``window``, ``_kv_window``) holds at
+    most ``windowed_blocks`` of each sequence, so where ``config.window_fit`` says the capacity is
+    the mode's, the pool holds what ``max_num_seqs`` such sequences need when that is less. The
+    mode's prefill chunk (the context window too) would let a sequence hold all of its blocks, so
+    where it is the mode's as well, it drops to the window along with the pool (MLC chunks
+    Mistral's prefill at its window likewise); where the pool would not shrink, both stay."""
+    cache, sched = config.cache, config.scheduler
+    if (window is None or "max_total_tokens" not in config.window_fit or cache.max_total_tokens is None
+            or not sched.enable_chunked_prefill):     # unchunked, a prompt holds all its blocks at once
+        return config
+    chunk = sched.max_num_batched_tokens
+    if "max_num_batched_tokens" in config.window_fit:
+        chunk = min(chunk, window)
+    tokens = sched.max_num_seqs * windowed_blocks(max_model_len, chunk, window, cache.block_size) * cache.block_size
+    if tokens >= cache.max_total_tokens:
+        return config
+    log.info("KV pool fitted to the %d-token sliding window: %d tokens for %d sequences (not %d), "
+             "prefill chunk %d", window, tokens, sched.max_num_seqs, cache.max_total_tokens, chunk)
+    return replace(config, cache=replace(cache, max_total_tokens=tokens),
+                   scheduler=replace(sched, max_num_batched_tokens=chunk))
 
 
 def _num_blocks(config: EngineConfig, arch, dtype: torch.dtype, device: torch.device) -> int:

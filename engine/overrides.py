@@ -8,6 +8,13 @@ memory budget (``kv_cache_memory_bytes`` / ``gpu_memory_utilization``) without
 
 * ``local``: at most 4 sequences; KV capacity and prefill chunk = the context window.
 * ``interactive``: 1 sequence; KV capacity and prefill chunk = the context window.
+* For both: a model whose every layer slides (Mistral's sliding window; not Gemma's alternating
+  layers) never holds more of a sequence than ceil((window - 1 + chunk) / block) + 1 blocks, as
+  the KV manager frees what falls behind the window. Its KV capacity becomes the smaller of the
+  context window and what ``max_num_sequence`` such sequences hold, and when that is smaller
+  with a chunk of the window, the prefill chunk becomes the window (unless it was given). An
+  explicit ``max_total_seq_length`` or memory budget always stands
+  (``EngineConfig.window_fit``, ``core_builder._fit_to_window``).
 * ``server``: as many sequences as the KV pool holds (up to 128 per step); KV capacity from
   memory (``gpu_memory_utilization`` on CUDA, ``kv_cache_memory_bytes`` on CPU); prefill chunk
   = min(context window, 2048).
@@ -190,11 +197,21 @@ def build_engine_config(model: str, *, mode: str = "local", overrides: str | dic
         defaults.pop("max_total_seq_length", None)   # an explicit memory budget sizes the pool
     values = {**defaults, **given}
     options = {KEYS[k].option: v for k, v in values.items()}
+    options["window_fit"] = _window_fit(defaults, given)
     options |= {"speculative_mode": speculative_mode or "disable", "additional_models": additional_models}
     try:
         return build_config(model, device=device, **options)
     except (ValueError, TypeError) as exc:
         raise ValueError(f"overrides: {_mlc_name(str(exc))}") from None
+
+
+def _window_fit(defaults: dict[str, Any], given: dict[str, Any]) -> frozenset[str]:
+    """The options a model whose every layer slides may lower (``EngineConfig.window_fit``): the
+    mode's KV capacity, and its prefill chunk with it, each only where the mode chose it."""
+    if "max_total_seq_length" not in defaults or "max_total_seq_length" in given:
+        return frozenset()
+    chunk = {"max_num_batched_tokens"} if "prefill_chunk_size" not in given else set()
+    return frozenset({"max_total_tokens"} | chunk)
 
 
 def _mlc_name(message: str) -> str:
