@@ -3,7 +3,9 @@
 CPU → device flow of one step:
   1. host: for each scheduled sequence, the slice of its tokens to compute this step
      (``num_computed_tokens .. +num_new_tokens``), their positions and cache slots, and its
-     block table — built with numpy, then copied to the device once;
+     block table — built with numpy, then copied to the device once (with attention sinks a
+     position is the token's position in the compacted cache: ``ScheduledSeq.num_evicted_tokens``
+     less than its text position; ``shift_keys`` re-rotates the keys that moved first);
   2. device: model forward over the flattened varlen batch (attention through the backend,
      which stores K/V by slot and reads through block tables);
   3. device: logits only for sequences that caught up with their tokens (``sample``), then

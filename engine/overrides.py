@@ -12,6 +12,12 @@ memory budget (``kv_cache_memory_bytes`` / ``gpu_memory_utilization``) without
   memory (``gpu_memory_utilization`` on CUDA, ``kv_cache_memory_bytes`` on CPU); prefill chunk
   = min(context window, 2048).
 
+``attention_sink_size`` S (StreamingLLM) needs ``sliding_window_size`` W, which then is each
+sequence's KV cache size, sinks included: the cache keeps the first S tokens and the most recent
+ones, at most ceil(W / block_size) blocks, dropping a whole block at a time, and positions are
+positions in that cache. S must be a multiple of ``block_size`` (the cache drops whole blocks after
+the sinks) and W must leave two blocks after them; 0 turns sinks off (engine/DESIGN.md).
+
 ``parse_overrides`` checks every key and value before any model file is opened; an unknown key or
 a bad value raises ``ValueError`` that names the key.
 """

@@ -161,6 +161,13 @@ def test_what_sinks_do_not_combine_with_is_refused(llama):
 
     assert parse_overrides("attention_sink_size=4;sliding_window_size=64") == {
         "attention_sink_size": 4, "sliding_window_size": 64}
+    from sluice.engine.overrides import build_engine_config
+
+    config = build_engine_config(str(llama[0]), overrides="attention_sink_size=4;sliding_window_size=20;block_size=4")
+    assert (config.attention_sink_size, config.sliding_window_size, config.cache.block_size) == (4, 20, 4)
+    with pytest.raises(ValueError, match="overrides: attention_sink_size: 4 sinks are not a whole number of KV "
+                                         "blocks of 16 tokens"):
+        build_engine_config(str(llama[0]), overrides="attention_sink_size=4;sliding_window_size=64")
     cases = [
         (dict(attention_sink_size=4), "attention_sink_size: attention sinks need a sliding window"),
         (dict(attention_sink_size=4, sliding_window_size=-1), "need a sliding window"),
