@@ -172,21 +172,22 @@ class ModelRunner:
         """Attention sinks: after a request's allocation dropped blocks after its sinks, the keys
         it keeps after the sinks sit that many cache positions earlier; re-rotated here, every
         layer, before the forward reads them (``models.rope.rotate_keys``; values carry no
-        position). A no-op without sinks."""
-        by_shift: dict[int, list[np.ndarray]] = {}
+        position). Whole blocks are rotated: the unwritten tail of the last one is written by this
+        step's store before anything reads it. A no-op without sinks."""
+        by_shift: dict[int, list[int]] = {}
         bs = self.block_size
         for s in scheduled:
             if not s.num_shifted_tokens:
                 continue
-            # Cache positions sinks .. (computed tokens kept) - 1, through the compacted table.
-            kept = np.arange(self.attention_sinks, s.num_computed_tokens - s.num_evicted_tokens, dtype=np.int64)
-            table = np.asarray(s.block_ids, dtype=np.int64)
-            by_shift.setdefault(s.num_shifted_tokens, []).append(table[kept // bs] * bs + kept % bs)
-        for shift, parts in by_shift.items():
-            slots = torch.from_numpy(np.concatenate(parts)).to(self.device)
-            for k_cache, _v_cache in self.kv_caches:
-                flat = k_cache.view(-1, *k_cache.shape[2:])                  # [num_blocks * bs, H, D]
-                flat[slots] = rotate_keys(flat[slots], -shift, self._key_inv_freq)
+            # The blocks holding cache positions sinks .. (computed tokens kept) - 1.
+            kept = s.num_computed_tokens - s.num_evicted_tokens
+            by_shift.setdefault(s.num_shifted_tokens, []).extend(
+                s.block_ids[self.attention_sinks // bs:-(-kept // bs)])
+        for shift, blocks in by_shift.items():
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            for k_cache, _v_cache in self.kv_caches:                        # [num_blocks, bs, H, D]
+                k_cache.index_copy_(0, index, rotate_keys(k_cache.index_select(0, index), -shift,
+                                                          self._key_inv_freq))
 
     def move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:
         """Copy the K/V of draft nodes to other draft slots (``tree.accepted_moves``), every layer."""

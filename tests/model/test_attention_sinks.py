@@ -13,6 +13,7 @@ prompt in the same chunks as the engine (at most ``max_step_tokens`` a step).
   window), equal the oracle's, through the C++ layer stack and through the Python layers, and
   differ from transformers' whole-context ones; no request holds more than ceil(W / block)
   blocks, the pool gets every block back, and no prefix is cached;
+* re-rotated keys equal keys rotated at the earlier position (float32 and float16 caches);
 * what sinks do not combine with is refused by name.
 """
 from __future__ import annotations
@@ -210,3 +211,22 @@ def test_a_model_mixing_global_and_sliding_layers_is_refused(tmp_path, smollm2_t
     with pytest.raises(ValueError, match="attention_sink_size: a qwen2 model that mixes global and sliding"):
         LLM(str(tmp_path), quantization="none", block_size=BLOCK, kv_cache_memory_bytes=4 << 20,
             sliding_window_size=WINDOW, attention_sink_size=SINKS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_re_rotated_keys_equal_keys_rotated_at_the_earlier_position(llama, dtype):
+    from sluice.engine.loaders import build_model
+    from sluice.engine.loaders.hf_loader import load_hf_folder
+    from sluice.engine.models.rope import apply_rotary, rotate_keys, sink_rotation
+
+    model = build_model(*load_hf_folder(llama[0]), torch.float32, torch.device("cpu"))
+    torch.manual_seed(1)
+    x = torch.randn(37, 2, 16)                                            # [T, kv_heads, D]
+    positions = torch.arange(40, 77)
+    at = apply_rotary(x, *model.rotary.cos_sin(positions, torch.float32)).to(dtype)
+    earlier = apply_rotary(x, *model.rotary.cos_sin(positions - 24, torch.float32))
+    shifted = rotate_keys(at.clone(), -24, sink_rotation(model))
+    assert shifted.dtype == dtype
+    torch.testing.assert_close(shifted.float(), earlier, **({} if dtype == torch.float32 else
+                                                          dict(atol=2e-3, rtol=2e-3)))
+    assert (at.float() - earlier).abs().max() > 0.1                     # the shift matters
