@@ -220,7 +220,8 @@ class ModelRunner:
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
         # Attention sinks: a token runs at its position in the cache, its text position less the
         # tokens dropped after the sinks (kv_cache.block_manager); without, the two are one.
-        evicted = np.fromiter((s.num_evicted_tokens for s in scheduled), np.int64, n)
+        # (The draft and training runners' sequence views have no such field: never any drop.)
+        evicted = np.fromiter((getattr(s, "num_evicted_tokens", 0) for s in scheduled), np.int64, n)
         starts = text_starts - evicted if evicted.any() else text_starts
         ends = starts + q_lens
         if rows is not None:

@@ -80,7 +80,7 @@ class RowBatch:
             if slot is None or self._owner[slot] is not req:
                 slot = self._take(req)
             out[i] = slot
-            self._sync_table(slot, s.block_ids, rewrite=s.num_shifted_tokens > 0)
+            self._sync_table(slot, s.block_ids, rewrite=getattr(s, "num_shifted_tokens", 0) > 0)
             n = req.num_tokens
             if self._known[slot] != n:
                 self._sync_tokens(slot, req, n)
