@@ -177,7 +177,7 @@ class ModelRunner:
         by_shift: dict[int, list[int]] = {}
         bs = self.block_size
         for s in scheduled:
-            if not s.num_shifted_tokens:
+            if not getattr(s, "num_shifted_tokens", 0):
                 continue
             # The blocks holding cache positions sinks .. (computed tokens kept) - 1.
             kept = s.num_computed_tokens - s.num_evicted_tokens
