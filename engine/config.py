@@ -130,6 +130,10 @@ class EngineConfig:
     # engine may lower for a model whose every layer slides (core_builder._fit_to_window):
     # max_total_tokens, and with it max_num_batched_tokens. Empty: every value stands as given.
     window_fit: frozenset[str] = frozenset()
+    # MLC's attention_sink_size (StreamingLLM): with sliding_window_size W, each sequence's KV
+    # cache keeps its first S tokens (the sinks) and its most recent ones, at most W in all, and
+    # positions are positions in that cache (engine.kv_cache.block_manager). 0: off.
+    attention_sink_size: int = 0
     seed: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -147,3 +151,23 @@ class EngineConfig:
             _positive("sliding_window_size", self.sliding_window_size)
         if not set(self.window_fit) <= set(WINDOW_FIT):
             raise ValueError(f"window_fit: may name only {', '.join(WINDOW_FIT)}, got {sorted(self.window_fit)}")
+        if self.attention_sink_size:
+            self._check_sinks()
+
+    def _check_sinks(self) -> None:
+        """What attention sinks combine with; what they do not is refused by name."""
+        sinks, window, bs = self.attention_sink_size, self.sliding_window_size, self.cache.block_size
+        _positive("attention_sink_size", sinks)
+        if window is None or window == -1:
+            raise ValueError("attention_sink_size: attention sinks need a sliding window (sliding_window_size), "
+                             "the KV cache's size per sequence, sinks included")
+        if sinks % bs:
+            raise ValueError(f"attention_sink_size: {sinks} sinks are not a whole number of KV blocks of "
+                             f"{bs} tokens (block_size); the cache evicts whole blocks after the sinks")
+        if -(-window // bs) < sinks // bs + 2:
+            raise ValueError(f"attention_sink_size: a sliding window of {window} tokens must hold the {sinks} "
+                             f"sinks and two KV blocks of {bs} tokens after them")
+        if self.speculative.enabled or self.scheduler.num_speculative_tokens:
+            raise ValueError("attention_sink_size: speculative decoding with attention sinks is not supported")
+        if self.device.tensor_parallel_shards > 1:
+            raise ValueError("attention_sink_size: tensor parallelism with attention sinks is not supported")

@@ -83,10 +83,17 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
         raise ValueError(f"quantization: the model given was loaded as {loaded.quantization}, "
                          f"the config asks for {quantization}")
 
-    window = config.sliding_window_size
+    sinks = config.attention_sink_size
+    # With attention sinks the window is the KV cache's size, not the model's: every layer attends
+    # over the whole (compacted) cache, so the model is built without windows.
+    window = None if sinks else config.sliding_window_size
     transform = None if window is None else (lambda arch, weights: (arch.with_sliding_window(window), weights))
+    if sinks:
+        transform = _without_windows
     if window is not None and (loaded is not None or config.device.tensor_parallel_shards > 1):
         raise ValueError("sliding_window_size: the engine must load the model itself on one rank to apply it")
+    if sinks and loaded is not None and loaded.arch.sliding_window is not None:
+        raise ValueError("attention_sink_size: the engine must load a sliding-window model itself to apply it")
 
     def load(name: str) -> LoadedModel:
         return _load(name, dtype, device, progress, quantization, max_seq_len=config.max_model_len)
@@ -110,7 +117,8 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
     num_blocks = shared_num_blocks(_num_blocks(config, arch, kv_dtype, device), arch, shared,
                                    torch.tensor([], dtype=kv_dtype).element_size(), block_size)
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=config.cache.enable_prefix_caching,
-                        sliding_window=_kv_window(arch, draft))
+                        sliding_window=_kv_window(arch, draft), sinks=sinks,
+                        cache_window=config.sliding_window_size if sinks else None)
     speculative = resolve_tree_width(config.speculative, loaded.model, attn)   # draft trees or chains
     sched_config = replace(config.scheduler, num_speculative_tokens=speculative.num_speculative_tokens)
     _check_drafts_fit_the_window(arch, speculative.spec_draft_length if speculative.enabled else 0)
@@ -120,7 +128,7 @@ def build_core(config: EngineConfig, progress: bool = False, loaded: LoadedModel
         loaded.model, num_layers=arch.num_hidden_layers, num_kv_heads=arch.num_key_value_heads,
         head_dim=arch.head_dim, num_blocks=num_blocks, block_size=block_size, vocab_size=arch.vocab_size,
         device=device, dtype=kv_dtype, attn=attn, sampler_backend=config.device.sampler_backend,
-        seed=config.seed, grammar=structured,
+        seed=config.seed, grammar=structured, attention_sinks=sinks,
     )
     draft_runner = None if draft is None else ModelRunner(
         draft.model, num_layers=draft.arch.num_hidden_layers,
@@ -187,6 +195,15 @@ def _check_drafts_fit_the_window(arch, num_drafts: int) -> None:
     if windows and num_drafts >= min(windows):
         raise ValueError(f"spec_draft_length: {num_drafts} draft tokens must be fewer than the model's "
                          f"sliding window of {min(windows)} tokens")
+
+
+def _without_windows(arch, weights):
+    """Attention sinks' model: no layer windowed (the KV manager bounds the cache instead). A
+    model that mixes global and sliding layers is refused: its global layers read whole texts."""
+    if arch.sliding_window is not None and arch.kv_window is None:
+        raise ValueError(f"attention_sink_size: a {arch.architecture} model that mixes global and "
+                         "sliding-window layers is not supported")
+    return arch.with_sliding_window(-1), weights
 
 
 def _kv_window(arch, draft) -> int | None:

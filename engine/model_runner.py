@@ -3,7 +3,9 @@
 CPU → device flow of one step:
   1. host: for each scheduled sequence, the slice of its tokens to compute this step
      (``num_computed_tokens .. +num_new_tokens``), their positions and cache slots, and its
-     block table — built with numpy, then copied to the device once;
+     block table — built with numpy, then copied to the device once (with attention sinks a
+     position is the token's position in the compacted cache: ``ScheduledSeq.num_evicted_tokens``
+     less than its text position; ``shift_keys`` re-rotates the keys that moved first);
   2. device: model forward over the flattened varlen batch (attention through the backend,
      which stores K/V by slot and reads through block tables);
   3. device: logits only for sequences that caught up with their tokens (``sample``), then
@@ -20,6 +22,7 @@ import numpy as np
 import torch
 
 from sluice.engine.attention.base import AttentionBackend, AttentionMetadata, KVCache
+from sluice.engine.models.rope import rotate_keys, sink_rotation
 from sluice.engine.outputs import RunnerOutput, TokenLogprob
 from sluice.engine.row_batch import RowBatch
 from sluice.engine.sampler import GeneratorCache, Sampler, SampleRow, SamplingBatch
@@ -68,6 +71,7 @@ class ModelRunner:
         sampler_backend: str = "auto",
         seed: int = 0,
         grammar=None,
+        attention_sinks: int = 0,
     ) -> None:
         self.model = model
         self.device = device
@@ -89,6 +93,10 @@ class ModelRunner:
         # draft distributions handed over for it, and the hidden states a proposer reads.
         # build_spec_decoder replaces it with the decoder's; off, it captures nothing.
         self.spec = SpecRunnerHooks()
+        # Attention sinks (tokens; kv_cache.block_manager): the keys after them are re-rotated
+        # when blocks are dropped (shift_keys), with the model's RoPE frequencies.
+        self.attention_sinks = attention_sinks
+        self._key_inv_freq = sink_rotation(model).to(device) if attention_sinks else None
         self._move_slots = None          # CPU with the C++ kernels built: their move_slots (move_kv)
         if device.type == "cpu":
             from sluice.kernels import cpu_ext
@@ -107,6 +115,7 @@ class ModelRunner:
         self.spec.begin_step()
         if not out.scheduled:
             return RunnerOutput()
+        self.shift_keys(out.scheduled)
         batch = self.prepare(out.scheduled, self.rows)
         hidden = self.forward(batch)
         # Work that needs the batch but not the logits (a grammar bitmask) goes here.
@@ -159,6 +168,27 @@ class ModelRunner:
         return SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.generators,
                                        self._bitmask(grammar_rows), self.rows.tallies, params)
 
+    def shift_keys(self, scheduled) -> None:
+        """Attention sinks: after a request's allocation dropped blocks after its sinks, the keys
+        it keeps after the sinks sit that many cache positions earlier; re-rotated here, every
+        layer, before the forward reads them (``models.rope.rotate_keys``; values carry no
+        position). Whole blocks are rotated: the unwritten tail of the last one is written by this
+        step's store before anything reads it. A no-op without sinks."""
+        by_shift: dict[int, list[int]] = {}
+        bs = self.block_size
+        for s in scheduled:
+            if not getattr(s, "num_shifted_tokens", 0):
+                continue
+            # The blocks holding cache positions sinks .. (computed tokens kept) - 1.
+            kept = s.num_computed_tokens - s.num_evicted_tokens
+            by_shift.setdefault(s.num_shifted_tokens, []).extend(
+                s.block_ids[self.attention_sinks // bs:-(-kept // bs)])
+        for shift, blocks in by_shift.items():
+            index = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            for k_cache, _v_cache in self.kv_caches:                        # [num_blocks, bs, H, D]
+                k_cache.index_copy_(0, index, rotate_keys(k_cache.index_select(0, index), -shift,
+                                                          self._key_inv_freq))
+
     def move_kv(self, slots: np.ndarray, moves: list[tuple[int, int]]) -> None:
         """Copy the K/V of draft nodes to other draft slots (``tree.accepted_moves``), every layer."""
         if not moves:
@@ -186,8 +216,13 @@ class ModelRunner:
         tokens and table are read afresh (the draft and training runners, whose sequences are
         views made for one call)."""
         bs, n = self.block_size, len(scheduled)
-        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
+        text_starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, n)
         q_lens = np.fromiter((s.num_new_tokens for s in scheduled), np.int64, n)
+        # Attention sinks: a token runs at its position in the cache, its text position less the
+        # tokens dropped after the sinks (kv_cache.block_manager); without, the two are one.
+        # (The draft and training runners' sequence views have no such field: never any drop.)
+        evicted = np.fromiter((getattr(s, "num_evicted_tokens", 0) for s in scheduled), np.int64, n)
+        starts = text_starts - evicted if evicted.any() else text_starts
         ends = starts + q_lens
         if rows is not None:
             seq_slots = rows.sync(scheduled)
@@ -207,11 +242,13 @@ class ModelRunner:
             positions = np.arange(int(q_lens.sum()), dtype=np.int64) + np.repeat(starts - first, q_lens)
         slots = tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs
         if rows is not None:
-            ids = rows.tokens[seq_slots[seq_of], positions].astype(np.int64)
+            text_positions = positions + evicted[seq_of] if starts is not text_starts else positions
+            ids = rows.tokens[seq_slots[seq_of], text_positions].astype(np.int64)
         elif single:
             ids = np.fromiter((_token_at(s.request, s.num_computed_tokens) for s in scheduled), np.int64, n)
         else:
-            ids = np.concatenate([_token_slice(s.request, int(a), int(b)) for s, a, b in zip(scheduled, starts, ends)])
+            ids = np.concatenate([_token_slice(s.request, int(a), int(a + q))
+                                  for s, a, q in zip(scheduled, text_starts, q_lens)])
         trees = StepTrees()
         sample_rows = []
         for i, s in enumerate(scheduled):

@@ -19,6 +19,12 @@ memory budget (``kv_cache_memory_bytes`` / ``gpu_memory_utilization``) without
   memory (``gpu_memory_utilization`` on CUDA, ``kv_cache_memory_bytes`` on CPU); prefill chunk
   = min(context window, 2048).
 
+``attention_sink_size`` S (StreamingLLM) needs ``sliding_window_size`` W, which then is each
+sequence's KV cache size, sinks included: the cache keeps the first S tokens and the most recent
+ones, at most ceil(W / block_size) blocks, dropping a whole block at a time, and positions are
+positions in that cache. S must be a multiple of ``block_size`` (the cache drops whole blocks after
+the sinks) and W must leave two blocks after them; 0 turns sinks off (engine/DESIGN.md).
+
 ``parse_overrides`` checks every key and value before any model file is opened; an unknown key or
 a bad value raises ``ValueError`` that names the key.
 """
@@ -77,6 +83,10 @@ KEYS: dict[str, _Key] = {
     "context_window_size": _Key("max_model_len", _int, "context window in tokens (<= the model's)"),
     "sliding_window_size": _Key("sliding_window_size", _int,
                                 "window of the model's sliding-window layers in tokens (-1: off, whole contexts)"),
+    "attention_sink_size": _Key("attention_sink_size", _int,
+                                "StreamingLLM sinks: with sliding_window_size W, each sequence's KV cache keeps its "
+                                "first S tokens and its latest, W in all, positions counted in the cache "
+                                "(S a multiple of block_size; 0: off)"),
     "block_size": _Key("block_size", _int, "tokens per KV block"),
     "kv_cache_memory_bytes": _Key("kv_cache_memory_bytes", _bytes, "KV pool size on CPU (e.g. 512MiB)"),
     "kv_cache_dtype": _Key("kv_cache_dtype", str, "KV cache elements: auto (the model's dtype) | float32 | float16"),
@@ -115,11 +125,8 @@ KEYS: dict[str, _Key] = {
 }
 # MLC options with no sluice equivalent: named, so the error says so rather than "unknown".
 _UNSUPPORTED_MLC = ("pipeline_parallel_stages", "max_history_size",
-                    "prefix_cache_max_num_recycling_seqs", "attention_sink_size", "max_single_sequence_length")
-_WHY_UNSUPPORTED = {
-    "attention_sink_size": "attention sinks (StreamingLLM: the first tokens kept in every window) are not "
-                           "implemented; sliding windows are (sliding_window_size)",
-}
+                    "prefix_cache_max_num_recycling_seqs", "max_single_sequence_length")
+_WHY_UNSUPPORTED: dict[str, str] = {}
 
 
 def parse_overrides(text: str | None) -> dict[str, Any]:

@@ -7,7 +7,8 @@ request changed:
   one) and, past them, the drafts it runs this step: ``prepare`` gathers a step's input ids with
   one index into ``tokens``;
 * its block table (a step copies in only the blocks allocated since the previous one; a table
-  only grows while its request holds its blocks): the step's block tables are one index into
+  only grows while its request holds its blocks, except with attention sinks, where a step that
+  dropped blocks after the sinks rewrites the row): the step's block tables are one index into
   ``tables``, zero past each row's blocks;
 * its sampling parameters (``sampler.RowParams``, checked against the vocabulary once, when the
   request takes its slot): a step's sampling tensors are one gather per field;
@@ -79,7 +80,7 @@ class RowBatch:
             if slot is None or self._owner[slot] is not req:
                 slot = self._take(req)
             out[i] = slot
-            self._sync_table(slot, s.block_ids)
+            self._sync_table(slot, s.block_ids, rewrite=getattr(s, "num_shifted_tokens", 0) > 0)
             n = req.num_tokens
             if self._known[slot] != n:
                 self._sync_tokens(slot, req, n)
@@ -130,9 +131,9 @@ class RowBatch:
         self._bias.extend([False] * old)
         self._free.extend(range(cap - 1, old - 1, -1))
 
-    def _sync_table(self, slot: int, block_ids) -> None:
+    def _sync_table(self, slot: int, block_ids, rewrite: bool = False) -> None:
         n, filled = len(block_ids), self._blocks[slot]
-        if filled > n or (filled and int(self.tables[slot, 0]) != block_ids[0]):
+        if rewrite or filled > n or (filled and int(self.tables[slot, 0]) != block_ids[0]):
             self.tables[slot, :filled] = 0     # not the table kept: start again
             filled = 0
         if n > filled:

@@ -45,6 +45,12 @@ class ScheduledSeq:
     num_computed_tokens: int           # tokens with KV in the cache before this step
     block_ids: tuple[int, ...]         # the whole block table after this step's allocation
     sample: bool                       # after this step all known tokens are computed
+    # Attention sinks (kv_cache.block_manager): text position less cache position of the tokens
+    # after the sinks, after this step's allocation; and how many of those this allocation
+    # dropped (the runner re-rotates the kept keys after the sinks by minus that before the
+    # forward). Both 0 without sinks.
+    num_evicted_tokens: int = 0
+    num_shifted_tokens: int = 0
 
     @property
     def request_id(self) -> str:
@@ -126,6 +132,10 @@ class Scheduler:
         if need > self.kv.num_total_blocks:
             raise ValueError(f"prompt: {n} tokens need {need} KV blocks of {self.block_size} "
                              f"tokens, the pool has {self.kv.num_total_blocks}")
+        step_cap = self.kv.max_step_tokens
+        if not self.config.enable_chunked_prefill and step_cap is not None and n > step_cap:
+            raise ValueError(f"prompt: {n} tokens exceed the {step_cap} that one step may run with attention "
+                             "sinks and chunked prefill is disabled")
         if not self.config.enable_chunked_prefill and n > self.config.max_num_batched_tokens:
             raise ValueError(f"prompt: {n} tokens exceed max_num_batched_tokens "
                              f"{self.config.max_num_batched_tokens} and chunked prefill is disabled")
@@ -160,9 +170,11 @@ class Scheduler:
                           step.budget, self.max_model_len - req.num_computed_tokens)
             if num_new <= 0:
                 continue
+            num_new = self._step_cap(num_new)
+            evicted = self.kv.num_evicted_tokens(req.request_id)
             num_new = self._allocate_running(req, num_new, step)
             if num_new:
-                self._record(step, req, num_new)
+                self._record(step, req, num_new, evicted)
 
     def _allocate_running(self, req: Request, num_new: int, step: _Step) -> int:
         """Allocates, preempting later arrivals as needed. Returns the tokens that ``req`` runs:
@@ -202,7 +214,7 @@ class Scheduler:
         may_chunk = self.config.enable_chunked_prefill or num_new > self.config.max_num_batched_tokens
         if num_new > step.budget and not may_chunk:
             return False
-        num_new = min(num_new, step.budget, self.max_model_len - num_hit)
+        num_new = self._step_cap(min(num_new, step.budget, self.max_model_len - num_hit))
         lookahead = self._lookahead(req, num_new, num_hit)
         if self.kv.allocate_slots(req, num_new, hit_ids, num_hit, lookahead) is None:
             return False
@@ -216,20 +228,28 @@ class Scheduler:
         self._record(step, req, num_new)
         return True
 
+    def _step_cap(self, num_new: int) -> int:
+        """With attention sinks a request runs at most ``kv.max_step_tokens`` a step (the KV
+        manager drops only full blocks after the sinks to make room for them)."""
+        cap = self.kv.max_step_tokens
+        return num_new if cap is None else min(num_new, cap)
+
     def _lookahead(self, req: Request, num_new: int, num_computed: int | None = None) -> int:
         """Slots reserved past this step for the drafts proposed after it, when it samples."""
         done = (req.num_computed_tokens if num_computed is None else num_computed) + num_new
         return self.config.num_speculative_tokens if done >= req.num_tokens else 0
 
-    def _record(self, step: _Step, req: Request, num_new: int) -> None:
+    def _record(self, step: _Step, req: Request, num_new: int, evicted_before: int = 0) -> None:
         before = req.num_computed_tokens
+        evicted = self.kv.num_evicted_tokens(req.request_id)
         # Drafts cut off by the budget or the config bound are dropped, so the runner reads
         # exactly the drafts that run.
         del req.spec_token_ids[max(0, before + num_new - req.num_tokens):]
         step.scheduled.append(ScheduledSeq(
             request=req, num_new_tokens=num_new, num_computed_tokens=before,
             block_ids=tuple(self.kv.get_block_ids(req.request_id)),
-            sample=before + num_new >= req.num_tokens))
+            sample=before + num_new >= req.num_tokens,
+            num_evicted_tokens=evicted, num_shifted_tokens=evicted - evicted_before))
         step.scheduled_ids.add(req.request_id)
         step.budget -= num_new
 

@@ -27,6 +27,19 @@ the window) and verified as any hit (tokens and parent links). A hit beyond the 
 request's first new token is not taken at all (its entry counts as released from the start).
 A block whose parent entry was released is never registered: the parent object may by then be
 another request's block, and a parent link must name the block matched one level up.
+
+Attention sinks (``sinks`` S tokens, ``cache_window`` W tokens; StreamingLLM, MLC's
+``attention_sink_size``): a request's cache holds at most ceil(W / block_size) blocks, its first
+S / block_size blocks (the sinks, S a whole number of blocks) and its most recent ones, and its
+table is that cache, compacted: entry ``i`` holds *cache* positions ``i * block_size ..``. When a
+step's tokens would need more blocks, ``allocate_slots`` drops the oldest blocks after the sinks
+(``_evict``, back to the pool at once) and the later entries move up, so every kept key after the
+sinks now sits ``block_size`` cache positions earlier per dropped block: the runner re-rotates
+them (``ScheduledSeq.num_shifted_tokens``) and runs a token at text position p at cache position
+p - ``num_evicted_tokens``. Only full, computed blocks are dropped, so a step may run at most
+``max_step_tokens`` tokens of a request (the scheduler caps it). The attention kernels see an
+ordinary contiguous sequence. Re-rotated K/V depend on more than the tokens before them, so no
+block of such a request is ever shared: prefix caching is off with sinks.
 """
 from __future__ import annotations
 
@@ -44,22 +57,44 @@ def hash_block_tokens(parent_hash: int | None, token_ids: Sequence[int], extra_k
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, sinks: int = 0, cache_window: int | None = None) -> None:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size: must be a positive integer, got {block_size!r}")
         if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
                                            or sliding_window < 1):
             raise ValueError(f"sliding_window: must be None or a positive integer, got {sliding_window!r}")
+        self._check_sinks(block_size, sliding_window, sinks, cache_window)
         self.block_size = block_size
         self.sliding_window = sliding_window
-        self.enable_prefix_caching = enable_prefix_caching
+        self.sinks = sinks
+        self.cache_window = cache_window
+        self._sink_blocks = sinks // block_size
+        self._cache_blocks = 0 if cache_window is None else -(-cache_window // block_size)
+        self.enable_prefix_caching = enable_prefix_caching and not sinks   # module doc: never shared
         self.pool = BlockPool(num_blocks)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         self._req_hashes: dict[str, list[int]] = {}        # hashes of the request's full blocks
         self._req_num_registered: dict[str, int] = {}      # leading blocks past registration
         self._req_num_released: dict[str, int] = {}        # leading entries out of the window
+        self._req_num_evicted: dict[str, int] = {}         # sinks: blocks dropped after the sinks
         self._query_tokens = 0
         self._hit_tokens = 0
+
+    @staticmethod
+    def _check_sinks(block_size: int, sliding_window: int | None, sinks: int, cache_window: int | None) -> None:
+        if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0:
+            raise ValueError(f"sinks: must be a non-negative integer, got {sinks!r}")
+        if not sinks:
+            if cache_window is not None:
+                raise ValueError("cache_window: applies only with sinks")
+            return
+        if sliding_window is not None:
+            raise ValueError("sliding_window: with sinks the kernels see no window (cache_window is the cache's size)")
+        if sinks % block_size:
+            raise ValueError(f"sinks: {sinks} tokens are not a whole number of blocks of {block_size}")
+        if cache_window is None or -(-cache_window // block_size) < sinks // block_size + 2:
+            raise ValueError(f"cache_window: must hold the {sinks} sinks and two blocks of {block_size} tokens "
+                             f"after them, got {cache_window!r}")
 
     # ---- sizes -----------------------------------------------------------------------------
     @property
@@ -88,6 +123,20 @@ class KVCacheManager:
         """The request's whole table (released entries included: they are never read)."""
         return [b.block_id for b in self._req_blocks.get(request_id, ())]
 
+    def num_evicted_tokens(self, request_id: str) -> int:
+        """Sinks: tokens dropped from the request's cache after its sinks (text position less
+        cache position of every later token); 0 without sinks."""
+        return self._req_num_evicted.get(request_id, 0) * self.block_size
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        """Sinks: the most tokens one step may run of a request, so that dropping full blocks
+        after the sinks always makes room: ceil(W / block_size) blocks of the cache less the sinks
+        and a partly filled block, + 1. None: no bound."""
+        if not self.sinks:
+            return None
+        return self._cache_blocks * self.block_size - self.sinks - self.block_size + 1
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds a reference on (its table less the released entries)."""
         return len(self._req_blocks.get(request_id, ())) - self._req_num_released.get(request_id, 0)
@@ -104,6 +153,8 @@ class KVCacheManager:
         ``num_new_tokens`` tokens a step: all of them, or with a window the window's and the
         step's (ceil((window - 1 + new) / block_size) + 1)."""
         every = -(-num_tokens // self.block_size)
+        if self.sinks:
+            return min(every, self._cache_blocks)
         if self.sliding_window is None:
             return every
         return min(every, -(-(self.sliding_window - 1 + num_new_tokens) // self.block_size) + 1)
@@ -164,6 +215,8 @@ class KVCacheManager:
             raise ValueError(f"num_new_tokens: must be >= 0 (lookahead too), got "
                              f"{num_new_tokens} and {num_lookahead_tokens}")
         hits = self._check_hits(request, computed_blocks, num_computed_from_cache)
+        if self.sinks:
+            return self._allocate_with_sinks(request, num_new_tokens + num_lookahead_tokens)
         rid = request.request_id
         held = self._req_blocks.get(rid, [])
         num_computed = request.num_computed_tokens + num_computed_from_cache
@@ -191,6 +244,34 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.enable_prefix_caching:
             self._register_full_blocks(request, min(num_computed + num_new_tokens, request.num_tokens))
+        return [b.block_id for b in new_blocks]
+
+    def _allocate_with_sinks(self, request: Request, num_tokens: int) -> list[int] | None:
+        """``allocate_slots`` with sinks (module doc): the oldest full blocks after the sinks are
+        dropped when the cache would otherwise outgrow ``cache_window``."""
+        rid, bs = request.request_id, self.block_size
+        held = self._req_blocks.get(rid, [])
+        evicted = self._req_num_evicted.get(rid, 0)
+        length = request.num_computed_tokens - evicted * bs          # tokens in the cache
+        need = -(-(length + num_tokens) // bs)
+        drop = max(0, need - self._cache_blocks)
+        if drop and drop > length // bs - self._sink_blocks:
+            raise ValueError(f"num_new_tokens: {num_tokens} tokens of request {rid!r} do not fit a cache of "
+                             f"{self._cache_blocks} blocks with {self._sink_blocks} sink blocks (at most "
+                             f"{self.max_step_tokens} a step)")
+        num_needed = max(0, need - len(held))       # dropping shortens both the need and the table
+        if num_needed > self.pool.num_free + drop:    # the dropped blocks are free again first
+            return None
+        if rid not in self._req_blocks:
+            self._query_tokens += request.num_tokens
+        blocks = self._req_blocks.setdefault(rid, [])
+        if drop:
+            first = self._sink_blocks
+            self.pool.release(blocks[first:first + drop])
+            del blocks[first:first + drop]
+            self._req_num_evicted[rid] = evicted + drop
+        new_blocks = self.pool.take_new(num_needed)
+        blocks.extend(new_blocks)
         return [b.block_id for b in new_blocks]
 
     def _release_out_of_window(self, rid: str, out: int) -> None:
@@ -231,6 +312,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._req_blocks.pop(rid, [])
         released = self._req_num_released.pop(rid, 0)
+        self._req_num_evicted.pop(rid, None)
         self._req_hashes.pop(rid, None)
         self._req_num_registered.pop(rid, None)
         self.pool.release(reversed(blocks[released:]))

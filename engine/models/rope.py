@@ -184,3 +184,41 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rotate_keys(k: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys rotated for position p, [..., H, D] -> the same keys rotated for p + ``delta``.
+
+    Rotations compose (R(p + d) = R(d) R(p)), so this is exact up to rounding for every rope whose
+    cos/sin are not scaled (``sink_rotation`` refuses the others). ``k`` is a scratch copy the
+    caller gives up: float32 keys are rotated in place (a third of the time of ``apply_rotary``'s
+    temporaries on the CPU), others in a float32 copy. Attention sinks use it when the cache drops
+    blocks (``ModelRunner.shift_keys``)."""
+    x = k if k.dtype == torch.float32 else k.float()
+    freqs = float(delta) * inv_freq.to(device=k.device, dtype=torch.float32)  # [D/2], broadcast
+    cos, sin = freqs.cos(), freqs.sin()
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    first = x1.clone()
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)      # x1 cos - x2 sin
+    x2.mul_(cos).addcmul_(first, sin)             # x2 cos + x1 sin
+    return x if x.dtype == k.dtype else x.to(k.dtype)
+
+
+def sink_rotation(model: torch.nn.Module) -> torch.Tensor:
+    """The inverse frequencies [head_dim // 2] that re-rotate ``model``'s cached keys for attention
+    sinks, or ValueError naming ``attention_sink_size`` when a re-rotation would not give the keys
+    that position computes: cos/sin scaled by an attention factor (YaRN, LongRoPE: a second
+    rotation would apply it twice), a second RoPE for some layers (Gemma 3's local one), or no
+    RoPE module at all."""
+    rotary = getattr(model, "rotary", None)
+    if not isinstance(rotary, RotaryEmbedding):
+        raise ValueError(f"attention_sink_size: {type(model).__name__} has no RoPE to re-rotate its keys with")
+    if getattr(model, "local_rotary", None) is not None:
+        raise ValueError("attention_sink_size: a model with a second RoPE for its local layers (Gemma 3) "
+                         "is not supported")
+    if rotary.attention_scaling != 1.0:
+        rope_type = (getattr(getattr(model, "arch", None), "rope_scaling", None) or {}).get("rope_type")
+        raise ValueError(f"attention_sink_size: the model's RoPE ({rope_type}) scales cos/sin by "
+                         f"{rotary.attention_scaling:g}, so re-rotating cached keys would not compose")
+    return rotary.inv_freq

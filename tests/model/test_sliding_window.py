@@ -18,8 +18,8 @@ tokens), and the same weights as a GGUF in llama.cpp's layout, Q8_0 blocks, with
   reads them; a Qwen2 with a global and a sliding layer equals transformers (logits, greedy
   tokens) through both stacks, and frees nothing (its global layer reads every block);
 * speculative decoding (n-gram chains, Medusa draft trees) keeps the greedy tokens past the
-  window; MLC's ``sliding_window_size`` (-1: off) gives transformers' tokens for that window;
-  ``attention_sink_size`` is refused.
+  window; MLC's ``sliding_window_size`` (-1: off) gives transformers' tokens for that window
+  (``attention_sink_size``, StreamingLLM's sinks over that window: test_attention_sinks).
 """
 from __future__ import annotations
 
@@ -286,13 +286,11 @@ def test_mlc_sliding_window_size_overrides_the_window(mistral, size):
         hf.config.sliding_window = WINDOW
 
 
-def test_window_overrides_are_checked_and_attention_sinks_refused():
+def test_window_overrides_are_checked():
     from sluice.engine.overrides import parse_overrides
 
     assert parse_overrides("sliding_window_size=-1") == {"sliding_window_size": -1}
-    with pytest.raises(ValueError, match="attention_sink_size is an MLC-LLM option that sluice does not support: "
-                                         "attention sinks"):
-        parse_overrides("attention_sink_size=4")
+    assert parse_overrides("attention_sink_size=4") == {"attention_sink_size": 4}   # test_attention_sinks
     mistral = ModelArchConfig.from_hf_config({**BASE, "model_type": "mistral", "sliding_window": 32})
     assert mistral.with_sliding_window(16).sliding_window == 16
     assert mistral.with_sliding_window(-1).kv_window is None

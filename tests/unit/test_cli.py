@@ -31,7 +31,7 @@ def _exit(argv: list[str], capsys) -> tuple[int, str]:
 @pytest.mark.parametrize("argv, words", [
     (["engine", "smollm2", "--overrides", "max_num_seqs=8"], ["unknown key 'max_num_seqs'"]),
     (["engine", "smollm2", "--overrides", "max_num_sequence=many"], ["max_num_sequence='many'"]),
-    (["generate", "smollm2", "hi", "--overrides", "attention_sink_size=4"], ["attention_sink_size"]),
+    (["generate", "smollm2", "hi", "--overrides", "attention_sink_size=four"], ["attention_sink_size='four'"]),
     (["chat", "smollm2", "--overrides", "block_size"], ["key=value"]),
     (["engine", "smollm2", "--mode", "turbo"], ["invalid choice", "turbo"]),
 ])
