@@ -6,6 +6,11 @@ more than the change.
 
     git show HEAD~1:kernels/cpu_kquant.cpp > /tmp/old_kquant.cpp
     python bench/kquant_ab.py /tmp/old_kquant.cpp kernels/cpu_kquant.cpp --kinds Q4_K,Q6_K
+    python bench/kquant_ab.py /tmp/old_kquant.cpp kernels/cpu_kquant.cpp --cold --rows 1,4
+
+``--cold`` times each call over the next of enough copies of the weight to fill --cold-mib (past
+the last-level cache), so every call reads its weight from memory, as a decode step does for a
+model larger than the cache; the default times one weight over and over, from the cache.
 """
 from __future__ import annotations
 
@@ -38,6 +43,14 @@ def build(src: Path, work: Path, arch: list[str]):
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
+def _cycle(module, x, copies, type_id: int, n: int):
+    """One call per copy of the weight (one copy: the same weight, from the cache)."""
+    def run() -> None:
+        for packed in copies:
+            module.kquant_linear(x, packed, type_id, n)
+    return run
+
+
 def main() -> None:
     import torch
 
@@ -51,6 +64,8 @@ def main() -> None:
     p.add_argument("--shapes", default="2048x2048,11264x2048,2048x5632")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--budget", type=float, default=0.3)
+    p.add_argument("--cold", action="store_true", help="each call reads its weight from memory (see above)")
+    p.add_argument("--cold-mib", type=int, default=1024, help="total size of the copies with --cold")
     p.add_argument("--arch", default="-march=native",
                    help="compiler flags choosing the path, e.g. '-march=native -mno-avx512f' (AVX-VNNI without "
                         "AVX-512) or -march=x86-64-v3 (AVX2 only); default: %(default)s")
@@ -59,19 +74,23 @@ def main() -> None:
     work = Path(tempfile.gettempdir()) / "sluice-kquant-ab"
     arch = args.arch.split()
     old, new = build(args.old.resolve(), work, arch), build(args.new.resolve(), work, arch)
-    print(f"{args.threads} threads, {args.arch}; µs per call, best of {args.budget} s each; new / old")
+    where = f"weights from memory ({args.cold_mib} MiB of copies)" if args.cold else "weights from the cache"
+    print(f"{args.threads} threads, {args.arch}, {where}; µs per call, best of {args.budget} s each; new / old")
     print("| format | weight | rows | old | new | new / old |")
     print("| --- | --- | ---: | ---: | ---: | ---: |")
     for kind in args.kinds.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
             w = random_kquant(kind, n, k, seed=0)
+            copies = [w.packed]
+            if args.cold:
+                copies += [w.packed.clone() for _ in range(max(1, (args.cold_mib << 20) // w.packed.numel()) - 1)]
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
                 assert torch.equal(new.kquant_linear(x, w.packed, w.type_id, n),
                                    old.kquant_linear(x, w.packed, w.type_id, n)), (kind, shape, rows)
-                t_old = best_us(lambda: old.kquant_linear(x, w.packed, w.type_id, n), args.budget)
-                t_new = best_us(lambda: new.kquant_linear(x, w.packed, w.type_id, n), args.budget)
+                t_old = best_us(_cycle(old, x, copies, w.type_id, n), args.budget) / len(copies)
+                t_new = best_us(_cycle(new, x, copies, w.type_id, n), args.budget) / len(copies)
                 print(f"| {kind} | {n}×{k} | {rows} | {t_old:.0f} | {t_new:.0f} | {t_new / t_old:.2f} |", flush=True)
 
 

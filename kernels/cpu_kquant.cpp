@@ -105,6 +105,27 @@ template <int FMT> struct Lay {
   static constexpr int64_t CHUNK = BODY + NBLK * BLK;
 };
 
+// A decode step reads each weight once, from memory: the hardware prefetcher alone leaves a thread
+// waiting on DRAM between chunks (bench/kquant_ab.py --cold). Each pass over a chunk also asks
+// for the chunk kAhead bytes further on, so the stream arrives while this one is computed; a tile's
+// chunks are contiguous and a thread's tiles follow each other, so "further on" is what it reads
+// next. A prefetch past the end of the weights is harmless (it does not fault).
+#ifdef SLUICE_KQ_AHEAD
+constexpr int64_t kAhead = SLUICE_KQ_AHEAD;
+#else
+constexpr int64_t kAhead = 4096;
+#endif
+
+template <int64_t BYTES> inline void prefetch_ahead(const uint8_t* chunk) {
+#if SLUICE_KQ_AVX2
+  if constexpr (kAhead > 0) {
+#pragma GCC unroll 64
+    for (int64_t off = 0; off < BYTES; off += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead + off), _MM_HINT_T0);
+  }
+#endif
+}
+
 inline float widen(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
 inline uint16_t half_at(const uint8_t* p) { uint16_t h; std::memcpy(&h, p, 2); return h; }
 
@@ -287,6 +308,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
       for (int r = 0; r < MR * NH; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t* chunk = w + sb * L::CHUNK;
+        if (h0 == 0) prefetch_ahead<L::CHUNK>(chunk);
         __m256 dv[NH], dmv[NH];
         for (int hh = 0; hh < NH; ++hh) {
           dv[hh] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::D + 16 * (h0 + hh))));
@@ -410,6 +432,7 @@ template <int FMT, int MR> struct TileVnni {
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* chunk = w + sb * L::CHUNK;
+      prefetch_ahead<L::CHUNK>(chunk);
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::D)));
       const __m512 dmv = F::OFFSET ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::DM)))
                                    : _mm512_setzero_ps();
