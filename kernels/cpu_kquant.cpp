@@ -44,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -105,24 +106,31 @@ template <int FMT> struct Lay {
   static constexpr int64_t CHUNK = BODY + NBLK * BLK;
 };
 
-// A decode step reads each weight once, from memory: the hardware prefetcher alone leaves a thread
-// waiting on DRAM between chunks (bench/kquant_ab.py --cold). Each pass over a chunk also asks
-// for the chunk kAhead bytes further on, so the stream arrives while this one is computed; a tile's
-// chunks are contiguous and a thread's tiles follow each other, so "further on" is what it reads
-// next. A prefetch past the end of the weights is harmless (it does not fault).
-#ifdef SLUICE_KQ_AHEAD
-constexpr int64_t kAhead = SLUICE_KQ_AHEAD;
+// A decode step reads each weight once, from memory. On the Intel Xeon hosts we measured, the
+// hardware prefetcher alone leaves a thread waiting on DRAM between chunks; asking for the chunk
+// `ahead` bytes further on while this one is computed takes 0.67-0.72x the time of a one-row Q4_K
+// product (bench/kquant_ab.py --cold). On AMD EPYC (Zen 4) the hardware prefetcher keeps up by
+// itself and the same instructions make it up to 2x slower. So the distance is chosen at run time:
+// SLUICE_KQ_PREFETCH (bytes; 0 turns it off) when set, else 4096 on Intel and off elsewhere. A
+// tile's chunks are contiguous and a thread's tiles follow each other, so "further on" is what the
+// thread reads next; a prefetch past the end of the weights is harmless (it does not fault).
+inline int64_t prefetch_distance() {
+  static const int64_t ahead = [] {
+    if (const char* e = std::getenv("SLUICE_KQ_PREFETCH")) return std::max<int64_t>(0, std::atoll(e)) & ~int64_t{63};
+#if SLUICE_KQ_AVX2 && defined(__GNUC__)
+    return __builtin_cpu_is("intel") ? int64_t{4096} : int64_t{0};
 #else
-constexpr int64_t kAhead = 4096;
+    return int64_t{0};
 #endif
+  }();
+  return ahead;
+}
 
-template <int64_t BYTES> inline void prefetch_ahead(const uint8_t* chunk) {
+template <int64_t BYTES> inline void prefetch_ahead(const uint8_t* at) {
 #if SLUICE_KQ_AVX2
-  if constexpr (kAhead > 0) {
 #pragma GCC unroll 64
-    for (int64_t off = 0; off < BYTES; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(chunk + kAhead + off), _MM_HINT_T0);
-  }
+  for (int64_t off = 0; off < BYTES; off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(at + off), _MM_HINT_T0);
 #endif
 }
 
@@ -302,13 +310,14 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 
   void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
            int64_t ldo, int64_t lanes) {
+    const int64_t ahead = prefetch_distance();
     for (int h0 = 0; h0 < 2 && 8 * h0 < lanes; h0 += NH) {
       __m256 acc[MR * NH];
 #pragma GCC unroll 8
       for (int r = 0; r < MR * NH; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t* chunk = w + sb * L::CHUNK;
-        if (h0 == 0) prefetch_ahead<L::CHUNK>(chunk);
+        if (h0 == 0 && ahead) prefetch_ahead<L::CHUNK>(chunk + ahead);
         __m256 dv[NH], dmv[NH];
         for (int hh = 0; hh < NH; ++hh) {
           dv[hh] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::D + 16 * (h0 + hh))));
@@ -427,12 +436,13 @@ template <int FMT, int MR> struct TileVnni {
 
   void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
            int64_t ldo, int64_t lanes) {
+    const int64_t ahead = prefetch_distance();
     __m512 acc[MR];
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t sb = 0; sb < nsb; ++sb) {
       const uint8_t* chunk = w + sb * L::CHUNK;
-      prefetch_ahead<L::CHUNK>(chunk);
+      if (ahead) prefetch_ahead<L::CHUNK>(chunk + ahead);
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::D)));
       const __m512 dmv = F::OFFSET ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::DM)))
                                    : _mm512_setzero_ps();
