@@ -620,6 +620,35 @@ torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64
 
 namespace {
 
+// One row lane of a (tile, super-block) chunk: its SBK values `ur`, float16 bits d (and dm), and
+// its NSUB sub-block scales `sc` and minimums `mn` (each read only where the format has them).
+template <int FMT>
+inline void put_lane(uint8_t* chunk, int64_t lane, const uint8_t* ur, uint16_t d, uint16_t dm, const uint8_t* sc,
+                     const uint8_t* mn) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  std::memcpy(chunk + L::D + 2 * lane, &d, 2);
+  if (F::OFFSET) std::memcpy(chunk + L::DM + 2 * lane, &dm, 2);
+  for (int i = 0; i < L::NSUB && F::SUBSCALE; ++i) {
+    chunk[L::SC + kTile * i + lane] = sc[i];
+    if (F::OFFSET) chunk[L::MN + kTile * i + lane] = mn[i];
+  }
+  for (int blk = 0; blk < L::NBLK; ++blk) {
+    uint8_t* body = chunk + L::BODY + blk * L::BLK;
+    const uint8_t* ub = ur + blk * kBlock;
+    // Element 4 g + j: its low nibble in byte j of the lane's 4 in row 64 (g / 2), low half for
+    // even g; its bit 4 + b in bit g of byte j of high-bit plane b.
+    for (int p = 0; p < 4; ++p)
+      for (int j = 0; j < 4; ++j)
+        body[64 * p + lane * 4 + j] = static_cast<uint8_t>((ub[8 * p + j] & 0x0F) | ((ub[8 * p + 4 + j] & 0x0F) << 4));
+    for (int b = 0; b < F::VB - 4; ++b)
+      for (int j = 0; j < 4; ++j) {
+        unsigned bits = 0;
+        for (int g = 0; g < 8; ++g) bits |= ((ub[4 * g + j] >> (4 + b)) & 1u) << g;
+        body[256 + 64 * b + lane * 4 + j] = static_cast<uint8_t>(bits);
+      }
+  }
+}
+
 // The parts (kernels/cpu_kquant.py's doc: u [N, K] values, d / dm [N, K/SBK] float16 bits,
 // sc [N, K/SUB] and mn [N, K/32] bytes) of rows [0, n) -> the layout above, tiles in parallel.
 template <int FMT>
@@ -635,22 +664,87 @@ void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const u
         for (int64_t lane = 0; lane < kTile; ++lane) {
           const int64_t row = t * kTile + lane;
           if (row >= n) break;
-          std::memcpy(chunk + L::D + 2 * lane, d + row * nsb + sb, 2);
-          if (F::OFFSET) std::memcpy(chunk + L::DM + 2 * lane, dm + row * nsb + sb, 2);
-          for (int i = 0; i < L::NSUB && F::SUBSCALE; ++i) {
-            chunk[L::SC + kTile * i + lane] = sc[row * nsub + sb * L::NSUB + i];
-            if (F::OFFSET) chunk[L::MN + kTile * i + lane] = mn[row * (k / 32) + sb * L::NSUB + i];
-          }
-          for (int blk = 0; blk < L::NBLK; ++blk) {
-            uint8_t* body = chunk + L::BODY + blk * L::BLK;
-            const uint8_t* ur = u + row * k + sb * F::SBK + blk * kBlock;
-            for (int e = 0; e < kBlock; ++e) {
-              const int g = e / 4, j = e % 4;
-              body[64 * (g / 2) + lane * 4 + j] |= static_cast<uint8_t>((ur[e] & 0x0F) << (4 * (g % 2)));
-              for (int b = 0; b < F::VB - 4; ++b)
-                body[256 + 64 * b + lane * 4 + j] |= static_cast<uint8_t>(((ur[e] >> (4 + b)) & 1) << g);
-            }
-          }
+          put_lane<FMT>(chunk, lane, u + row * k + sb * F::SBK, d[row * nsb + sb], F::OFFSET ? dm[row * nsb + sb] : 0,
+                        F::SUBSCALE ? sc + row * nsub + sb * L::NSUB : nullptr,
+                        F::SUBSCALE && F::OFFSET ? mn + row * (k / 32) + sb * L::NSUB : nullptr);
+        }
+      }
+    }
+  });
+}
+
+// GGML's bytes per block of each format (one block per super-block of this layout).
+constexpr int64_t gguf_block_bytes(int64_t fmt) {
+  return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210;
+}
+
+// One GGUF block -> its values u [SBK], d / dm bits and sub-block scales sc / minimums mn, as
+// engine/models/kquant.py's gguf_parts reads them (the tests hold the two paths equal).
+template <int FMT>
+inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, uint8_t* sc, uint8_t* mn) {
+  std::memcpy(&d, b, 2);
+  dm = 0;
+  if constexpr (FMT == kQ5_0 || FMT == kQ5_1) {
+    const int at = FMT == kQ5_0 ? 2 : 4;
+    if (FMT == kQ5_1) std::memcpy(&dm, b + 2, 2);
+    const uint8_t *qh = b + at, *qs = b + at + 4;
+    for (int i = 0; i < 16; ++i) {
+      u[i] = qs[i] & 15;
+      u[16 + i] = qs[i] >> 4;
+    }
+    for (int e = 0; e < 32; ++e) u[e] |= static_cast<uint8_t>(((qh[e / 8] >> (e % 8)) & 1) << 4);
+  } else if constexpr (FMT == kQ6_K) {
+    const uint8_t *ql = b, *qh = b + 128;
+    std::memcpy(&d, b + 208, 2);
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < 64; ++i) {
+        u[128 * h + i] = ql[64 * h + i] & 15;
+        u[128 * h + 64 + i] = ql[64 * h + i] >> 4;
+      }
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int i = 0; i < 32; ++i) u[128 * h + 32 * s + i] |= static_cast<uint8_t>(((qh[32 * h + i] >> (2 * s)) & 3) << 4);
+    std::memcpy(sc, b + 192, 16);
+  } else {   // Q4_K, Q5_K
+    std::memcpy(&dm, b + 2, 2);
+    const uint8_t* s = b + 4;
+    for (int i = 0; i < 4; ++i) {
+      sc[i] = s[i] & 63;
+      mn[i] = s[4 + i] & 63;
+      sc[4 + i] = static_cast<uint8_t>((s[8 + i] & 15) | ((s[i] >> 6) << 4));
+      mn[4 + i] = static_cast<uint8_t>((s[8 + i] >> 4) | ((s[4 + i] >> 6) << 4));
+    }
+    const uint8_t* qs = b + (FMT == kQ4_K ? 16 : 48);
+    for (int r = 0; r < 4; ++r)
+      for (int i = 0; i < 32; ++i) {
+        u[64 * r + i] = qs[32 * r + i] & 15;
+        u[64 * r + 32 + i] = qs[32 * r + i] >> 4;
+      }
+    if constexpr (FMT == kQ5_K) {
+      const uint8_t* qh = b + 16;
+      for (int j = 0; j < 8; ++j)
+        for (int i = 0; i < 32; ++i) u[32 * j + i] |= static_cast<uint8_t>(((qh[i] >> j) & 1) << 4);
+    }
+  }
+}
+
+// A GGUF tensor's blocks [n, K / SBK blocks] -> the layout above, without the parts in between.
+template <int FMT>
+void pack_gguf_tiles(const uint8_t* blocks, int64_t n, int64_t k, uint8_t* out) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const int64_t nsb = k / F::SBK, tiles = (n + kTile - 1) / kTile, bb = gguf_block_bytes(FMT);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    uint8_t u[256], sc[16], mn[8];
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        uint8_t* chunk = out + (t * nsb + sb) * L::CHUNK;
+        std::memset(chunk, 0, L::CHUNK);
+        for (int64_t lane = 0; lane < kTile; ++lane) {
+          const int64_t row = t * kTile + lane;
+          if (row >= n) break;
+          uint16_t d, dm;
+          gguf_block<FMT>(blocks + (row * nsb + sb) * bb, u, d, dm, sc, mn);
+          put_lane<FMT>(chunk, lane, u, d, dm, sc, mn);
         }
       }
     }
@@ -680,6 +774,28 @@ torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, to
     case kQ4_K: pack_tiles<kQ4_K>(up, dp, dmp, scp, mnp, n, k, op); break;
     case kQ5_K: pack_tiles<kQ5_K>(up, dp, dmp, scp, mnp, n, k, op); break;
     case kQ6_K: pack_tiles<kQ6_K>(up, dp, dmp, scp, mnp, n, k, op); break;
+  }
+  return out;
+}
+
+// A GGUF tensor's raw blocks (uint8, n rows of K / SBK blocks each, in GGML's block layout) ->
+// the packed layout: the same bytes as kquant_pack of engine/models/kquant.py's gguf_parts, in one
+// pass over the file's bytes (a load's K-quant tensors, without a byte per weight in between).
+torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int64_t k) {
+  const int64_t chunk = chunk_bytes(fmt), sbk = super_block(fmt);
+  TORCH_CHECK(n > 0 && k > 0 && k % sbk == 0, "kquant pack: K must be a positive multiple of ", sbk, ", got ", k);
+  const int64_t bb = gguf_block_bytes(fmt);
+  TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.numel() == n * (k / sbk) * bb,
+              "kquant pack: ", blocks.numel(), " bytes of GGML type ", fmt, " do not hold a [", n, ", ", k, "] tensor");
+  auto out = torch::empty({(n + kTile - 1) / kTile * (k / sbk) * chunk}, blocks.options());
+  const uint8_t* bp = blocks.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  switch (fmt) {
+    case kQ5_0: pack_gguf_tiles<kQ5_0>(bp, n, k, op); break;
+    case kQ5_1: pack_gguf_tiles<kQ5_1>(bp, n, k, op); break;
+    case kQ4_K: pack_gguf_tiles<kQ4_K>(bp, n, k, op); break;
+    case kQ5_K: pack_gguf_tiles<kQ5_K>(bp, n, k, op); break;
+    case kQ6_K: pack_gguf_tiles<kQ6_K>(bp, n, k, op); break;
   }
   return out;
 }

@@ -97,12 +97,21 @@ class KQuantLinear:
 
     @classmethod
     def from_gguf(cls, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> "KQuantLinear":
-        """From a GGUF tensor's blocks ([rows, bytes per row] uint8), a slice of rows at a time, so
-        that the load's temporaries (a byte per weight, a few times over) stay a slice's, not the
-        tensor's (a 49152x2048 LM head: ~100 MiB each)."""
+        """From a GGUF tensor's blocks ([rows, bytes per row] uint8): in one C++ pass over the bytes
+        (``cpu_kquant.pack_gguf``), or without the C++ kernels through ``gguf_parts`` a slice of rows
+        at a time, so that the load's temporaries (a byte per weight, a few times over) stay a
+        slice's, not the tensor's (a 49152x2048 LM head: ~100 MiB each)."""
         from sluice.kernels import cpu_kquant
 
         n, k = shape
+        per, size = _BLOCK[kind]
+        _check(k % per == 0 and blocks.numel() == n * k // per * size,
+               f"{kind}: {blocks.numel()} bytes do not hold a [{n}, {k}] tensor")
+        packed = cpu_kquant.pack_gguf(kind, blocks, n, k)
+        if packed is not None:
+            self = cls.__new__(cls)
+            self._setup(kind, n, k, packed)
+            return self
         step = cpu_kquant._PACK_ROWS
         rows = blocks.reshape(n, -1)
         packed = [cpu_kquant.pack(kind, *gguf_parts(kind, rows[r:r + step], (min(step, n - r), k)))

@@ -217,11 +217,22 @@ def test_packing_in_cpp_and_in_torch_a_slice_at_a_time_give_the_same_layout(ops,
         assert torch.equal(cpu_kquant.pack_ref(kind, *w.parts()), w.packed), kind
 
 
-def test_from_gguf_decodes_a_slice_of_rows_at_a_time(ops, monkeypatch):
+def test_from_gguf_in_one_cpp_pass_and_through_the_parts_give_the_same_layout(ops, monkeypatch):
+    rng = np.random.default_rng(12)
     for kind in FORMATS:
-        raw = torch.from_numpy(random_blocks(kind, 70, 256, seed=12))
-        whole = kquant.KQuantLinear(kind, *kquant.gguf_parts(kind, raw, (70, 256)))
+        per, size = kquant._BLOCK[kind]
+        # every byte random, the float16 scales too (NaN and infinity patterns included): the
+        # layout copies their bits, whatever they are
+        raw = torch.from_numpy(rng.integers(0, 256, (70, 512 // per * size), dtype=np.uint8))
+        whole = kquant.KQuantLinear(kind, *kquant.gguf_parts(kind, raw, (70, 512)))
+        direct = kquant.KQuantLinear.from_gguf(kind, raw, (70, 512))             # kquant_pack_gguf
+        monkeypatch.setattr(cpu_kquant, "pack_gguf", lambda *args: None)         # as without the C++ build
         monkeypatch.setattr(cpu_kquant, "_PACK_ROWS", 32)
-        sliced = kquant.KQuantLinear.from_gguf(kind, raw, (70, 256))
+        sliced = kquant.KQuantLinear.from_gguf(kind, raw, (70, 512))
         monkeypatch.undo()
-        assert torch.equal(sliced.packed, whole.packed) and sliced.kind == whole.kind, kind
+        assert torch.equal(direct.packed, whole.packed) and direct.kind == whole.kind, kind
+        assert torch.equal(sliced.packed, whole.packed), kind
+        with pytest.raises(ValueError, match=rf"{kind}: {raw.numel() - size} bytes do not hold a \[70, 512\] tensor"):
+            kquant.KQuantLinear.from_gguf(kind, raw.reshape(-1)[size:], (70, 512))
+        with pytest.raises(RuntimeError, match="do not hold"):
+            ops.kquant_pack_gguf(raw.reshape(-1)[size:].contiguous(), cpu_kquant.FORMATS[kind].type_id, 70, 512)
