@@ -2,22 +2,23 @@
 decoding (issue 43): the GPU path's kernels, speculative decoding, prefix caching and grammars.
 
 One tiny random-weight transformers model per architecture (``tests/model/tiny_archs.py``, the
-models the per-architecture tests hold to transformers), built once, served float32 on CPU:
+models the per-architecture tests hold to transformers), built and loaded once, served float32:
 
-* ``attention_backend=triton`` and ``sampler_backend=triton`` (CUDA's defaults; here the kernels
-  run under the Triton interpreter): three prompts batched, one chunked past a block (16) and
-  past the sliding windows, greedy tokens equal transformers'. Gemma 2 soft-caps its attention
-  scores, which the Triton kernel cannot apply: the engine refuses it by name;
-* n-gram speculative decoding, four requests batched (one forced onto a repeating token so that
-  its drafts are accepted): the greedy tokens of the same engine without speculation;
-* prefix caching: a second request sharing two blocks of the first's prompt is served those
-  blocks from the cache (``usage.cached_tokens``) and gives the tokens of an engine without it;
-* a json_schema constraint: the output parses and validates against the schema, finished by EOS.
+* the GPU path: ``attention_backend=triton`` and ``sampler_backend=triton`` (CUDA's defaults;
+  here the kernels run under the Triton interpreter). Three prompts batched, one chunked past a
+  block (16) and past the sliding windows: greedy tokens equal transformers'. Then n-gram
+  speculation and json_schema grammars in one batch on the same kernels. Gemma 2 soft-caps its
+  attention scores, which the Triton kernel cannot apply: ``attention_backend=triton`` is refused
+  by name, and its GPU path is torch attention with the Triton sampler (what ``auto`` picks);
+* the CPU path (the C++ layer stack): n-gram speculation, four requests batched (one forced onto
+  a repeating token so that its drafts are accepted), gives the tokens of the same engine without
+  speculation; a second request sharing two blocks of the first's prompt is served them from the
+  prefix cache (``usage.cached_tokens``) and gives the tokens of an engine without the cache; a
+  json_schema constraint's outputs, greedy and sampled, validate against the schema.
 """
 from __future__ import annotations
 
 import json
-import time
 
 import jsonschema
 import pytest
@@ -32,12 +33,19 @@ from tests.model import tiny_archs
 
 ARCHS = list(ARCHITECTURES)
 _gen = torch.Generator().manual_seed(11)
-# 5 tokens; 19 (past a block and every window); 9.
+# 5 tokens; 19 (past a block of 16 and every window); 9.
 PROMPTS = [[3, 17, 400, 9, 5000]] + [torch.randint(2, 30000, (n,), generator=_gen).tolist() for n in (19, 9)]
-NEW_TOKENS = 5
-GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+NEW_TOKENS = 6
+# A prompt n-grams match in; its request is forced onto FORCED, whose own n-grams then match too.
+REPEATING, FORCED = [700, 701, 702, 703] * 3, 77
 SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "ok": {"type": "boolean"}},
           "required": ["colour", "ok"], "additionalProperties": False}
+# On the interpreted kernels, where each step costs ~0.1 s: a few tokens long.
+SHORT_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+# Engines sized small: each engine warms its packed projections up for every step size it can
+# run (models.cpu_linear.warm_up_row_buckets), ~3 s per model at the defaults' sizes here.
+SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
+GPU_KERNELS = dict(attention_backend="triton", sampler_backend="triton", block_size=16, max_num_batched_tokens=16)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -61,82 +69,92 @@ def _tokens(results) -> list[list[int]]:
     return [r.outputs[0].token_ids for r in results]
 
 
-def _assert_idle(llm: LLM) -> None:
-    llm.engine.kv.check_invariants()
-    assert llm.engine.kv.stats().in_use == 0
+def _run(llm: LLM, prompts, params):
+    """The results, after which every block is back in the pool and no grammar matcher is left."""
+    try:
+        results = llm.generate(prompts, params)
+        llm.engine.kv.check_invariants()
+        assert llm.engine.kv.stats().in_use == 0 and not llm.engine.structured.request_ids()
+        return results
+    finally:
+        llm.close()
 
 
+def _greedy(n: int, **bias) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **bias)
+
+
+def _constrained(schema: dict, temperatures=(0.0, 1.0)) -> list[SamplingParams]:
+    spec = GrammarSpec("json_schema", json.dumps(schema), strict=True)
+    return [SamplingParams(max_tokens=40, temperature=t, seed=3, structured=spec) for t in temperatures]
+
+
+def _assert_valid(arch: str, results, schema: dict) -> None:
+    for res in results:
+        out = res.outputs[0]
+        assert out.finish_reason == "stop", (arch, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+# ---- the GPU path (Triton kernels, under the interpreter here) -----------------------------------
 def test_triton_kernels_give_transformers_greedy_tokens(tiny):
     arch, hf, loaded = tiny
-    opts = dict(attention_backend="triton", sampler_backend="triton", block_size=16, max_num_batched_tokens=16,
-                kv_cache_memory_bytes=4 << 20)
     if arch == "gemma2":
         with pytest.raises(ValueError, match=r"attention_backend=triton: .* soft-caps its attention scores "
                                              r"\(attn_logit_softcapping\), which the triton backend cannot apply"):
-            LLM(loaded=loaded, **opts)
+            LLM(loaded=loaded, **{**SMALL, **GPU_KERNELS})
         return
-    llm = LLM(loaded=loaded, **opts)
-    try:
-        assert llm.engine.model_info.attention_backend == "triton"
-        t = time.perf_counter()
-        ours = _tokens(llm.generate(PROMPTS, GREEDY))
-        print(f"{arch}: triton {time.perf_counter() - t:.1f}s")
-        _assert_idle(llm)
-    finally:
-        llm.close()
-    assert ours == _theirs(hf, PROMPTS, NEW_TOKENS)
+    llm = LLM(loaded=loaded, **{**SMALL, **GPU_KERNELS})
+    assert llm.engine.model_info.attention_backend == "triton"
+    assert _tokens(_run(llm, PROMPTS, _greedy(NEW_TOKENS))) == _theirs(hf, PROMPTS, NEW_TOKENS)
 
 
+def test_triton_kernels_speculate_and_constrain_batched(tiny):
+    """n-gram drafts verified through the Triton kernels (several query rows per request in the
+    prefill kernel) and grammar masks applied by the Triton sampler, in one batch: the greedy
+    requests keep transformers' tokens, the constrained ones validate."""
+    arch, hf, loaded = tiny
+    kernels = {**GPU_KERNELS, "attention_backend": "torch"} if arch == "gemma2" else GPU_KERNELS
+    llm = LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=3, spec_max_batch_size=8,
+              **{**SMALL, **kernels})
+    assert llm.engine.model_info.attention_backend == kernels["attention_backend"]
+    prompts = [PROMPTS[1], REPEATING, PROMPTS[0]]
+    params = [_greedy(NEW_TOKENS), _greedy(NEW_TOKENS, logit_bias={FORCED: 100.0})] + _constrained(SHORT_SCHEMA, [1.0])
+    results = _run(llm, prompts, params)
+    stats = llm.engine.spec.stats
+    assert _tokens(results[:2]) == [*_theirs(hf, prompts[:1], NEW_TOKENS), [FORCED] * NEW_TOKENS]
+    assert stats.num_accepted_tokens > 0, stats
+    _assert_valid(arch, results[2:], SHORT_SCHEMA)
+
+
+# ---- the CPU path (the C++ layer stack) ----------------------------------------------------------
 def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
     arch, _, loaded = tiny
-    repeating = [700, 701, 702, 703] * 3
-    prompts = PROMPTS + [repeating]
-    # The last request is forced onto token 77 (its n-grams then match, and their drafts are
-    # accepted); the others are the model's own greedy continuations.
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * len(PROMPTS) + [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logit_bias={77: 100.0})]
-    want = _tokens(LLM(loaded=loaded).generate(prompts, params))
-    llm = LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=3, spec_max_batch_size=8)
-    try:
-        results = llm.generate(prompts, params)
-        stats = llm.engine.spec.stats
-        _assert_idle(llm)
-    finally:
-        llm.close()
-    assert _tokens(results) == want
-    assert want[-1][2:] == [77] * 10
+    prompts = PROMPTS + [REPEATING]
+    params = [_greedy(12)] * len(PROMPTS) + [_greedy(12, logit_bias={FORCED: 100.0})]
+    base = LLM(loaded=loaded, **SMALL)
+    assert base.engine.runner.model._cpu_decoder() is not None, f"{arch} runs on the Python layers"
+    want = _tokens(_run(base, prompts, params))
+    llm = LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=3, spec_max_batch_size=8, **SMALL)
+    got = _tokens(_run(llm, prompts, params))
+    stats = llm.engine.spec.stats
+    assert got == want and want[-1] == [FORCED] * 12
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
 
 
 def test_a_shared_prefix_is_served_from_the_cache(tiny):
-    arch, _, loaded = tiny
+    _, _, loaded = tiny
     first = torch.randint(2, 30000, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     second = first[:32] + [41, 42, 43]
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(loaded=loaded, block_size=16)
-    try:
-        a = llm.generate([first], params)[0]
-        b = llm.generate([second], params)[0]
-        _assert_idle(llm)
-    finally:
-        llm.close()
+    llm = LLM(loaded=loaded, block_size=16, **SMALL)
+    a = llm.generate([first], _greedy(6))[0]
+    (b,) = _run(llm, [second], _greedy(6))
     assert a.usage.cached_tokens == 0 and b.usage.cached_tokens == 32
-    want = _tokens(LLM(loaded=loaded, block_size=16, enable_prefix_caching=False).generate([first, second], params))
-    assert [a.outputs[0].token_ids, b.outputs[0].token_ids] == want
+    assert llm.engine.kv.prefix_cache_hit_rate > 0
+    uncached = LLM(loaded=loaded, block_size=16, enable_prefix_caching=False, **SMALL)
+    assert _tokens([a, b]) == _tokens(_run(uncached, [first, second], _greedy(6)))
 
 
 def test_a_json_schema_constrains_the_output(tiny):
     arch, _, loaded = tiny
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA), strict=True)
-    llm = LLM(loaded=loaded)
-    try:
-        params = [SamplingParams(max_tokens=40, temperature=0.0, structured=spec),
-                  SamplingParams(max_tokens=40, temperature=1.0, seed=3, structured=spec)]
-        results = llm.generate([PROMPTS[0], PROMPTS[2]], params)
-        assert not llm.engine.structured.request_ids()
-    finally:
-        llm.close()
-    for res in results:
-        out = res.outputs[0]
-        assert out.finish_reason == "stop", (arch, out.text)
-        jsonschema.validate(json.loads(out.text), SCHEMA)
+    _assert_valid(arch, _run(LLM(loaded=loaded, **SMALL), [PROMPTS[0], PROMPTS[2]], _constrained(SCHEMA)), SCHEMA)
