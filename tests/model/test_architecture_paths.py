@@ -6,8 +6,10 @@ models the per-architecture tests hold to transformers), built and loaded once, 
 
 * the GPU path: ``attention_backend=triton`` and ``sampler_backend=triton`` (CUDA's defaults;
   here the kernels run under the Triton interpreter). Three prompts batched, one chunked past a
-  block (16) and past the sliding windows: greedy tokens equal transformers'. Then n-gram
-  speculation and json_schema grammars in one batch on the same kernels. Gemma 2 soft-caps its
+  block (16) and past the sliding windows: greedy tokens equal transformers', again when that
+  prompt's first block comes from the prefix cache. Then n-gram speculation and json_schema
+  grammars in one batch on the same kernels. float16 (Triton attention) and bfloat16 (torch
+  attention) logits are as close to float32 as transformers' own in that dtype. Gemma 2 soft-caps its
   attention scores, which the Triton kernel cannot apply: ``attention_backend=triton`` is refused
   by name, and its GPU path is torch attention with the Triton sampler (what ``auto`` picks);
 * the CPU path (the C++ layer stack): n-gram speculation, four requests batched (one forced onto
@@ -18,6 +20,7 @@ models the per-architecture tests hold to transformers), built and loaded once, 
 """
 from __future__ import annotations
 
+import copy
 import json
 
 import jsonschema
@@ -56,7 +59,7 @@ def tiny(request, tmp_path_factory, smollm2_tokenizer):
     folder = tiny_archs.write_folder(tmp_path_factory.mktemp(f"tiny_{arch}"), hf, smollm2_tokenizer)
     loaded = load_model(str(folder), dtype="float32", device="cpu", quantization="none")
     assert loaded.arch.architecture == arch
-    return arch, hf, loaded
+    return arch, hf, loaded, folder
 
 
 def _theirs(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -98,7 +101,7 @@ def _assert_valid(arch: str, results, schema: dict) -> None:
 
 # ---- the GPU path (Triton kernels, under the interpreter here) -----------------------------------
 def test_triton_kernels_give_transformers_greedy_tokens(tiny):
-    arch, hf, loaded = tiny
+    arch, hf, loaded, _ = tiny
     if arch == "gemma2":
         with pytest.raises(ValueError, match=r"attention_backend=triton: .* soft-caps its attention scores "
                                              r"\(attn_logit_softcapping\), which the triton backend cannot apply"):
@@ -106,14 +109,19 @@ def test_triton_kernels_give_transformers_greedy_tokens(tiny):
         return
     llm = LLM(loaded=loaded, **{**SMALL, **GPU_KERNELS})
     assert llm.engine.model_info.attention_backend == "triton"
-    assert _tokens(_run(llm, PROMPTS, _greedy(NEW_TOKENS))) == _theirs(hf, PROMPTS, NEW_TOKENS)
+    theirs = _theirs(hf, PROMPTS, NEW_TOKENS)
+    assert _tokens(llm.generate(PROMPTS, _greedy(NEW_TOKENS))) == theirs
+    # Again: the 19-token prompt's first block comes from the prefix cache, the rest through the
+    # kernels reading it.
+    (again,) = _run(llm, PROMPTS[1:2], _greedy(NEW_TOKENS))
+    assert again.usage.cached_tokens == 16 and again.outputs[0].token_ids == theirs[1]
 
 
 def test_triton_kernels_speculate_and_constrain_batched(tiny):
     """n-gram drafts verified through the Triton kernels (several query rows per request in the
     prefill kernel) and grammar masks applied by the Triton sampler, in one batch: the greedy
     requests keep transformers' tokens, the constrained ones validate."""
-    arch, hf, loaded = tiny
+    arch, hf, loaded, _ = tiny
     kernels = {**GPU_KERNELS, "attention_backend": "torch"} if arch == "gemma2" else GPU_KERNELS
     llm = LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=3, spec_max_batch_size=8,
               **{**SMALL, **kernels})
@@ -127,9 +135,43 @@ def test_triton_kernels_speculate_and_constrain_batched(tiny):
     _assert_valid(arch, results[2:], SHORT_SCHEMA)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+def test_half_precision_logits_are_as_close_as_transformers_own(tiny, dtype):
+    """A GPU serves in the compute dtype: sluice's float16 / bfloat16 logits (a prefill of 18
+    tokens and a decode step through the paged cache) are as close to float32 transformers as
+    transformers' own run in that dtype (within 2x its error). float16 through the Triton kernels;
+    bfloat16 through torch attention (the interpreter cannot run bfloat16 ``tl.dot``:
+    tests/kernels/conftest.py), as Gemma 2 always is."""
+    from sluice.engine.attention.torch_backend import TorchAttentionBackend
+    from sluice.engine.attention.triton_backend import TritonAttentionBackend
+    from sluice.engine.loaders import build_model
+    from sluice.engine.loaders.hf_loader import load_hf_folder
+    from tests.model.test_logits import _blocks_for, _caches, _meta
+
+    arch, hf, _, folder = tiny
+    ids = PROMPTS[1]
+    config, weights = load_hf_folder(folder)
+    model = build_model(config, weights, dtype, torch.device("cpu"))
+    triton = dtype == torch.float16 and arch != "gemma2"
+    backend = TritonAttentionBackend() if triton else TorchAttentionBackend()
+    table = _blocks_for(len(ids), 1)
+    caches = [(k.to(dtype), v.to(dtype)) for k, v in _caches(config, max(table) + 1)]
+    ours = []
+    with torch.inference_mode():
+        for start, count in ((0, 18), (18, 1)):
+            meta = _meta([start], [count], [table])
+            hidden = model(torch.tensor(ids[start:start + count]), torch.arange(start, start + count), caches, meta,
+                           backend)
+            ours.append(model.compute_logits(hidden).float())
+        ref = hf(torch.tensor([ids])).logits[0].float()                      # [19, vocab]
+        theirs = copy.deepcopy(hf).to(dtype)(torch.tensor([ids])).logits[0].float()
+    error, own = (torch.cat(ours) - ref).abs().max(), (theirs - ref).abs().max()
+    assert error <= 2 * own + 1e-3, (arch, float(error), float(own))
+
+
 # ---- the CPU path (the C++ layer stack) ----------------------------------------------------------
 def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
-    arch, _, loaded = tiny
+    arch, _, loaded, _ = tiny
     prompts = PROMPTS + [REPEATING]
     params = [_greedy(12)] * len(PROMPTS) + [_greedy(12, logit_bias={FORCED: 100.0})]
     base = LLM(loaded=loaded, **SMALL)
@@ -143,7 +185,7 @@ def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
 
 
 def test_a_shared_prefix_is_served_from_the_cache(tiny):
-    _, _, loaded = tiny
+    _, _, loaded, _ = tiny
     first = torch.randint(2, 30000, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     second = first[:32] + [41, 42, 43]
     llm = LLM(loaded=loaded, block_size=16, **SMALL)
@@ -156,5 +198,5 @@ def test_a_shared_prefix_is_served_from_the_cache(tiny):
 
 
 def test_a_json_schema_constrains_the_output(tiny):
-    arch, _, loaded = tiny
+    arch, _, loaded, _ = tiny
     _assert_valid(arch, _run(LLM(loaded=loaded, **SMALL), [PROMPTS[0], PROMPTS[2]], _constrained(SCHEMA)), SCHEMA)
