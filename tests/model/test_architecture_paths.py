@@ -21,14 +21,17 @@ models the per-architecture tests hold to transformers), built and loaded once, 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+from pathlib import Path
+from typing import NamedTuple
 
 import jsonschema
 import pytest
 import torch
 
 from sluice.engine.llm import LLM
-from sluice.engine.loaders import load_model
+from sluice.engine.loaders import LoadedModel, load_model
 from sluice.engine.models.config import ARCHITECTURES
 from sluice.engine.sampling_params import SamplingParams
 from sluice.engine.structured import GrammarSpec
@@ -47,19 +50,30 @@ SCHEMA = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "
 SHORT_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
 # Engines sized small: each engine warms its packed projections up for every step size it can
 # run (models.cpu_linear.warm_up_row_buckets), ~3 s per model at the defaults' sizes here.
-SMALL = dict(max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
-GPU_KERNELS = dict(attention_backend="triton", sampler_backend="triton", block_size=16, max_num_batched_tokens=16)
+SMALL = dict(device="cpu", dtype="float32", max_num_seqs=8, max_num_batched_tokens=64, kv_cache_memory_bytes=8 << 20)
+# The GPU path's kernels: compiled for CUDA where there is one, else run by the Triton interpreter.
+GPU = "cuda" if torch.cuda.is_available() else "cpu"
+GPU_KERNELS = dict(device=GPU, attention_backend="triton", sampler_backend="triton", block_size=16,
+                   max_num_batched_tokens=16)
+
+
+class Tiny(NamedTuple):
+    arch: str
+    hf: torch.nn.Module          # transformers' model, float32 on CPU
+    loaded: LoadedModel          # sluice's, float32 on CPU
+    on_gpu: LoadedModel          # sluice's on the GPU path's device (CUDA if present, else the CPU one)
+    folder: Path
 
 
 @pytest.fixture(scope="module", params=ARCHS)
-def tiny(request, tmp_path_factory, smollm2_tokenizer):
-    """(architecture, transformers model, sluice's LoadedModel of the same weights)."""
+def tiny(request, tmp_path_factory, smollm2_tokenizer) -> Tiny:
     arch = request.param
     hf = tiny_archs.build(arch, smollm2_tokenizer.vocab_size)
     folder = tiny_archs.write_folder(tmp_path_factory.mktemp(f"tiny_{arch}"), hf, smollm2_tokenizer)
     loaded = load_model(str(folder), dtype="float32", device="cpu", quantization="none")
     assert loaded.arch.architecture == arch
-    return arch, hf, loaded, folder
+    on_gpu = loaded if GPU == "cpu" else load_model(str(folder), dtype="float32", device=GPU, quantization="none")
+    return Tiny(arch, hf, loaded, on_gpu, folder)
 
 
 def _theirs(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -101,7 +115,7 @@ def _assert_valid(arch: str, results, schema: dict) -> None:
 
 # ---- the GPU path (Triton kernels, under the interpreter here) -----------------------------------
 def test_triton_kernels_give_transformers_greedy_tokens(tiny):
-    arch, hf, loaded, _ = tiny
+    arch, hf, loaded = tiny.arch, tiny.hf, tiny.on_gpu
     if arch == "gemma2":
         with pytest.raises(ValueError, match=r"attention_backend=triton: .* soft-caps its attention scores "
                                              r"\(attn_logit_softcapping\), which the triton backend cannot apply"):
@@ -121,7 +135,7 @@ def test_triton_kernels_speculate_and_constrain_batched(tiny):
     """n-gram drafts verified through the Triton kernels (several query rows per request in the
     prefill kernel) and grammar masks applied by the Triton sampler, in one batch: the greedy
     requests keep transformers' tokens, the constrained ones validate."""
-    arch, hf, loaded, _ = tiny
+    arch, hf, loaded = tiny.arch, tiny.hf, tiny.on_gpu
     kernels = {**GPU_KERNELS, "attention_backend": "torch"} if arch == "gemma2" else GPU_KERNELS
     llm = LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=3, spec_max_batch_size=8,
               **{**SMALL, **kernels})
@@ -148,30 +162,36 @@ def test_half_precision_logits_are_as_close_as_transformers_own(tiny, dtype):
     from sluice.engine.loaders.hf_loader import load_hf_folder
     from tests.model.test_logits import _blocks_for, _caches, _meta
 
-    arch, hf, _, folder = tiny
+    arch, hf = tiny.arch, tiny.hf
     ids = PROMPTS[1]
-    config, weights = load_hf_folder(folder)
-    model = build_model(config, weights, dtype, torch.device("cpu"))
+    config, weights = load_hf_folder(tiny.folder)
+    model = build_model(config, weights, dtype, torch.device(GPU))
     triton = dtype == torch.float16 and arch != "gemma2"
     backend = TritonAttentionBackend() if triton else TorchAttentionBackend()
     table = _blocks_for(len(ids), 1)
-    caches = [(k.to(dtype), v.to(dtype)) for k, v in _caches(config, max(table) + 1)]
+    caches = [(k.to(GPU, dtype), v.to(GPU, dtype)) for k, v in _caches(config, max(table) + 1)]
     ours = []
     with torch.inference_mode():
         for start, count in ((0, 18), (18, 1)):
-            meta = _meta([start], [count], [table])
-            hidden = model(torch.tensor(ids[start:start + count]), torch.arange(start, start + count), caches, meta,
-                           backend)
-            ours.append(model.compute_logits(hidden).float())
+            meta = _on_gpu(_meta([start], [count], [table]))
+            hidden = model(torch.tensor(ids[start:start + count], device=GPU),
+                           torch.arange(start, start + count, device=GPU), caches, meta, backend)
+            ours.append(model.compute_logits(hidden).float().cpu())
         ref = hf(torch.tensor([ids])).logits[0].float()                      # [19, vocab]
         theirs = copy.deepcopy(hf).to(dtype)(torch.tensor([ids])).logits[0].float()
     error, own = (torch.cat(ours) - ref).abs().max(), (theirs - ref).abs().max()
     assert error <= 2 * own + 1e-3, (arch, float(error), float(own))
 
 
+def _on_gpu(meta):
+    """The metadata's tensors on the GPU path's device."""
+    return dataclasses.replace(meta, **{f.name: getattr(meta, f.name).to(GPU) for f in dataclasses.fields(meta)
+                                        if isinstance(getattr(meta, f.name), torch.Tensor)})
+
+
 # ---- the CPU path (the C++ layer stack) ----------------------------------------------------------
 def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
-    arch, _, loaded, _ = tiny
+    arch, loaded = tiny.arch, tiny.loaded
     prompts = PROMPTS + [REPEATING]
     params = [_greedy(12)] * len(PROMPTS) + [_greedy(12, logit_bias={FORCED: 100.0})]
     base = LLM(loaded=loaded, **SMALL)
@@ -185,7 +205,7 @@ def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
 
 
 def test_a_shared_prefix_is_served_from_the_cache(tiny):
-    _, _, loaded, _ = tiny
+    loaded = tiny.loaded
     first = torch.randint(2, 30000, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     second = first[:32] + [41, 42, 43]
     llm = LLM(loaded=loaded, block_size=16, **SMALL)
@@ -198,5 +218,5 @@ def test_a_shared_prefix_is_served_from_the_cache(tiny):
 
 
 def test_a_json_schema_constrains_the_output(tiny):
-    arch, _, loaded, _ = tiny
+    arch, loaded = tiny.arch, tiny.loaded
     _assert_valid(arch, _run(LLM(loaded=loaded, **SMALL), [PROMPTS[0], PROMPTS[2]], _constrained(SCHEMA)), SCHEMA)
