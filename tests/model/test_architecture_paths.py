@@ -8,7 +8,7 @@ models the per-architecture tests hold to transformers), built and loaded once, 
   here the kernels run under the Triton interpreter). Three prompts batched, one chunked past a
   block (16) and past the sliding windows: greedy tokens equal transformers', again when that
   prompt's first block comes from the prefix cache. Then n-gram speculation and json_schema
-  grammars in one batch on the same kernels. float16 (Triton attention) and bfloat16 (torch
+  grammars in one batch on the same kernels, and Medusa draft trees. float16 (Triton attention) and bfloat16 (torch
   attention) logits are as close to float32 as transformers' own in that dtype. Gemma 2 soft-caps its
   attention scores, which the Triton kernel cannot apply: ``attention_backend=triton`` is refused
   by name, and its GPU path is torch attention with the Triton sampler (what ``auto`` picks);
@@ -16,7 +16,8 @@ models the per-architecture tests hold to transformers), built and loaded once, 
   a repeating token so that its drafts are accepted), gives the tokens of the same engine without
   speculation; a second request sharing two blocks of the first's prompt is served them from the
   prefix cache (``usage.cached_tokens``) and gives the tokens of an engine without the cache; a
-  json_schema constraint's outputs, greedy and sampled, validate against the schema.
+  json_schema constraint's outputs, greedy and sampled, validate against the schema; Medusa
+  draft trees keep the greedy tokens.
 """
 from __future__ import annotations
 
@@ -147,6 +148,27 @@ def test_triton_kernels_speculate_and_constrain_batched(tiny):
     assert _tokens(results[:2]) == [*_theirs(hf, prompts[:1], NEW_TOKENS), [FORCED] * NEW_TOKENS]
     assert stats.num_accepted_tokens > 0, stats
     _assert_valid(arch, results[2:], SHORT_SCHEMA)
+
+
+@pytest.mark.parametrize("path", ["gpu", "cpu"])
+def test_draft_trees_keep_the_greedy_tokens(tiny, path):
+    """Medusa draft trees (random heads, width 3, every node kept): the tree's rows attend
+    through the tree mask (the Triton prefill kernel's, or the C++ stack's), past the sliding
+    windows, and greedy output is transformers' (GPU path) or the engine's without speculation."""
+    from tests.model.test_spec_decode_distribution import random_heads
+
+    if path == "gpu":
+        loaded, prompts, n = tiny.on_gpu, PROMPTS[:2], NEW_TOKENS
+        opts = {**SMALL, **GPU_KERNELS, "attention_backend": "torch" if tiny.arch == "gemma2" else "triton"}
+        want = _theirs(tiny.hf, prompts, n)
+    else:
+        loaded, prompts, n, opts = tiny.loaded, PROMPTS + [REPEATING], 10, SMALL
+        want = _tokens(_run(LLM(loaded=loaded, **opts), prompts, _greedy(n)))
+    llm = LLM(loaded=loaded, speculative_mode="medusa", additional_models="random medusa heads",
+              heads=random_heads(loaded, "medusa"), spec_tree_width=3, spec_min_draft_prob=0.0,
+              spec_draft_length=3, spec_max_batch_size=8, **opts)
+    assert _tokens(_run(llm, prompts, _greedy(n))) == want
+    assert llm.engine.spec.stats.num_draft_tokens > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
