@@ -12,7 +12,7 @@ models the per-architecture tests hold to transformers), built and loaded once, 
   attention) logits are as close to float32 as transformers' own in that dtype. Gemma 2 soft-caps its
   attention scores, which the Triton kernel cannot apply: ``attention_backend=triton`` is refused
   by name, and its GPU path is torch attention with the Triton sampler (what ``auto`` picks);
-* the CPU path (the C++ layer stack): n-gram speculation, four requests batched (one forced onto
+* the CPU path (the C++ layer stack, over float32 weights and over w8a8's 8-bit blocks): n-gram speculation, four requests batched (one forced onto
   a repeating token so that its drafts are accepted), gives the tokens of the same engine without
   speculation; a second request sharing two blocks of the first's prompt is served them from the
   prefix cache (``usage.cached_tokens``) and gives the tokens of an engine without the cache; a
@@ -63,7 +63,11 @@ class Tiny(NamedTuple):
     hf: torch.nn.Module          # transformers' model, float32 on CPU
     loaded: LoadedModel          # sluice's, float32 on CPU
     on_gpu: LoadedModel          # sluice's on the GPU path's device (CUDA if present, else the CPU one)
+    w8a8: LoadedModel            # sluice's in a CPU block format (8-bit blocks, int8 activations)
     folder: Path
+
+    def cpu(self, fmt: str) -> LoadedModel:
+        return self.loaded if fmt == "float32" else self.w8a8
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -74,7 +78,8 @@ def tiny(request, tmp_path_factory, smollm2_tokenizer) -> Tiny:
     loaded = load_model(str(folder), dtype="float32", device="cpu", quantization="none")
     assert loaded.arch.architecture == arch
     on_gpu = loaded if GPU == "cpu" else load_model(str(folder), dtype="float32", device=GPU, quantization="none")
-    return Tiny(arch, hf, loaded, on_gpu, folder)
+    w8a8 = load_model(str(folder), dtype="float32", device="cpu", quantization="w8a8")
+    return Tiny(arch, hf, loaded, on_gpu, w8a8, folder)
 
 
 def _theirs(hf, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -139,18 +144,19 @@ def test_triton_kernels_speculate_and_constrain_batched(tiny):
     arch, hf, loaded = tiny.arch, tiny.hf, tiny.on_gpu
     kernels = {**GPU_KERNELS, "attention_backend": "torch"} if arch == "gemma2" else GPU_KERNELS
     llm = LLM(loaded=loaded, speculative_mode="ngram", spec_draft_length=3, spec_max_batch_size=8,
-              **{**SMALL, **kernels})
+              **{**SMALL, **kernels, "max_num_batched_tokens": 64})       # prefills in one step
     assert llm.engine.model_info.attention_backend == kernels["attention_backend"]
     prompts = [PROMPTS[1], REPEATING, PROMPTS[0]]
-    params = [_greedy(NEW_TOKENS), _greedy(NEW_TOKENS, logit_bias={FORCED: 100.0})] + _constrained(SHORT_SCHEMA, [1.0])
+    # The forced request short: its bias runs the penalties kernel, the interpreter's slowest (~0.3 s a step).
+    params = [_greedy(NEW_TOKENS), _greedy(4, logit_bias={FORCED: 100.0})] + _constrained(SHORT_SCHEMA, [1.0])
     results = _run(llm, prompts, params)
     stats = llm.engine.spec.stats
-    assert _tokens(results[:2]) == [*_theirs(hf, prompts[:1], NEW_TOKENS), [FORCED] * NEW_TOKENS]
+    assert _tokens(results[:2]) == [*_theirs(hf, prompts[:1], NEW_TOKENS), [FORCED] * 4]
     assert stats.num_accepted_tokens > 0, stats
     _assert_valid(arch, results[2:], SHORT_SCHEMA)
 
 
-@pytest.mark.parametrize("path", ["gpu", "cpu"])
+@pytest.mark.parametrize("path", ["gpu", "float32", "w8a8"])
 def test_draft_trees_keep_the_greedy_tokens(tiny, path):
     """Medusa draft trees (random heads, width 3, every node kept): the tree's rows attend
     through the tree mask (the Triton prefill kernel's, or the C++ stack's), past the sliding
@@ -159,10 +165,11 @@ def test_draft_trees_keep_the_greedy_tokens(tiny, path):
 
     if path == "gpu":
         loaded, prompts, n = tiny.on_gpu, PROMPTS[:2], NEW_TOKENS
-        opts = {**SMALL, **GPU_KERNELS, "attention_backend": "torch" if tiny.arch == "gemma2" else "triton"}
+        opts = {**SMALL, **GPU_KERNELS, "attention_backend": "torch" if tiny.arch == "gemma2" else "triton",
+                "max_num_batched_tokens": 64}
         want = _theirs(tiny.hf, prompts, n)
     else:
-        loaded, prompts, n, opts = tiny.loaded, PROMPTS + [REPEATING], 10, SMALL
+        loaded, prompts, n, opts = tiny.cpu(path), PROMPTS + [REPEATING], 10, SMALL
         want = _tokens(_run(LLM(loaded=loaded, **opts), prompts, _greedy(n)))
     llm = LLM(loaded=loaded, speculative_mode="medusa", additional_models="random medusa heads",
               heads=random_heads(loaded, "medusa"), spec_tree_width=3, spec_min_draft_prob=0.0,
@@ -211,9 +218,13 @@ def _on_gpu(meta):
                                         if isinstance(getattr(meta, f.name), torch.Tensor)})
 
 
-# ---- the CPU path (the C++ layer stack) ----------------------------------------------------------
-def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
-    arch, loaded = tiny.arch, tiny.loaded
+# ---- the CPU path (the C++ layer stack, float32 and a block format) -----------------------------
+FORMATS = ["float32", "w8a8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny, fmt):
+    arch, loaded = tiny.arch, tiny.cpu(fmt)
     prompts = PROMPTS + [REPEATING]
     params = [_greedy(12)] * len(PROMPTS) + [_greedy(12, logit_bias={FORCED: 100.0})]
     base = LLM(loaded=loaded, **SMALL)
@@ -226,8 +237,9 @@ def test_ngram_speculation_keeps_the_greedy_tokens_batched(tiny):
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0, stats
 
 
-def test_a_shared_prefix_is_served_from_the_cache(tiny):
-    loaded = tiny.loaded
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_shared_prefix_is_served_from_the_cache(tiny, fmt):
+    loaded = tiny.cpu(fmt)
     first = torch.randint(2, 30000, (37,), generator=torch.Generator().manual_seed(5)).tolist()
     second = first[:32] + [41, 42, 43]
     llm = LLM(loaded=loaded, block_size=16, **SMALL)
@@ -239,6 +251,7 @@ def test_a_shared_prefix_is_served_from_the_cache(tiny):
     assert _tokens([a, b]) == _tokens(_run(uncached, [first, second], _greedy(6)))
 
 
-def test_a_json_schema_constrains_the_output(tiny):
-    arch, loaded = tiny.arch, tiny.loaded
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_json_schema_constrains_the_output(tiny, fmt):
+    arch, loaded = tiny.arch, tiny.cpu(fmt)
     _assert_valid(arch, _run(LLM(loaded=loaded, **SMALL), [PROMPTS[0], PROMPTS[2]], _constrained(SCHEMA)), SCHEMA)
