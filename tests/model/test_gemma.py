@@ -35,32 +35,18 @@ from sluice.engine.loaders.gguf_loader import load_gguf
 from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.sampling_params import SamplingParams
-from tests.model import gguf_writing
+from tests.model import gguf_writing, tiny_archs
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
-LAYERS, HEADS, KV_HEADS, HIDDEN, HEAD_DIM, WINDOW, MAX_POS = 4, 4, 2, 64, 24, 8, 256
-GEMMA3_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
-LOCAL_THETA, GLOBAL_THETA = 500.0, 20000.0
+# The models' shapes (tiny_archs.gemma_config).
+LAYERS, HEAD_DIM, WINDOW = tiny_archs.GEMMA_LAYERS, tiny_archs.GEMMA_HEAD_DIM, tiny_archs.GEMMA_WINDOW
+GEMMA3_TYPES = tiny_archs.GEMMA3_TYPES
+LOCAL_THETA, GLOBAL_THETA = tiny_archs.GEMMA3_LOCAL_THETA, tiny_archs.GEMMA3_GLOBAL_THETA
 _gen = torch.Generator().manual_seed(7)
 # Past the window (8) and past a block (the engine's 16) several times.
 PROMPTS = [[3, 17, 400, 9, 5000, 77]] + [torch.randint(2, 30000, (n,), generator=_gen).tolist() for n in (21, 37)]
 VARIANTS = ["gemma2", "gemma2_scalar", "gemma3"]
-
-
-def _config(variant: str, vocab: int):
-    from transformers import Gemma2Config, Gemma3TextConfig
-
-    common = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=LAYERS,
-                  num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                  max_position_embeddings=MAX_POS, sliding_window=WINDOW, rms_norm_eps=1e-6,
-                  final_logit_softcapping=8.0, pad_token_id=None, eos_token_id=None, bos_token_id=None)
-    if variant.startswith("gemma2"):
-        return Gemma2Config(**common, attn_logit_softcapping=5.0,
-                            query_pre_attn_scalar=20 if variant == "gemma2_scalar" else HEAD_DIM)
-    return Gemma3TextConfig(**common, query_pre_attn_scalar=HEAD_DIM, layer_types=GEMMA3_TYPES, rope_parameters={
-        "sliding_attention": {"rope_type": "default", "rope_theta": LOCAL_THETA},
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": GLOBAL_THETA}})
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -73,7 +59,7 @@ def gemma(request, tmp_path_factory, smollm2_tokenizer):
     smollm2_tokenizer.save_folder(folder)
     torch.manual_seed(0)
     cls = Gemma2ForCausalLM if variant.startswith("gemma2") else Gemma3ForCausalLM
-    model = cls(_config(variant, smollm2_tokenizer.vocab_size)).eval()
+    model = cls(tiny_archs.gemma_config(variant, smollm2_tokenizer.vocab_size)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0, 0.15)

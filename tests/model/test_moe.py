@@ -34,42 +34,17 @@ from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.moe import SparseMoE, route
 from sluice.engine.sampling_params import SamplingParams
-from tests.model import gguf_writing
+from tests.model import gguf_writing, tiny_archs
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
 PROMPTS = [[3, 17, 400, 9, 5000, 77], [12, 13], [900, 4, 4, 4, 31, 2000, 8, 1, 65, 101, 7]]
-THETA = 10000.0
-COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=THETA, tie_word_embeddings=False,
-              num_experts_per_tok=2)
+THETA = tiny_archs.MOE_COMMON["rope_theta"]
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
 GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
 # Expert counts and whether the top-k weights are renormalised, per architecture.
 NUM_EXPERTS = {"mixtral": 6, "qwen2_moe": 6, "qwen3_moe": 8, "olmoe": 6}
 NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True, "olmoe": False}
-
-
-def _hf_model(model_type: str, vocab: int):
-    import transformers as tf
-
-    if model_type == "mixtral":
-        config = tf.MixtralConfig(vocab_size=vocab, intermediate_size=96, num_local_experts=6, **COMMON)
-        return tf.MixtralForCausalLM(config)
-    if model_type == "qwen2_moe":
-        # norm_topk_prob False (Qwen1.5-MoE's): the top-2 weights are not renormalised.
-        config = tf.Qwen2MoeConfig(vocab_size=vocab, intermediate_size=128, moe_intermediate_size=64,
-                                   shared_expert_intermediate_size=96, num_experts=6, norm_topk_prob=False,
-                                   **COMMON)
-        return tf.Qwen2MoeForCausalLM(config)
-    if model_type == "olmoe":
-        # OLMoE-1B-7B's defaults: norm_topk_prob False, clip_qkv None; intermediate_size is per expert.
-        config = tf.OlmoeConfig(vocab_size=vocab, intermediate_size=96, num_experts=6, **COMMON)
-        assert config.norm_topk_prob is False and config.clip_qkv is None
-        return tf.OlmoeForCausalLM(config)
-    config = tf.Qwen3MoeConfig(vocab_size=vocab, intermediate_size=128, moe_intermediate_size=64, num_experts=8,
-                               norm_topk_prob=True, head_dim=32, **COMMON)
-    return tf.Qwen3MoeForCausalLM(config)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -78,7 +53,7 @@ def moe(request, tmp_path_factory, smollm2_tokenizer):
     folder = tmp_path_factory.mktemp(f"tiny_{request.param}")
     smollm2_tokenizer.save_folder(folder)
     torch.manual_seed(0)
-    model = _hf_model(request.param, smollm2_tokenizer.vocab_size).eval()
+    model = tiny_archs.moe_model(request.param, smollm2_tokenizer.vocab_size).eval()
     with torch.no_grad():
         # O(1..10) logits, so that a mistake shows far above the tolerance; norm weights away from 1.
         # Router rows at 0.5: routing probabilities far from uniform, so the top 2 are clear.

@@ -33,35 +33,18 @@ from sluice.engine.loaders.hf_loader import load_hf_folder
 from sluice.engine.models.config import ModelArchConfig
 from sluice.engine.models.rope import compute_inv_freq
 from sluice.engine.sampling_params import SamplingParams
-from tests.model import gguf_writing
+from tests.model import gguf_writing, tiny_archs
 from tests.model.test_logits import _assert_logits_match, _prefill_logits
 from tests.model.test_quantization import MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE
 
-HEADS, KV_HEADS, HIDDEN, THETA, ORIGINAL, MAX_POS, WINDOW = 4, 2, 64, 10000.0, 32, 256, 16
-HEAD_DIM = HIDDEN // HEADS
+# The models' shapes (tiny_archs.phi3_config).
+THETA, ORIGINAL, MAX_POS, WINDOW = 10000.0, tiny_archs.PHI3_ORIGINAL, 256, tiny_archs.PHI3_WINDOW
+HEAD_DIM = tiny_archs.PHI3_HEAD_DIM
 PROMPTS = [[3, 17, 400, 9, 5000, 77], [12, 13], [900, 4, 4, 4, 31, 2000, 8, 1, 65, 101, 7]]
 # Past ORIGINAL (long factors) and past WINDOW.
 _gen = torch.Generator().manual_seed(3)
 LONG_PROMPTS = [torch.randint(2, 30000, (n,), generator=_gen).tolist() for n in (34, 40, 47)]
 VARIANTS = ["longrope", "window"]
-
-
-def _config(variant: str, vocab: int):
-    from transformers import Phi3Config
-
-    extra = {}
-    if variant == "longrope":
-        g = torch.Generator().manual_seed(5)
-        extra = dict(original_max_position_embeddings=ORIGINAL, rope_scaling={
-            "rope_type": "longrope",
-            "short_factor": (1 + 0.5 * torch.rand(HEAD_DIM // 2, generator=g)).tolist(),
-            "long_factor": (2 + 8 * torch.rand(HEAD_DIM // 2, generator=g)).tolist()})
-    else:
-        extra = dict(sliding_window=WINDOW)
-    return Phi3Config(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POS,
-                      rms_norm_eps=1e-6, rope_theta=THETA, tie_word_embeddings=False, pad_token_id=None,
-                      eos_token_id=None, bos_token_id=None, **extra)
 
 
 @pytest.fixture(scope="module", params=VARIANTS)
@@ -72,7 +55,7 @@ def phi3(request, tmp_path_factory, smollm2_tokenizer):
     folder = tmp_path_factory.mktemp(f"tiny_phi3_{request.param}")
     smollm2_tokenizer.save_folder(folder)
     torch.manual_seed(0)
-    model = Phi3ForCausalLM(_config(request.param, smollm2_tokenizer.vocab_size)).eval()
+    model = Phi3ForCausalLM(tiny_archs.phi3_config(request.param, smollm2_tokenizer.vocab_size)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0, 0.5) if "norm" in name else p.normal_(0, 0.15)
