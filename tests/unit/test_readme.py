@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MAX_LINES = 500
 NEEDS_DEFAULT_MODEL = "<!-- needs: default-model -->"
-MODELS_HEADER = "| architecture | models | CPU float32 | CPU block formats | what is refused |"
+MODELS_HEADER = "| architecture | models | CPU float32 | CPU block formats | GPU | what is refused |"
 REGIONS = ("json-schema-keywords", "gguf-formats", "models")
 TOP_DIRS = (".ci", "bench", "engine", "http_facade", "kernels", "proto", "tests")
 TOP_FILES = ("Makefile", "pyproject.toml", "README.md")
@@ -335,8 +335,8 @@ python bench/serving.py --concurrency 1 --no-such-bench-flag
 | --- | --- | --- |
 | `max_made_up_limit` | 1 | nothing |
 
-| architecture | models | CPU float32 | CPU block formats | what is refused |
-| --- | --- | --- | --- | --- |
+| architecture | models | CPU float32 | CPU block formats | GPU | what is refused |
+| --- | --- | --- | --- | --- | --- |
 | `llama` | Llama | C++ stack | C++ stack | |
 | `gemma7` | none | | | |
 
