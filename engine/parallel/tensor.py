@@ -6,6 +6,9 @@ Split, on the Llama decoder's own modules:
     for those heads only; when the heads do not divide evenly the first ranks take one more
     (SmolLM2's 3 KV heads on 2 ranks: 2 and 1);
   * MLP: each rank holds an equal slice of the intermediate features (``gate``/``up`` rows);
+  * a checkpoint that stores them fused (Phi-3's ``qkv_proj`` [q | k | v] and ``gate_up_proj``
+    [gate | up]; llama.cpp's ``attn_qkv`` / ``ffn_up``): the rank's rows of each part, side by
+    side in the same order (whole rows, so a block format's cut falls between blocks);
   * ``o_proj`` and ``down_proj``, in one of two ways:
     - exact (on CPU, where the C++ layer stack runs): each rank holds a range of their output
       rows, whole along the input. The stack gathers the ranks' attention outputs (and MLP
@@ -86,9 +89,6 @@ def plan_shard(arch: ModelArchConfig, rank: int, world: int, exact: bool = False
     if arch.num_experts:
         raise ValueError(f"tensor_parallel_shards: a mixture-of-experts model ({arch.architecture}) is not "
                          "split over ranks (its experts are not sharded); run it with tensor_parallel_shards=1")
-    if world > 1 and ARCHITECTURES[arch.architecture].fused:
-        raise ValueError(f"tensor_parallel_shards: a {arch.architecture} checkpoint stores q/k/v and gate/up fused, "
-                         "which the ranks do not slice yet; run it with tensor_parallel_shards=1")
     if world > 1 and ARCHITECTURES[arch.architecture].gemma:
         raise ValueError(f"tensor_parallel_shards: a {arch.architecture} model is not split over ranks yet (its "
                          "layers are models.gemma's, which the ranks' sharding was not checked on); run it with "
@@ -129,36 +129,56 @@ class ShardedWeights(Mapping):
         if hasattr(weights, "tensor_type"):
             self.tensor_type = weights.tensor_type
 
-    def _cut(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, start, stop) of this rank's slice of ``name``, None for a whole tensor."""
-        s, d = self._s, self._arch.head_dim
+    def _cut(self, name: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, stop), ...]) of this rank's slice of ``name`` (several ranges of a fused
+        tensor, concatenated in order), None for a whole tensor."""
+        s, a = self._s, self._arch
+        d = a.head_dim
         kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
+        q = [(s.q_start * d, (s.q_start + s.q_heads) * d)]
+        kv = [(s.kv_start * d, (s.kv_start + s.kv_heads) * d)]
         if s.out_rows and kind in ("o_proj", "down_proj"):     # the exact split: output rows (bias too)
-            return 0, s.out_start, s.out_start + s.out_rows
+            return 0, [(s.out_start, s.out_start + s.out_rows)]
         if ".self_attn." in name:
             if kind == "q_proj":
-                return 0, s.q_start * d, (s.q_start + s.q_heads) * d
+                return 0, q
             if kind in ("k_proj", "v_proj"):
-                return 0, s.kv_start * d, (s.kv_start + s.kv_heads) * d
+                return 0, kv
+            if kind == "qkv_proj":            # Phi-3's fused [q | k | v] rows: this rank's heads of each
+                return 0, q + [(a.q_size + i, a.q_size + j) for i, j in kv] + \
+                    [(a.q_size + a.kv_size + i, a.q_size + a.kv_size + j) for i, j in kv]
             if kind == "o_proj" and name.endswith(".weight"):
-                return 1, s.q_start * d, (s.q_start + s.q_heads) * d
-        if ".mlp." in name:
+                return 1, q
+        inter = self._inter(name)
+        if inter is not None:
+            start, n, full = inter
             if kind in ("gate_proj", "up_proj"):
-                return 0, s.inter_start, s.inter_start + s.inter
+                return 0, [(start, start + n)]
+            if kind == "gate_up_proj":        # Phi-3's fused [gate | up] rows
+                return 0, [(start, start + n), (full + start, full + start + n)]
             if kind == "down_proj":
-                return 1, s.inter_start, s.inter_start + s.inter
+                return 1, [(start, start + n)]
+        return None
+
+    def _inter(self, name: str) -> tuple[int, int, int] | None:
+        """(start, features, whole features) of this rank's slice of the MLP; None outside it."""
+        if ".mlp." in name:
+            return self._s.inter_start, self._s.inter, self._arch.intermediate_size
         return None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._w[name]
         cut = self._cut(name)
-        return t if cut is None else t.narrow(cut[0], cut[1], cut[2] - cut[1]).contiguous()
+        if cut is None:
+            return t
+        dim, ranges = cut
+        return torch.cat([t.narrow(dim, i, j - i) for i, j in ranges], dim).contiguous()
 
     def shape(self, name: str) -> tuple[int, ...]:
         full = list(self._w.shape(name))
         cut = self._cut(name)
         if cut is not None:
-            full[cut[0]] = cut[2] - cut[1]
+            full[cut[0]] = sum(j - i for i, j in cut[1])
         return tuple(full)
 
     def _blocks(self, name: str):
@@ -167,12 +187,13 @@ class ShardedWeights(Mapping):
         if got is None or cut is None:
             return got
         kind, raw = got                                   # raw [rows, bytes per row] uint8
-        dim, start, stop = cut
-        if dim == 0:
-            return kind, raw[start:stop].contiguous()
+        dim, ranges = cut
+        if dim == 0:                                      # whole rows: any cut falls between blocks
+            return kind, torch.cat([raw[i:j] for i, j in ranges]).contiguous()
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        (start, stop), = ranges
         if start % per_block or stop % per_block:
             raise ModelLoadError(f"tensor_parallel_shards: tensor {name!r} ({kind}, blocks of {per_block}) "
                                  f"cannot be split at column {start if start % per_block else stop}")
