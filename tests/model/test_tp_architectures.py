@@ -139,3 +139,52 @@ def test_phi3_two_ranks_match_one(phi3, split, monkeypatch):
     folder, gguf, _ = phi3
     _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
 
+
+# ---- mixtures of experts: every rank a slice of every expert -------------------------------------
+@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+def moe(request, tmp_path_factory, smollm2_tokenizer):
+    """(architecture, folder, Q8_0 GGUF): test_moe's models (its weight scales: a clear top 2)."""
+    from tests.model import test_moe
+
+    folder = tmp_path_factory.mktemp(f"tp_{request.param}")
+    smollm2_tokenizer.save_folder(folder)
+    torch.manual_seed(0)
+    hf = test_moe._hf_model(request.param, smollm2_tokenizer.vocab_size).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+            else:
+                p.normal_(0, 0.15)
+    hf.save_pretrained(folder, safe_serialization=True)
+    gguf = _with_vocabulary(test_moe._write_gguf, folder / "q8_0.gguf", hf, q8_0=True)
+    return request.param, str(folder), gguf
+
+
+def test_moe_shards_hold_a_slice_of_every_expert(moe):
+    """Routed and shared experts: gate/up by features, down by its input (row-parallel) or output
+    rows (exact); the router, the shared gate and everything else whole; OLMoE's q/k norm weights
+    cut with their heads. From the GGUF too (its 3-D stacks read one expert at a time)."""
+    name, folder, gguf = moe
+    for arch, weights in (load_hf_folder(folder), load_gguf(gguf)[:2]):
+        for exact in (True, False):
+            pieces = [ShardedWeights(weights, arch, plan_shard(arch, r, 2, exact)) for r in range(2)]
+            for key in weights:
+                whole = weights[key]
+                if ".experts." in key or ".shared_expert." in key:
+                    dim = 1 if key.endswith(("down_proj.weight", "w2.weight")) and not exact else 0
+                    assert torch.equal(torch.cat([p[key] for p in pieces], dim), whole), key
+                    assert pieces[0][key].shape[dim] * 2 == whole.shape[dim], key
+                elif ("q_norm" in key or "k_norm" in key) and name == "olmoe":
+                    assert torch.equal(torch.cat([p[key] for p in pieces]), whole), key
+                elif ".gate." in key or "shared_expert_gate" in key or "norm" in key or "embed" in key:
+                    assert all(p[key] is whole or torch.equal(p[key], whole) for p in pieces), key
+
+
+@pytest.mark.parametrize("split", ["exact", "row-parallel", "q8_0"])
+def test_moe_two_ranks_match_one(moe, split, monkeypatch):
+    _, folder, gguf = moe
+    _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
+
