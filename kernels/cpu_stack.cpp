@@ -270,8 +270,7 @@ class DecoderStack {
       if (L.moe) {
         mlp = gathered(moe_mlp(*L.moe, hn[1], gather_), kHidden);
       } else {
-        auto gate_up = L.gate_up(hn[1]);
-        mlp = gathered(L.down(gathered(spec_.geglu ? gelu_mul(gate_up) : silu_mul(gate_up), kActivation)), kHidden);
+        mlp = gathered(L.down(activation(L.gate_up(hn[1]))), kHidden);
       }
       if (spec_.sandwich) mlp = rms_norm(mlp, L.post_mlp_norm, spec_.eps);
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
@@ -338,6 +337,18 @@ class DecoderStack {
     auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({rows * heads, dim}).contiguous(), L.q_norm, spec_.eps);
     auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({rows * kv_heads, dim}).contiguous(), L.k_norm, spec_.eps);
     return torch::cat({q.view({rows, heads, dim}), k.view({rows, kv_heads, dim})}, 1);
+  }
+
+  // The MLP's activation [T, I] from its gate/up [T, 2 I], whole (gathered) under tensor
+  // parallelism. GeGLU gathers gate and up and runs on the whole of them: ATen's vectorised gelu
+  // takes another path for a row's tail than for its body, so a narrower piece would round some
+  // features differently than the unsplit model (SiLU is cpu_ops' own loop, the same at any width).
+  torch::Tensor activation(const torch::Tensor& gate_up) const {
+    if (!spec_.geglu) return gathered(silu_mul(gate_up), kActivation);
+    if (!gather_) return gelu_mul(gate_up);
+    const int64_t inter = gate_up.size(1) / 2;
+    return gelu_mul(torch::cat({gathered(gate_up.narrow(1, 0, inter), kActivation),
+                                gathered(gate_up.narrow(1, inter, inter), kActivation)}, 1));
   }
 
   // An RMSNorm over a whole projection (OLMoE) of which this rank holds x's columns and w's

@@ -14,6 +14,11 @@ Split, on the Llama decoder's own modules:
     one call, stacked by expert, and each down runs over its expert's whole activation;
   * OLMoE's q/k RMSNorm over the whole projection: its weights are cut with the heads, its
     statistics taken over the ranks' gathered whole row (both splits);
+  * Gemma 2 / 3: as Llama's (GeGLU's gate/up as SwiGLU's); their extra norms are whole on every
+    rank and read the whole (gathered or all-reduced) outputs, attention soft-capping and the
+    query scale act per head, the logits' soft-cap on rank 0's whole logits. The exact split
+    gathers gate and up and runs GeGLU on the whole of them (ATen's gelu rounds a narrower row
+    differently in its last bit);
   * a checkpoint that stores them fused (Phi-3's ``qkv_proj`` [q | k | v] and ``gate_up_proj``
     [gate | up]; llama.cpp's ``attn_qkv`` / ``ffn_up``): the rank's rows of each part, side by
     side in the same order (whole rows, so a block format's cut falls between blocks);
@@ -105,10 +110,6 @@ def plan_shard(arch: ModelArchConfig, rank: int, world: int, exact: bool = False
     expert) ``rank`` of ``world`` holds, and with ``exact`` which output rows of o_proj and
     down_proj; ValueError naming ``tensor_parallel_shards`` when the model cannot be split that way."""
     kv = arch.num_key_value_heads
-    if world > 1 and ARCHITECTURES[arch.architecture].gemma:
-        raise ValueError(f"tensor_parallel_shards: a {arch.architecture} model is not split over ranks yet (its "
-                         "layers are models.gemma's, which the ranks' sharding was not checked on); run it with "
-                         "tensor_parallel_shards=1")
     if world > kv:
         raise ValueError(f"tensor_parallel_shards: {world} ranks need at least {world} key/value heads; "
                          f"the model has {kv}")

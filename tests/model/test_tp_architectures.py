@@ -188,3 +188,30 @@ def test_moe_two_ranks_match_one(moe, split, monkeypatch):
     _, folder, gguf = moe
     _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
 
+
+# ---- Gemma 2 / Gemma 3 ------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
+def gemma(request, tmp_path_factory, smollm2_tokenizer):
+    """(folder, Q8_0 GGUF): test_gemma's models (soft-caps, sliding and global layers, Gemma 3's
+    local RoPE and per-head q/k norms, head_dim 24 unlike hidden / heads)."""
+    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
+
+    from tests.model import test_gemma
+
+    folder = tmp_path_factory.mktemp(f"tp_{request.param}")
+    smollm2_tokenizer.save_folder(folder)
+    torch.manual_seed(0)
+    cls = Gemma2ForCausalLM if request.param == "gemma2" else Gemma3ForCausalLM
+    hf = cls(test_gemma._config(request.param, smollm2_tokenizer.vocab_size)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0, 0.15)
+    hf.save_pretrained(folder, safe_serialization=True)
+    gguf = _with_vocabulary(test_gemma._write_gguf, folder / "q8_0.gguf", hf, q8_0=True)
+    return str(folder), gguf
+
+
+@pytest.mark.parametrize("split", ["exact", "row-parallel", "q8_0"])
+def test_gemma_two_ranks_match_one(gemma, split, monkeypatch):
+    folder, gguf = gemma
+    _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
