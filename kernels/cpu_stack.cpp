@@ -158,7 +158,8 @@ torch::Tensor moe_mlp(const StackMoE& m, const torch::Tensor& x, const Gather& g
     if (count[e]) acts.push_back(silu_mul(m.gate_up[e](x.index_select(0, tokens.narrow(0, start, count[e])))));
   if (gather) {
     auto all = gather(torch::cat(acts, 0).contiguous(), kExpertActivation);       // [T * k, I whole]
-    for (size_t i = 0, row = 0; i < acts.size(); row += acts[i].size(0), ++i) acts[i] = all.narrow(0, row, acts[i].size(0));
+    for (size_t i = 0, row = 0; i < acts.size(); row += acts[i].size(0), ++i)
+      acts[i] = all.narrow(0, row, acts[i].size(0));
   }
   for (int64_t e = 0, start = 0, i = 0; e < experts; start += count[e], ++e) {
     const int64_t n = count[e];

@@ -26,15 +26,17 @@ Split, on the Llama decoder's own modules:
     - exact (on CPU, where the C++ layer stack runs): each rank holds a range of their output
       rows, whole along the input. The stack gathers the ranks' attention outputs (and MLP
       activations) side by side, runs its rows over the whole input, and gathers the outputs:
-      four all-gathers per layer and step, and every number is the one a single rank computes
+      four all-gathers per layer and step (five with GeGLU, whose gate and up travel apart; a
+      mixture of experts: attention's two, the chosen experts' activations, the shared expert's
+      and the output; OLMoE adds q's and k's), and every number is the one a single rank computes
       (each output sums over its whole input in the same order; concatenation reorders
       nothing), so greedy outputs equal the unsplit model's in every format;
     - row-parallel (Megatron's; elsewhere): each rank holds their input columns of its heads and
       features; the partial outputs are all-reduced (summed) before the residual add: two
       all-reduces per layer and step, in the Python layers. Sums in another order: near the
       unsplit model's, not equal to it;
-  * the embedding, the norms and the LM head are whole on every rank (only rank 0 computes
-    logits).
+  * the embedding, the norms (but OLMoE's whole-projection q/k norms, above) and the LM head
+    are whole on every rank (only rank 0 computes logits).
 Weights are sliced as they are read (``ShardedWeights`` over the loader's lazy mapping: one full
 tensor at a time is ever resident), block formats (Q4_0, Q4_1, Q8_0, ...) included, cut between
 whole blocks (a cut inside a block is refused with the tensor's name).

@@ -8,12 +8,14 @@ The tiny random-weight models are the per-architecture tests' own (``test_phi3``
 float32 and from a Q8_0 GGUF in llama.cpp's layout (Phi-3's ``attn_qkv`` / ``ffn_up`` fused in
 blocks, the experts' 3-D stacks), SmolLM2's vocabulary copied in so that an engine can serve it.
 
-Proves: the shards hold exactly the whole model's weights (a fused tensor's pieces, every
-expert's slice); 6 mixed requests (several prompt lengths, chunked prefill beside decodes) give
+Proves: the shards hold exactly the whole model's weights (a fused tensor's pieces, whole
+block rows of a GGUF's; every expert's slice, the router whole, OLMoE's norm weights cut with
+their heads); 6 mixed requests (several prompt lengths, chunked prefill beside decodes) give
 greedy outputs token-identical to one shard, with logprobs within float32 tolerance in float32
 and equal to the last bit in Q8_0 (the exact split: the C++ stack gathers, every number is one
-rank's); the row-parallel split (the Python layers, ``SLUICE_CPU_CPP_LAYERS=0``) stays
-token-identical in float32.
+rank's), for every architecture (Q8_0: each with its own GGUF block path); the row-parallel split (the Python layers,
+``SLUICE_CPU_CPP_LAYERS=0``) stays token-identical in float32 where a rank's Python layers run
+code of their own.
 """
 from __future__ import annotations
 
@@ -86,28 +88,64 @@ def _with_vocabulary(write, path, *args, **kwargs) -> str:
     return str(path)
 
 
-# ---- Phi-3: q/k/v and gate/up fused -------------------------------------------------------------
-@pytest.fixture(scope="module")
-def phi3(tmp_path_factory, smollm2_tokenizer):
-    """(folder, Q8_0 GGUF, transformers model): test_phi3's LongRoPE model."""
-    from transformers import Phi3ForCausalLM
+# ---- the models: test_phi3's, test_moe's and test_gemma's, built once each ---------------------
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+ARCHS = ["phi3", *MOE, "gemma2", "gemma3"]
 
-    from tests.model import test_phi3
 
-    folder = tmp_path_factory.mktemp("tp_phi3")
-    smollm2_tokenizer.save_folder(folder)
+def _hf_model(name: str, vocab: int):
+    """The per-architecture test's random model, with its weight scales (norm weights away from
+    their neutral value; MoE routers at 0.5: a clear top 2)."""
+    from tests.model import test_gemma, test_moe, test_phi3
+
     torch.manual_seed(0)
-    hf = Phi3ForCausalLM(test_phi3._config("longrope", smollm2_tokenizer.vocab_size)).eval()
+    if name == "phi3":
+        from transformers import Phi3ForCausalLM
+
+        hf, scales = Phi3ForCausalLM(test_phi3._config("longrope", vocab)), {"norm": 1.0}
+    elif name in MOE:
+        hf, scales = test_moe._hf_model(name, vocab), {"norm": 1.0, "router": 0.5}
+    else:
+        from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
+
+        cls = Gemma2ForCausalLM if name == "gemma2" else Gemma3ForCausalLM
+        hf, scales = cls(test_gemma._config(name, vocab)), {"norm": 0.0}
     with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(1.0, 0.5) if "norm" in name else p.normal_(0, 0.15)
-    hf.save_pretrained(folder, safe_serialization=True)
-    gguf = _with_vocabulary(test_phi3._write_gguf, folder / "q8_0.gguf", hf, q8_0=True)
-    return str(folder), gguf, hf
+        for key, p in hf.named_parameters():
+            if "norm" in key:
+                p.normal_(scales["norm"], 0.5)
+            elif key.endswith("mlp.gate.weight") and "router" in scales:
+                p.normal_(0, 0.5)
+            else:
+                p.normal_(0, 0.15)
+    return hf.eval()
 
 
-def test_phi3_fused_shards_hold_each_ranks_heads_and_features(phi3):
-    folder, gguf, hf = phi3
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, smollm2_tokenizer):
+    """``models(name)``: (Hugging Face folder, Q8_0 GGUF) of that architecture's tiny model,
+    written on first use (SmolLM2's tokenizer beside the weights; its vocabulary in the GGUF)."""
+    from tests.model import test_gemma, test_moe, test_phi3
+
+    built: dict[str, tuple[str, str]] = {}
+
+    def get(name: str) -> tuple[str, str]:
+        if name not in built:
+            folder = tmp_path_factory.mktemp(f"tp_{name}")
+            smollm2_tokenizer.save_folder(folder)
+            hf = _hf_model(name, smollm2_tokenizer.vocab_size)
+            hf.save_pretrained(folder, safe_serialization=True)
+            write = test_phi3._write_gguf if name == "phi3" else test_moe._write_gguf if name in MOE \
+                else test_gemma._write_gguf
+            built[name] = str(folder), _with_vocabulary(write, folder / "q8_0.gguf", hf, q8_0=True)
+        return built[name]
+
+    return get
+
+
+# ---- the shards hold the whole model ------------------------------------------------------------
+def test_phi3_fused_shards_hold_each_ranks_heads_and_features(models):
+    folder, gguf = models("phi3")
     arch, weights = load_hf_folder(folder)
     q, kv, inter = arch.q_size, arch.kv_size, arch.intermediate_size
     qkv = weights["model.layers.1.self_attn.qkv_proj.weight"]
@@ -118,8 +156,9 @@ def test_phi3_fused_shards_hold_each_ranks_heads_and_features(phi3):
         got = [p["model.layers.1.self_attn.qkv_proj.weight"] for p in pieces]
         # Rank r: its 2 query heads, then its key head, then its value head (head_dim 16 each).
         for r, t in enumerate(got):
-            assert torch.equal(t, torch.cat([qkv[r * q // 2:(r + 1) * q // 2], qkv[q + r * kv // 2:q + (r + 1) * kv // 2],
-                                             qkv[q + kv + r * kv // 2:q + kv + (r + 1) * kv // 2]]))
+            rows = [(r * q // 2, (r + 1) * q // 2), (q + r * kv // 2, q + (r + 1) * kv // 2),
+                    (q + kv + r * kv // 2, q + kv + (r + 1) * kv // 2)]
+            assert torch.equal(t, torch.cat([qkv[i:j] for i, j in rows]))
             up = pieces[r]["model.layers.1.mlp.gate_up_proj.weight"]
             half = inter // 2
             assert torch.equal(up, torch.cat([gate_up[r * half:(r + 1) * half],
@@ -134,40 +173,12 @@ def test_phi3_fused_shards_hold_each_ranks_heads_and_features(phi3):
     assert torch.equal(cut[1], torch.cat([blocks[32:64], blocks[80:96], blocks[112:128]]))
 
 
-@pytest.mark.parametrize("split", ["exact", "row-parallel", "q8_0"])
-def test_phi3_two_ranks_match_one(phi3, split, monkeypatch):
-    folder, gguf, _ = phi3
-    _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
-
-
-# ---- mixtures of experts: every rank a slice of every expert -------------------------------------
-@pytest.fixture(scope="module", params=["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
-def moe(request, tmp_path_factory, smollm2_tokenizer):
-    """(architecture, folder, Q8_0 GGUF): test_moe's models (its weight scales: a clear top 2)."""
-    from tests.model import test_moe
-
-    folder = tmp_path_factory.mktemp(f"tp_{request.param}")
-    smollm2_tokenizer.save_folder(folder)
-    torch.manual_seed(0)
-    hf = test_moe._hf_model(request.param, smollm2_tokenizer.vocab_size).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.normal_(1.0, 0.5)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0, 0.5)
-            else:
-                p.normal_(0, 0.15)
-    hf.save_pretrained(folder, safe_serialization=True)
-    gguf = _with_vocabulary(test_moe._write_gguf, folder / "q8_0.gguf", hf, q8_0=True)
-    return request.param, str(folder), gguf
-
-
-def test_moe_shards_hold_a_slice_of_every_expert(moe):
+@pytest.mark.parametrize("name", MOE)
+def test_moe_shards_hold_a_slice_of_every_expert(models, name):
     """Routed and shared experts: gate/up by features, down by its input (row-parallel) or output
     rows (exact); the router, the shared gate and everything else whole; OLMoE's q/k norm weights
     cut with their heads. From the GGUF too (its 3-D stacks read one expert at a time)."""
-    name, folder, gguf = moe
+    folder, gguf = models(name)
     for arch, weights in (load_hf_folder(folder), load_gguf(gguf)[:2]):
         for exact in (True, False):
             pieces = [ShardedWeights(weights, arch, plan_shard(arch, r, 2, exact)) for r in range(2)]
@@ -183,35 +194,33 @@ def test_moe_shards_hold_a_slice_of_every_expert(moe):
                     assert all(p[key] is whole or torch.equal(p[key], whole) for p in pieces), key
 
 
-@pytest.mark.parametrize("split", ["exact", "row-parallel", "q8_0"])
-def test_moe_two_ranks_match_one(moe, split, monkeypatch):
-    _, folder, gguf = moe
+# ---- 2 ranks against 1 ------------------------------------------------------------------------
+# The exact split in float32 for every architecture; Q8_0 for each but Mixtral and Qwen3-MoE
+# (their experts' blocks are cut as Qwen2-MoE's and OLMoE's); the row-parallel split where a
+# rank's Python layers run code of their own (Phi-3's fused slices, the MoE all-reduce and
+# Qwen2-MoE's shared expert, OLMoE's gathered norm statistics, Gemma's sandwich norms). Each case
+# costs ~3 s, most of it the worker's start: the file stays near a minute.
+CASES = [(name, "exact") for name in ARCHS] + \
+    [(name, "q8_0") for name in ARCHS if name not in ("mixtral", "qwen3_moe")] + \
+    [(name, "row-parallel") for name in ("phi3", "qwen2_moe", "olmoe", "gemma2")]
+
+
+@pytest.mark.parametrize("name, split", CASES)
+def test_two_ranks_give_one_shards_outputs(models, name, split, monkeypatch):
+    folder, gguf = models(name)
     _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
 
 
-# ---- Gemma 2 / Gemma 3 ------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["gemma2", "gemma3"])
-def gemma(request, tmp_path_factory, smollm2_tokenizer):
-    """(folder, Q8_0 GGUF): test_gemma's models (soft-caps, sliding and global layers, Gemma 3's
-    local RoPE and per-head q/k norms, head_dim 24 unlike hidden / heads)."""
-    from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
+def test_a_row_parallel_cut_inside_a_block_is_refused_by_name(models):
+    """Gemma's head_dim 24: a rank's o_proj input columns (2 heads, 48) end inside a Q8_0 block of
+    32. The exact split (where the C++ stack runs) cuts whole rows; the row-parallel one, for a
+    block format without the C++ kernels, cannot and says which tensor."""
+    from sluice.engine.errors import ModelLoadError
 
-    from tests.model import test_gemma
-
-    folder = tmp_path_factory.mktemp(f"tp_{request.param}")
-    smollm2_tokenizer.save_folder(folder)
-    torch.manual_seed(0)
-    cls = Gemma2ForCausalLM if request.param == "gemma2" else Gemma3ForCausalLM
-    hf = cls(test_gemma._config(request.param, smollm2_tokenizer.vocab_size)).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.normal_(0.0, 0.5) if "norm" in name else p.normal_(0, 0.15)
-    hf.save_pretrained(folder, safe_serialization=True)
-    gguf = _with_vocabulary(test_gemma._write_gguf, folder / "q8_0.gguf", hf, q8_0=True)
-    return str(folder), gguf
-
-
-@pytest.mark.parametrize("split", ["exact", "row-parallel", "q8_0"])
-def test_gemma_two_ranks_match_one(gemma, split, monkeypatch):
-    folder, gguf = gemma
-    _splits(monkeypatch, gguf if split == "q8_0" else folder, split)
+    arch, weights, _ = load_gguf(models("gemma2")[1])
+    row_parallel = ShardedWeights(weights, arch, plan_shard(arch, 0, 2))
+    with pytest.raises(ModelLoadError, match=r"tensor_parallel_shards: tensor 'model\.layers\.0\.self_attn\.o_proj"
+                                             r"\.weight' \(Q8_0, blocks of 32\) cannot be split at column 48"):
+        row_parallel.blocks("model.layers.0.self_attn.o_proj.weight")
+    exact = ShardedWeights(weights, arch, plan_shard(arch, 0, 2, exact=True))
+    assert exact.blocks("model.layers.0.self_attn.o_proj.weight")[1].shape[0] == 32      # 32 of 64 rows
