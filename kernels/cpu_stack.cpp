@@ -129,8 +129,17 @@ struct StackLayer {
   std::optional<StackMoE> moe;
 };
 
-// GeGLU over a fused [T, 2I] gate/up: gelu_tanh(gate) * up, as the Python layers compute it.
-torch::Tensor moe_mlp(const StackMoE& m, const torch::Tensor& x) {
+// Tensor parallelism's gather (DecoderStack::set_gather): the ranks' [rows, width] pieces side by
+// side; empty on one rank. Its kinds: what is gathered (each rank's width differs per kind).
+using Gather = std::function<torch::Tensor(torch::Tensor, int64_t)>;
+constexpr int64_t kAttention = 0, kActivation = 1, kHidden = 2, kKeys = 3, kExpertActivation = 4,
+                  kSharedActivation = 5, kGatherKinds = 6;
+
+// With `gather` (tensor parallelism's exact split) each expert holds a slice of its features and
+// a range of down's output rows: the chosen experts' activations are gathered in one call (their
+// rows stacked in expert order) and each down runs over its expert's whole activation, so every
+// number is the unsplit model's; the output is this rank's rows.
+torch::Tensor moe_mlp(const StackMoE& m, const torch::Tensor& x, const Gather& gather) {
   const int64_t experts = m.router.size(0);
   auto probs = torch::softmax(torch::linear(x, m.router), -1);                    // [T, E]
   auto [weights, chosen] = torch::topk(probs, m.top_k, -1);                       // [T, k] each
@@ -141,21 +150,32 @@ torch::Tensor moe_mlp(const StackMoE& m, const torch::Tensor& x) {
   auto scales = weights.flatten().index_select(0, order);
   auto counts = torch::bincount(flat, {}, experts).contiguous();
   const int64_t* count = counts.data_ptr<int64_t>();
-  auto out = torch::zeros_like(x);
-  int64_t start = 0;
-  for (int64_t e = 0; e < experts; ++e) {
+  int64_t width = 0;                                                              // down's output rows
+  for (const Part& p : m.down[0].parts) width += p.n;
+  auto out = torch::zeros({x.size(0), width}, x.options());
+  std::vector<torch::Tensor> acts;                                                // [n_e, I] per chosen expert
+  for (int64_t e = 0, start = 0; e < experts; start += count[e], ++e)
+    if (count[e]) acts.push_back(silu_mul(m.gate_up[e](x.index_select(0, tokens.narrow(0, start, count[e])))));
+  if (gather) {
+    auto all = gather(torch::cat(acts, 0).contiguous(), kExpertActivation);       // [T * k, I whole]
+    for (size_t i = 0, row = 0; i < acts.size(); row += acts[i].size(0), ++i)
+      acts[i] = all.narrow(0, row, acts[i].size(0));
+  }
+  for (int64_t e = 0, start = 0, i = 0; e < experts; start += count[e], ++e) {
     const int64_t n = count[e];
     if (!n) continue;
-    auto rows = tokens.narrow(0, start, n);
-    auto y = m.down[e](silu_mul(m.gate_up[e](x.index_select(0, rows)))).mul_(scales.narrow(0, start, n).unsqueeze(1));
-    out.index_add_(0, rows, y);
-    start += n;
+    auto y = m.down[e](acts[i++]).mul_(scales.narrow(0, start, n).unsqueeze(1));
+    out.index_add_(0, tokens.narrow(0, start, n), y);
   }
-  if (m.shared_gate.numel())
-    out = out + torch::sigmoid(torch::linear(x, m.shared_gate)) * m.shared_down(silu_mul(m.shared_gate_up(x)));
+  if (m.shared_gate.numel()) {
+    auto act = silu_mul(m.shared_gate_up(x));
+    if (gather) act = gather(act.contiguous(), kSharedActivation);
+    out = out + torch::sigmoid(torch::linear(x, m.shared_gate)) * m.shared_down(act);
+  }
   return out;
 }
 
+// GeGLU over a fused [T, 2I] gate/up: gelu_tanh(gate) * up, as the Python layers compute it.
 torch::Tensor gelu_mul(const torch::Tensor& gate_up) {
   const int64_t inter = gate_up.size(1) / 2;
   return torch::gelu(gate_up.narrow(1, 0, inter), "tanh").mul_(gate_up.narrow(1, inter, inter));
@@ -249,11 +269,9 @@ class DecoderStack {
                                : add_rms_norm(h, out, L.post_norm, spec_.eps);
       torch::Tensor mlp;
       if (L.moe) {
-        TORCH_CHECK(!gather_, "DecoderStack: routed experts are not split over ranks");
-        mlp = moe_mlp(*L.moe, hn[1]);
+        mlp = gathered(moe_mlp(*L.moe, hn[1], gather_), kHidden);
       } else {
-        auto gate_up = L.gate_up(hn[1]);
-        mlp = gathered(L.down(gathered(spec_.geglu ? gelu_mul(gate_up) : silu_mul(gate_up), kActivation)), kHidden);
+        mlp = gathered(L.down(activation(L.gate_up(hn[1]))), kHidden);
       }
       if (spec_.sandwich) mlp = rms_norm(mlp, L.post_mlp_norm, spec_.eps);
       const torch::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
@@ -265,13 +283,18 @@ class DecoderStack {
   }
 
   // Tensor parallelism (engine/parallel/tensor.py): this stack holds one rank's heads, MLP
-  // features and output rows of o and down; `gather(x, what)` returns the ranks' x side by side
-  // along dim 1 (the whole model's attention output, activation or hidden state), so every
-  // projection sums over its whole input in the unsharded order. Called with the GIL held.
-  void set_gather(std::function<torch::Tensor(torch::Tensor, int64_t)> gather) { gather_ = std::move(gather); }
+  // (or experts') features and output rows of o and down; `gather(x, what)` returns the ranks' x
+  // side by side along dim 1 (the whole model's attention output, activation or hidden state;
+  // the kinds above), so every projection sums over its whole input in the unsharded order.
+  // `offsets[what]`: where this rank's piece starts in a gathered kind (the whole-projection q/k
+  // norms read their columns back). Called with the GIL held.
+  void set_gather(Gather gather, std::vector<int64_t> offsets) {
+    TORCH_CHECK((int64_t)offsets.size() == kGatherKinds, "DecoderStack: set_gather needs ", kGatherKinds, " offsets");
+    gather_ = std::move(gather);
+    offsets_ = std::move(offsets);
+  }
 
  private:
-  static constexpr int64_t kAttention = 0, kActivation = 1, kHidden = 2;
 
   static void check_moe(const StackMoE& m, const std::string& who) {
     check_f32(m.router, "router", 2);
@@ -307,19 +330,43 @@ class DecoderStack {
     const int64_t q_size = heads * dim, kv_size = kv_heads * dim;
     if (!spec_.qk_norm) return qkv.narrow(1, 0, q_size + kv_size).view({rows, heads + kv_heads, dim});
     if (spec_.qk_norm_full) {
-      auto q = rms_norm(qkv.narrow(1, 0, q_size).contiguous(), L.q_norm, spec_.eps);         // [T, q]
-      auto k = rms_norm(qkv.narrow(1, q_size, kv_size).contiguous(), L.k_norm, spec_.eps);   // [T, kv]
+      auto q = whole_norm(qkv.narrow(1, 0, q_size).contiguous(), L.q_norm, kAttention);      // [T, q]
+      auto k = whole_norm(qkv.narrow(1, q_size, kv_size).contiguous(), L.k_norm, kKeys);    // [T, kv]
       return torch::cat({q, k}, 1).view({rows, heads + kv_heads, dim});
     }
-    auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({rows * heads, dim}), L.q_norm, spec_.eps);
-    auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({rows * kv_heads, dim}), L.k_norm, spec_.eps);
+    // contiguous(): with one head (a tensor-parallel rank's single key head) reshape is a strided view.
+    auto q = rms_norm(qkv.narrow(1, 0, q_size).reshape({rows * heads, dim}).contiguous(), L.q_norm, spec_.eps);
+    auto k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({rows * kv_heads, dim}).contiguous(), L.k_norm, spec_.eps);
     return torch::cat({q.view({rows, heads, dim}), k.view({rows, kv_heads, dim})}, 1);
+  }
+
+  // The MLP's activation [T, I] from its gate/up [T, 2 I], whole (gathered) under tensor
+  // parallelism. GeGLU gathers gate and up and runs on the whole of them: ATen's vectorised gelu
+  // takes another path for a row's tail than for its body, so a narrower piece would round some
+  // features differently than the unsplit model (SiLU is cpu_ops' own loop, the same at any width).
+  torch::Tensor activation(const torch::Tensor& gate_up) const {
+    if (!spec_.geglu) return gathered(silu_mul(gate_up), kActivation);
+    if (!gather_) return gelu_mul(gate_up);
+    const int64_t inter = gate_up.size(1) / 2;
+    return gelu_mul(torch::cat({gathered(gate_up.narrow(1, 0, inter), kActivation),
+                                gathered(gate_up.narrow(1, inter, inter), kActivation)}, 1));
+  }
+
+  // An RMSNorm over a whole projection (OLMoE) of which this rank holds x's columns and w's
+  // weights: its statistics over the gathered whole row, then this rank's columns times w, which
+  // is rms_norm's x * inv * w for them bit for bit (times a weight of 1 changes nothing).
+  torch::Tensor whole_norm(const torch::Tensor& x, const torch::Tensor& w, int64_t what) const {
+    if (!gather_) return rms_norm(x, w, spec_.eps);
+    auto whole = gathered(x, what);
+    auto unit = torch::ones({whole.size(1)}, whole.options());
+    return rms_norm(whole, unit, spec_.eps).narrow(1, offsets_[what], x.size(1)).mul(w);
   }
 
   StackSpec spec_;
   std::vector<StackLayer> layers_;
   torch::Tensor final_norm_;
-  std::function<torch::Tensor(torch::Tensor, int64_t)> gather_;
+  Gather gather_;
+  std::vector<int64_t> offsets_;
 };
 
 // EAGLE's draft layer (spec_decode/heads.py's EagleHead) for serving: the projection fc of the
@@ -462,7 +509,7 @@ void bind_layer_stacks(pybind11::module_& mod) {
            py::arg("tail_start") = py::none(), py::arg("tail_slots") = py::none(),
            py::arg("local_cos") = py::none(), py::arg("local_sin") = py::none(),
            py::call_guard<py::gil_scoped_release>())
-      .def("set_gather", &DecoderStack::set_gather, py::arg("gather"));
+      .def("set_gather", &DecoderStack::set_gather, py::arg("gather"), py::arg("offsets"));
   py::class_<EagleLayer>(mod, "EagleLayer", py::module_local())
       .def(py::init<StackSpec, torch::Tensor, torch::Tensor, Projection, Projection, Projection, Projection,
                     Projection>(),

@@ -107,7 +107,7 @@ _UNIT_OF = {module: unit for unit, modules in SHARED_UNITS.items() for module in
 # alone on a long unit while the other waits; the rest follow in collection order.
 LONGEST_FIRST = {
     "real model, float32": 118, "tests/model/test_architecture_paths.py": 69,
-    "real model, default format": 67, "engine process": 66,
+    "real model, default format": 67, "engine process": 66, "tests/model/test_tp_architectures.py": 65,
     "tests/unit/test_bench_smoke.py": 60, "tests/model/test_tensor_parallel.py": 55,
     "tests/model/test_spec_decode_distribution.py": 35, "tests/kernels/test_cuda_lowering.py": 30,
     "tests/reliability/test_soak.py": 23, "tests/integration/test_replicas.py": 23,

@@ -196,9 +196,10 @@ class ModelArchConfig:
     shared_expert_intermediate_size: int = 0
     # One rank's share under tensor parallelism's exact split (engine.parallel.tensor): o_proj and
     # down_proj hold ``output_shard[0]`` of the hidden_size output rows and read the whole model's
-    # attention output (``[1]`` wide) and MLP activation (``[2]`` wide), which the ranks gather.
+    # attention output (``[1]`` wide) and MLP activation (``[2]`` wide: each routed expert's with
+    # experts; ``[3]``: the shared expert's, 0 without one), which the ranks gather.
     # None: the projections are whole (or row-parallel, summed by the ranks).
-    output_shard: tuple[int, int, int] | None = None
+    output_shard: tuple[int, int, int, int] | None = None
     # Gemma 2 / 3 (exactly when ArchTraits.gemma): attention scale, soft-caps, local RoPE.
     gemma: GemmaParams | None = None
 
@@ -229,9 +230,12 @@ class ModelArchConfig:
                              f"{self.num_hidden_layers}, got {layers!r}")
         self._check_experts()
         if self.output_shard is not None:
-            rows, attn_in, mlp_in = self.output_shard
+            rows, attn_in, mlp_in, shared_in = self.output_shard
             for name, v in (("rows", rows), ("attention input", attn_in), ("MLP input", mlp_in)):
                 _positive_int(f"output_shard {name}", v)
+            if (shared_in > 0) != (self.shared_expert_intermediate_size > 0):
+                raise ValueError(f"output_shard: a shared expert input of {shared_in} for "
+                                 f"{self.shared_expert_intermediate_size} shared expert features held")
             if rows > self.hidden_size:
                 raise ValueError(f"output_shard: {rows} rows of a hidden size of {self.hidden_size}")
         if (self.gemma is not None) != ARCHITECTURES[self.architecture].gemma:

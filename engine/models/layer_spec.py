@@ -76,10 +76,12 @@ class OutputShard:
     """Tensor parallelism's exact split (``engine.parallel.tensor``): the layer's ``o_proj`` and
     ``down_proj`` hold ``rows`` of the hidden output rows and read the whole attention output
     (``attention_in`` wide) and MLP activation (``mlp_in``), gathered from the ranks by the C++
-    stack, so each output sums over its whole input as one rank would."""
+    stack, so each output sums over its whole input as one rank would. With experts, ``mlp_in``
+    is each routed expert's activation and ``shared_in`` the shared expert's (0: none)."""
     rows: int
     attention_in: int
     mlp_in: int
+    shared_in: int = 0
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,9 @@ class SparseMoE(torch.nn.Module):
         self.experts = torch.nn.ModuleList(mlp_cls(expert, **factory) for _ in range(moe.num_experts))
         self.shared_expert = self.shared_gate = None
         if moe.shared_intermediate_size:
-            shared = dataclasses.replace(expert, intermediate_size=moe.shared_intermediate_size)
+            # Under tensor parallelism's exact split its down_proj reads the whole shared activation.
+            shard = None if spec.shard is None else dataclasses.replace(spec.shard, mlp_in=spec.shard.shared_in)
+            shared = dataclasses.replace(expert, intermediate_size=moe.shared_intermediate_size, shard=shard)
             self.shared_expert = mlp_cls(shared, **factory)
             self.shared_gate = torch.nn.Parameter(torch.empty(1, spec.hidden_size, **factory))    # [1, hidden]
 
@@ -110,4 +112,5 @@ def _load_swiglu(mlp, weights, prefix: str, names: tuple[str, str, str], hidden:
     inter = mlp.intermediate_size
     fill(mlp.gate_up_proj, weights, [(f"{prefix}{gate}.weight", (inter, hidden)),
                                      (f"{prefix}{up}.weight", (inter, hidden))], quantizer)
-    fill(mlp.down_proj, weights, [(f"{prefix}{down}.weight", (hidden, inter))], quantizer)
+    down_proj = mlp.down_proj       # (hidden, inter), or a rank's output rows of the whole input (tensor parallelism)
+    fill(down_proj, weights, [(f"{prefix}{down}.weight", (down_proj.out_features, down_proj.in_features))], quantizer)

@@ -6,19 +6,37 @@ Split, on the Llama decoder's own modules:
     for those heads only; when the heads do not divide evenly the first ranks take one more
     (SmolLM2's 3 KV heads on 2 ranks: 2 and 1);
   * MLP: each rank holds an equal slice of the intermediate features (``gate``/``up`` rows);
+  * mixture of experts: each rank holds the same slice of every expert's features (gate/up
+    rows, and down's input columns or output rows as a dense MLP's), the shared expert's
+    likewise; the router and the shared expert's gate are whole, so every rank routes every
+    token alike. Row-parallel: the MoE MLP's partial output is all-reduced (it is linear in the
+    experts' down products). Exact: the C++ stack gathers the chosen experts' activations in
+    one call, stacked by expert, and each down runs over its expert's whole activation;
+  * OLMoE's q/k RMSNorm over the whole projection: its weights are cut with the heads, its
+    statistics taken over the ranks' gathered whole row (both splits);
+  * Gemma 2 / 3: as Llama's (GeGLU's gate/up as SwiGLU's); their extra norms are whole on every
+    rank and read the whole (gathered or all-reduced) outputs, attention soft-capping and the
+    query scale act per head, the logits' soft-cap on rank 0's whole logits. The exact split
+    gathers gate and up and runs GeGLU on the whole of them (ATen's gelu rounds a narrower row
+    differently in its last bit);
+  * a checkpoint that stores them fused (Phi-3's ``qkv_proj`` [q | k | v] and ``gate_up_proj``
+    [gate | up]; llama.cpp's ``attn_qkv`` / ``ffn_up``): the rank's rows of each part, side by
+    side in the same order (whole rows, so a block format's cut falls between blocks);
   * ``o_proj`` and ``down_proj``, in one of two ways:
     - exact (on CPU, where the C++ layer stack runs): each rank holds a range of their output
       rows, whole along the input. The stack gathers the ranks' attention outputs (and MLP
       activations) side by side, runs its rows over the whole input, and gathers the outputs:
-      four all-gathers per layer and step, and every number is the one a single rank computes
+      four all-gathers per layer and step (five with GeGLU, whose gate and up travel apart; a
+      mixture of experts: attention's two, the chosen experts' activations, the shared expert's
+      and the output; OLMoE adds q's and k's), and every number is the one a single rank computes
       (each output sums over its whole input in the same order; concatenation reorders
       nothing), so greedy outputs equal the unsplit model's in every format;
     - row-parallel (Megatron's; elsewhere): each rank holds their input columns of its heads and
       features; the partial outputs are all-reduced (summed) before the residual add: two
       all-reduces per layer and step, in the Python layers. Sums in another order: near the
       unsplit model's, not equal to it;
-  * the embedding, the norms and the LM head are whole on every rank (only rank 0 computes
-    logits).
+  * the embedding, the norms (but OLMoE's whole-projection q/k norms, above) and the LM head
+    are whole on every rank (only rank 0 computes logits).
 Weights are sliced as they are read (``ShardedWeights`` over the loader's lazy mapping: one full
 tensor at a time is ever resident), block formats (Q4_0, Q4_1, Q8_0, ...) included, cut between
 whole blocks (a cut inside a block is refused with the tensor's name).
@@ -76,47 +94,54 @@ class Shard:
     inter: int
     out_start: int = 0        # the exact split: the o_proj / down_proj output rows held
     out_rows: int = 0         # (0: row-parallel)
+    expert_start: int = 0     # mixture of experts: each routed expert's features held
+    expert_inter: int = 0
+    shared_start: int = 0     # and the shared expert's (Qwen2-MoE)
+    shared_inter: int = 0
+
+
+def _even(features: int, world: int, what: str) -> int:
+    if features % world:
+        raise ValueError(f"tensor_parallel_shards: {what}'s {features} features do not split evenly over "
+                         f"{world} ranks")
+    return features // world
 
 
 def plan_shard(arch: ModelArchConfig, rank: int, world: int, exact: bool = False) -> Shard:
-    """Which heads and intermediate features ``rank`` of ``world`` holds, and with ``exact`` which
-    output rows of o_proj and down_proj; ValueError naming ``tensor_parallel_shards`` when the
-    model cannot be split that way."""
+    """Which heads and intermediate features (of the MLP, or of every expert and the shared
+    expert) ``rank`` of ``world`` holds, and with ``exact`` which output rows of o_proj and
+    down_proj; ValueError naming ``tensor_parallel_shards`` when the model cannot be split that way."""
     kv = arch.num_key_value_heads
-    if arch.num_experts:
-        raise ValueError(f"tensor_parallel_shards: a mixture-of-experts model ({arch.architecture}) is not "
-                         "split over ranks (its experts are not sharded); run it with tensor_parallel_shards=1")
-    if world > 1 and ARCHITECTURES[arch.architecture].fused:
-        raise ValueError(f"tensor_parallel_shards: a {arch.architecture} checkpoint stores q/k/v and gate/up fused, "
-                         "which the ranks do not slice yet; run it with tensor_parallel_shards=1")
-    if world > 1 and ARCHITECTURES[arch.architecture].gemma:
-        raise ValueError(f"tensor_parallel_shards: a {arch.architecture} model is not split over ranks yet (its "
-                         "layers are models.gemma's, which the ranks' sharding was not checked on); run it with "
-                         "tensor_parallel_shards=1")
     if world > kv:
         raise ValueError(f"tensor_parallel_shards: {world} ranks need at least {world} key/value heads; "
                          f"the model has {kv}")
-    if arch.intermediate_size % world:
-        raise ValueError(f"tensor_parallel_shards: the MLP's {arch.intermediate_size} features do not split "
-                         f"evenly over {world} ranks")
+    inter = _even(arch.intermediate_size, world, "the MLP") if not arch.num_experts else 0
+    expert = _even(arch.moe_intermediate_size, world, "each expert") if arch.num_experts else 0
+    shared = _even(arch.shared_expert_intermediate_size, world, "the shared expert")
     group = arch.num_attention_heads // kv
     base, extra = divmod(kv, world)
     kv_heads = base + (rank < extra)
     kv_start = rank * base + min(rank, extra)
-    inter = arch.intermediate_size // world
     out_start = out_rows = 0
     if exact:
         base, extra = divmod(arch.hidden_size, world)
         out_rows = base + (rank < extra)
         out_start = rank * base + min(rank, extra)
     return Shard(rank, world, kv_start, kv_heads, kv_start * group, kv_heads * group, rank * inter, inter,
-                 out_start, out_rows)
+                 out_start, out_rows, rank * expert, expert, rank * shared, shared)
 
 
 def shard_arch(arch: ModelArchConfig, shard: Shard) -> ModelArchConfig:
-    out = None if not shard.out_rows else (shard.out_rows, arch.q_size, arch.intermediate_size)
+    """The rank's model: its heads and features; under the exact split, o_proj and down_proj
+    (every expert's and the shared expert's too) read the whole model's inputs."""
+    out = None
+    if shard.out_rows:
+        mlp_in = arch.moe_intermediate_size if arch.num_experts else arch.intermediate_size
+        out = (shard.out_rows, arch.q_size, mlp_in, arch.shared_expert_intermediate_size)
     return dataclasses.replace(arch, num_attention_heads=shard.q_heads, num_key_value_heads=shard.kv_heads,
-                               intermediate_size=shard.inter, output_shard=out)
+                               intermediate_size=shard.inter if not arch.num_experts else arch.intermediate_size,
+                               moe_intermediate_size=shard.expert_inter,
+                               shared_expert_intermediate_size=shard.shared_inter, output_shard=out)
 
 
 class ShardedWeights(Mapping):
@@ -129,36 +154,64 @@ class ShardedWeights(Mapping):
         if hasattr(weights, "tensor_type"):
             self.tensor_type = weights.tensor_type
 
-    def _cut(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, start, stop) of this rank's slice of ``name``, None for a whole tensor."""
-        s, d = self._s, self._arch.head_dim
+    def _cut(self, name: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """(dim, [(start, stop), ...]) of this rank's slice of ``name`` (several ranges of a fused
+        tensor, concatenated in order), None for a whole tensor."""
+        s, a = self._s, self._arch
+        d = a.head_dim
         kind = name.rsplit(".", 2)[-2] if name.count(".") >= 2 else ""
-        if s.out_rows and kind in ("o_proj", "down_proj"):     # the exact split: output rows (bias too)
-            return 0, s.out_start, s.out_start + s.out_rows
+        q = [(s.q_start * d, (s.q_start + s.q_heads) * d)]
+        kv = [(s.kv_start * d, (s.kv_start + s.kv_heads) * d)]
+        if s.out_rows and kind in ("o_proj", "down_proj", "w2"):     # the exact split: output rows (bias too)
+            return 0, [(s.out_start, s.out_start + s.out_rows)]
         if ".self_attn." in name:
             if kind == "q_proj":
-                return 0, s.q_start * d, (s.q_start + s.q_heads) * d
+                return 0, q
             if kind in ("k_proj", "v_proj"):
-                return 0, s.kv_start * d, (s.kv_start + s.kv_heads) * d
+                return 0, kv
+            if kind == "qkv_proj":            # Phi-3's fused [q | k | v] rows: this rank's heads of each
+                return 0, q + [(a.q_size + i, a.q_size + j) for i, j in kv] + \
+                    [(a.q_size + a.kv_size + i, a.q_size + a.kv_size + j) for i, j in kv]
+            if kind in ("q_norm", "k_norm") and ARCHITECTURES[a.architecture].qk_norm_full:
+                return 0, q if kind == "q_norm" else kv    # OLMoE's norm over the whole projection
             if kind == "o_proj" and name.endswith(".weight"):
-                return 1, s.q_start * d, (s.q_start + s.q_heads) * d
+                return 1, q
+        inter = self._inter(name)
+        if inter is not None:
+            start, n, full = inter
+            if kind in ("gate_proj", "up_proj", "w1", "w3"):
+                return 0, [(start, start + n)]
+            if kind == "gate_up_proj":        # Phi-3's fused [gate | up] rows
+                return 0, [(start, start + n), (full + start, full + start + n)]
+            if kind in ("down_proj", "w2"):
+                return 1, [(start, start + n)]
+        return None
+
+    def _inter(self, name: str) -> tuple[int, int, int] | None:
+        """(start, features, whole features) of this rank's slice of the MLP ``name`` belongs to:
+        a dense MLP's, a routed expert's or the shared expert's; None outside the MLP."""
+        s, a = self._s, self._arch
+        if ".experts." in name:
+            return s.expert_start, s.expert_inter, a.moe_intermediate_size
+        if ".shared_expert." in name:
+            return s.shared_start, s.shared_inter, a.shared_expert_intermediate_size
         if ".mlp." in name:
-            if kind in ("gate_proj", "up_proj"):
-                return 0, s.inter_start, s.inter_start + s.inter
-            if kind == "down_proj":
-                return 1, s.inter_start, s.inter_start + s.inter
+            return s.inter_start, s.inter, a.intermediate_size
         return None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._w[name]
         cut = self._cut(name)
-        return t if cut is None else t.narrow(cut[0], cut[1], cut[2] - cut[1]).contiguous()
+        if cut is None:
+            return t
+        dim, ranges = cut
+        return torch.cat([t.narrow(dim, i, j - i) for i, j in ranges], dim).contiguous()
 
     def shape(self, name: str) -> tuple[int, ...]:
         full = list(self._w.shape(name))
         cut = self._cut(name)
         if cut is not None:
-            full[cut[0]] = cut[2] - cut[1]
+            full[cut[0]] = sum(j - i for i, j in cut[1])
         return tuple(full)
 
     def _blocks(self, name: str):
@@ -167,12 +220,13 @@ class ShardedWeights(Mapping):
         if got is None or cut is None:
             return got
         kind, raw = got                                   # raw [rows, bytes per row] uint8
-        dim, start, stop = cut
-        if dim == 0:
-            return kind, raw[start:stop].contiguous()
+        dim, ranges = cut
+        if dim == 0:                                      # whole rows: any cut falls between blocks
+            return kind, torch.cat([raw[i:j] for i, j in ranges]).contiguous()
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[kind]]
+        (start, stop), = ranges
         if start % per_block or stop % per_block:
             raise ModelLoadError(f"tensor_parallel_shards: tensor {name!r} ({kind}, blocks of {per_block}) "
                                  f"cannot be split at column {start if start % per_block else stop}")
@@ -190,11 +244,17 @@ class ShardedWeights(Mapping):
 
 class _Gather:
     """The C++ stack's gather under the exact split: the ranks' [rows, width] pieces side by side.
-    ``widths[what][rank]``: each rank's width of the attention output, MLP activation or hidden
-    rows (``DecoderStack.set_gather``'s kinds 0, 1, 2); uneven pieces travel padded."""
+    ``widths[what][rank]``: each rank's width of what is gathered (``DecoderStack.set_gather``'s
+    kinds: 0 attention output / queries, 1 MLP activation, 2 hidden rows, 3 keys, 4 routed
+    experts' activations, 5 the shared expert's); uneven pieces travel padded. The Python
+    layers' whole-projection norms (``_WholeNorm``) gather with it too."""
 
     def __init__(self, widths: list[list[int]]) -> None:
         self.widths = widths
+
+    def offsets(self, rank: int) -> list[int]:
+        """Where ``rank``'s piece starts in each kind's gathered row."""
+        return [sum(w[:rank]) for w in self.widths]
 
     def __call__(self, x: torch.Tensor, what: int) -> torch.Tensor:
         widths = self.widths[what]
@@ -202,14 +262,15 @@ class _Gather:
         if x.shape[1] < pad:
             x = torch.nn.functional.pad(x, (0, pad - x.shape[1]))
         pieces = [torch.empty(x.shape[0], pad, dtype=x.dtype) for _ in widths]
-        dist.all_gather(pieces, x)
+        dist.all_gather(pieces, x.contiguous())
         if all(w == pad for w in widths):
             return torch.cat(pieces, 1)
         return torch.cat([p[:, :w] for p, w in zip(pieces, widths)], 1)
 
 
 class _AllReduce(torch.nn.Module):
-    """A row-parallel projection: this rank's partial product, summed over the ranks."""
+    """A row-parallel projection (or a mixture-of-experts MLP, whose output is linear in its
+    experts' row-parallel down projections): this rank's partial output, summed over the ranks."""
 
     def __init__(self, inner: torch.nn.Module) -> None:
         super().__init__()
@@ -221,15 +282,53 @@ class _AllReduce(torch.nn.Module):
         return y
 
 
+class _WholeNorm(torch.nn.Module):
+    """OLMoE's RMSNorm over a whole q or k projection of which this rank holds some heads (and
+    their weights): the statistics over the ranks' gathered row, then this rank's columns."""
+
+    def __init__(self, norm: torch.nn.Module, gather: _Gather, what: int, rank: int) -> None:
+        super().__init__()
+        self.norm, self.gather, self.what, self.start = norm, gather, what, gather.offsets(rank)[what]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [T, this rank's q or kv columns]
+        whole = self.gather(x.float(), self.what)                                   # [T, whole]
+        unit = torch.ones(whole.shape[1], dtype=torch.float32)
+        normed = torch.nn.functional.rms_norm(whole, unit.shape, unit, self.norm.eps)
+        return (normed.narrow(1, self.start, x.shape[1]) * self.norm.weight).to(x.dtype)
+
+
+def _gather_for(model: torch.nn.Module) -> _Gather:
+    """Every rank's widths of what the split gathers (every rank calls this at the same point)."""
+    spec = model.spec
+    moe = spec.moe
+    mine = torch.tensor([spec.attention.q_size, spec.intermediate_size, spec.shard.rows if spec.shard else 0,
+                         spec.attention.kv_size, moe.intermediate_size if moe else 0,
+                         moe.shared_intermediate_size if moe else 0], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return _Gather([[int(w[i]) for w in every] for i in range(len(mine))])
+
+
 def install(model: torch.nn.Module) -> None:
     """Join a shard's model to the other ranks. The exact split: the C++ stack gathers (every
     rank calls this at the same point: the widths are exchanged here). Row-parallel: the Python
-    layers sum their row-parallel outputs across ranks."""
+    layers sum their row-parallel outputs (o_proj, down_proj, a mixture-of-experts MLP's output)
+    across ranks, and OLMoE's whole-projection q/k norms gather their statistics' rows."""
     shard = model.spec.shard
+    gather = _gather_for(model)
     if shard is None:
+        rank = dist.get_rank()
         for layer in model.layers:
-            layer.self_attn.o_proj = _AllReduce(layer.self_attn.o_proj)
-            layer.mlp.down_proj = _AllReduce(layer.mlp.down_proj)
+            attn = layer.self_attn
+            attn.o_proj = _AllReduce(attn.o_proj)
+            if layer.spec.mlp == "moe":
+                layer.mlp = _AllReduce(layer.mlp)
+            else:
+                layer.mlp.down_proj = _AllReduce(layer.mlp.down_proj)
+            if attn.qk_norm_full and attn.q_norm is not None:
+                attn.q_norm = _WholeNorm(attn.q_norm, gather, 0, rank)
+                attn.k_norm = _WholeNorm(attn.k_norm, gather, 3, rank)
         model.use_python_layers()
         return
     stack = model.layer_stack()
@@ -237,10 +336,7 @@ def install(model: torch.nn.Module) -> None:
         raise ModelLoadError("tensor_parallel_shards: this rank's layers did not get the C++ layer stack that the "
                              "exact split runs in (a weight format it does not take?); use a block format or "
                              "float32 with the C++ kernels built")
-    mine = torch.tensor([model.spec.attention.q_size, model.spec.intermediate_size, shard.rows], dtype=torch.int64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    stack.stack.set_gather(_Gather([[int(w[i]) for w in every] for i in range(3)]))
+    stack.stack.set_gather(gather, gather.offsets(dist.get_rank()))
 
 
 def exact_split(device, quantization: str) -> bool:

@@ -77,8 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device if args.device != "auto" else "cpu")
     loaded = load_shard(args.model, rank, world, args.dtype, device, args.quantization)
     install(loaded.model)
-    log.info("rank %d of %d: %d query / %d key-value heads, %d MLP features", rank, world,
-             loaded.arch.num_attention_heads, loaded.arch.num_key_value_heads, loaded.arch.intermediate_size)
+    arch = loaded.arch
+    features = (f"{arch.moe_intermediate_size} features of each of {arch.num_experts} experts" if arch.num_experts
+                else f"{arch.intermediate_size} MLP features")
+    log.info("rank %d of %d: %d query / %d key-value heads, %s", rank, world, arch.num_attention_heads,
+             arch.num_key_value_heads, features)
     try:
         serve(loaded.model, device)
     except RuntimeError as exc:      # rank 0 went away (gloo: connection closed)

@@ -305,10 +305,11 @@ def test_attention_soft_capping_is_never_served_by_a_backend_without_it():
         triton.forward(None, None, None, (None, None), None, 1.0, None, softcap=5.0)
 
 
-def test_tensor_parallelism_refuses_gemma_by_name():
+def test_tensor_parallelism_splits_gemma_and_refuses_what_does_not_divide():
+    """Gemma's heads and GeGLU features split as Llama's (test_tp_architectures serves them)."""
     from sluice.engine.parallel.tensor import plan_shard
 
     arch = ModelArchConfig.from_hf_config(GEMMA2)
-    assert plan_shard(arch, 0, 1).world == 1
-    with pytest.raises(ValueError, match=r"tensor_parallel_shards: a gemma2 model is not split over ranks yet"):
-        plan_shard(arch, 0, 2)
+    assert [(s.q_heads, s.kv_heads, s.inter) for s in (plan_shard(arch, r, 2) for r in range(2))] == [(2, 1, 48)] * 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_shards: 4 ranks need at least 4 key/value heads"):
+        plan_shard(arch, 0, 4)

@@ -288,13 +288,18 @@ def test_what_is_not_supported_is_refused_by_name(extra, message):
         ModelArchConfig.from_hf_config(cfg)
 
 
-def test_tensor_parallelism_refuses_experts_by_name():
+def test_tensor_parallelism_splits_every_expert_and_refuses_what_does_not_divide():
+    """Each rank holds a slice of every expert's features (test_tp_architectures serves them)."""
+    import dataclasses
+
     from sluice.engine.parallel.tensor import plan_shard
 
     arch = ModelArchConfig.from_hf_config(QWEN_MOE)
     assert (arch.num_experts, arch.moe_intermediate_size, arch.norm_topk_prob) == (4, 32, False)
-    with pytest.raises(ValueError, match=r"tensor_parallel_shards: a mixture-of-experts model \(qwen2_moe\)"):
-        plan_shard(arch, 0, 2)
+    assert [(s.expert_start, s.expert_inter) for s in (plan_shard(arch, r, 2) for r in range(2))] == [(0, 16), (16, 16)]
+    odd = dataclasses.replace(arch, moe_intermediate_size=33)
+    with pytest.raises(ValueError, match=r"tensor_parallel_shards: each expert's 33 features do not split evenly"):
+        plan_shard(odd, 0, 2)
 
 
 def test_a_gguf_with_experts_for_a_dense_architecture_is_refused(moe, tmp_path):

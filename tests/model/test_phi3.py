@@ -265,10 +265,11 @@ def test_a_gguf_with_partial_rotary_or_half_its_factors_is_refused(phi3, tmp_pat
             load_gguf(tmp_path / "h.gguf")
 
 
-def test_tensor_parallelism_refuses_fused_checkpoints_by_name():
+def test_tensor_parallelism_splits_fused_checkpoints_and_refuses_what_does_not_divide():
+    """The fused q/k/v and gate/up are sliced per part (test_tp_architectures serves them)."""
     from sluice.engine.parallel.tensor import plan_shard
 
     arch = ModelArchConfig.from_hf_config(PHI3)
-    assert plan_shard(arch, 0, 1).world == 1
-    with pytest.raises(ValueError, match=r"tensor_parallel_shards: a phi3 checkpoint stores q/k/v and gate/up fused"):
-        plan_shard(arch, 0, 2)
+    assert [(s.q_heads, s.kv_heads, s.inter) for s in (plan_shard(arch, r, 2) for r in range(2))] == [(2, 1, 48)] * 2
+    with pytest.raises(ValueError, match=r"tensor_parallel_shards: 4 ranks need at least 4 key/value heads"):
+        plan_shard(arch, 0, 4)
