@@ -94,22 +94,22 @@ ARCHS = ["phi3", *MOE, "gemma2", "gemma3"]
 
 
 def _hf_model(name: str, vocab: int):
-    """The per-architecture test's random model, with its weight scales (norm weights away from
-    their neutral value; MoE routers at 0.5: a clear top 2)."""
-    from tests.model import test_gemma, test_moe, test_phi3
+    """The per-architecture test's random model (tests/model/tiny_archs.py), with its weight scales
+    (norm weights away from their neutral value; MoE routers at 0.5: a clear top 2)."""
+    from tests.model import tiny_archs
 
     torch.manual_seed(0)
     if name == "phi3":
         from transformers import Phi3ForCausalLM
 
-        hf, scales = Phi3ForCausalLM(test_phi3._config("longrope", vocab)), {"norm": 1.0}
+        hf, scales = Phi3ForCausalLM(tiny_archs.phi3_config("longrope", vocab)), {"norm": 1.0}
     elif name in MOE:
-        hf, scales = test_moe._hf_model(name, vocab), {"norm": 1.0, "router": 0.5}
+        hf, scales = tiny_archs.moe_model(name, vocab), {"norm": 1.0, "router": 0.5}
     else:
         from transformers import Gemma2ForCausalLM, Gemma3ForCausalLM
 
         cls = Gemma2ForCausalLM if name == "gemma2" else Gemma3ForCausalLM
-        hf, scales = cls(test_gemma._config(name, vocab)), {"norm": 0.0}
+        hf, scales = cls(tiny_archs.gemma_config(name, vocab)), {"norm": 0.0}
     with torch.no_grad():
         for key, p in hf.named_parameters():
             if "norm" in key:
