@@ -484,8 +484,16 @@ async def test_background_response_cancelled_aborts_the_engine_request(http):
     assert (await (await client.get(f"/v1/responses/{queued['id']}")).json())["status"] == "cancelled"
     second = await (await client.post("/v1/responses", json={"model": MODEL, "input": "slow", "background": True})
                     ).json()
-    await asyncio.sleep(0.05)
+    for _ in range(500):            # running: its engine request started (a fixed sleep raced a busy host)
+        if f"{second['id']}-0" in fake.active:
+            break
+        await asyncio.sleep(0.01)
+    assert f"{second['id']}-0" in fake.active
     deleted = await client.delete(f"/v1/responses/{second['id']}")     # deleting a running one cancels it
+    for _ in range(200):
+        if f"{second['id']}-0" in fake.aborted:
+            break
+        await asyncio.sleep(0.01)
     assert deleted.status == 200 and f"{second['id']}-0" in fake.aborted
 
 
