@@ -113,6 +113,7 @@ def test_train_heads_writes_public_layouts_that_serve(tiny_smollm2, tmp_path, ca
         assert sum(r.usage.draft_tokens for r in got) > 0, mode
 
 
+@pytest.mark.oracle    # builds its models with transformers (the dev extra)
 @pytest.mark.parametrize("arch", ["gemma3", "qwen3_moe"])
 def test_train_heads_on_other_architectures(arch, smollm2_tokenizer, tmp_path, capsys):
     """Not only Llamas: Gemma 3 (embeddings scaled by sqrt(hidden), tied and soft-capped logits,
