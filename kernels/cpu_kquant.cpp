@@ -649,27 +649,37 @@ inline void put_lane(uint8_t* chunk, int64_t lane, const uint8_t* ur, uint16_t d
   }
 }
 
-// The parts (kernels/cpu_kquant.py's doc: u [N, K] values, d / dm [N, K/SBK] float16 bits,
-// sc [N, K/SUB] and mn [N, K/32] bytes) of rows [0, n) -> the layout above, tiles in parallel.
-template <int FMT>
-void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mn,
-                int64_t n, int64_t k, uint8_t* out) {
-  using F = Fmt<FMT>; using L = Lay<FMT>;
-  const int64_t nsb = k / F::SBK, tiles = (n + kTile - 1) / kTile, nsub = k / F::SUB;
+// Each (tile, super-block) chunk of rows [0, n) zeroed, then lane(chunk, row, lane, sb, scratch) for
+// each of its rows; tiles in parallel, `Scratch` a per-thread work area.
+template <int FMT, typename Scratch, typename Lane>
+void for_each_lane(int64_t n, int64_t k, uint8_t* out, const Lane& lane_fn) {
+  using L = Lay<FMT>;
+  const int64_t nsb = k / Fmt<FMT>::SBK, tiles = (n + kTile - 1) / kTile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
       for (int64_t sb = 0; sb < nsb; ++sb) {
         uint8_t* chunk = out + (t * nsb + sb) * L::CHUNK;
         std::memset(chunk, 0, L::CHUNK);
-        for (int64_t lane = 0; lane < kTile; ++lane) {
-          const int64_t row = t * kTile + lane;
-          if (row >= n) break;
-          put_lane<FMT>(chunk, lane, u + row * k + sb * F::SBK, d[row * nsb + sb], F::OFFSET ? dm[row * nsb + sb] : 0,
-                        F::SUBSCALE ? sc + row * nsub + sb * L::NSUB : nullptr,
-                        F::SUBSCALE && F::OFFSET ? mn + row * (k / 32) + sb * L::NSUB : nullptr);
-        }
+        for (int64_t lane = 0; lane < kTile && t * kTile + lane < n; ++lane)
+          lane_fn(chunk, t * kTile + lane, lane, sb, scratch);
       }
     }
+  });
+}
+
+// The parts (kernels/cpu_kquant.py's doc: u [N, K] values, d / dm [N, K/SBK] float16 bits,
+// sc [N, K/SUB] and mn [N, K/32] bytes) of rows [0, n) -> the layout above.
+template <int FMT>
+void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mn,
+                int64_t n, int64_t k, uint8_t* out) {
+  using F = Fmt<FMT>; using L = Lay<FMT>;
+  const int64_t nsb = k / F::SBK, nsub = k / F::SUB;
+  struct None {};
+  for_each_lane<FMT, None>(n, k, out, [&](uint8_t* chunk, int64_t row, int64_t lane, int64_t sb, None&) {
+    put_lane<FMT>(chunk, lane, u + row * k + sb * F::SBK, d[row * nsb + sb], F::OFFSET ? dm[row * nsb + sb] : 0,
+                  F::SUBSCALE ? sc + row * nsub + sb * L::NSUB : nullptr,
+                  F::SUBSCALE && F::OFFSET ? mn + row * (k / 32) + sb * L::NSUB : nullptr);
   });
 }
 
@@ -731,23 +741,12 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
 // A GGUF tensor's blocks [n, K / SBK blocks] -> the layout above, without the parts in between.
 template <int FMT>
 void pack_gguf_tiles(const uint8_t* blocks, int64_t n, int64_t k, uint8_t* out) {
-  using F = Fmt<FMT>; using L = Lay<FMT>;
-  const int64_t nsb = k / F::SBK, tiles = (n + kTile - 1) / kTile, bb = gguf_block_bytes(FMT);
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    uint8_t u[256], sc[16], mn[8];
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t sb = 0; sb < nsb; ++sb) {
-        uint8_t* chunk = out + (t * nsb + sb) * L::CHUNK;
-        std::memset(chunk, 0, L::CHUNK);
-        for (int64_t lane = 0; lane < kTile; ++lane) {
-          const int64_t row = t * kTile + lane;
-          if (row >= n) break;
-          uint16_t d, dm;
-          gguf_block<FMT>(blocks + (row * nsb + sb) * bb, u, d, dm, sc, mn);
-          put_lane<FMT>(chunk, lane, u, d, dm, sc, mn);
-        }
-      }
-    }
+  const int64_t nsb = k / Fmt<FMT>::SBK, bb = gguf_block_bytes(FMT);
+  struct Block { uint8_t u[256], sc[16], mn[8]; };
+  for_each_lane<FMT, Block>(n, k, out, [&](uint8_t* chunk, int64_t row, int64_t lane, int64_t sb, Block& b) {
+    uint16_t d, dm;
+    gguf_block<FMT>(blocks + (row * nsb + sb) * bb, b.u, d, dm, b.sc, b.mn);
+    put_lane<FMT>(chunk, lane, b.u, d, dm, b.sc, b.mn);
   });
 }
 
