@@ -57,13 +57,19 @@ def _low_nibbles(qs: torch.Tensor, runs: int) -> torch.Tensor:
     return torch.stack((v & 15, v >> 4), dim=-2).reshape(*qs.shape[:-1], -1)
 
 
+def _check_blocks(kind: str, blocks: torch.Tensor, n: int, k: int) -> tuple[int, int]:
+    """(elements, bytes) per block of ``kind``, after checking that ``blocks`` hold [n, k]."""
+    per, size = _BLOCK[kind]
+    _check(k % per == 0 and blocks.numel() == n * k // per * size,
+           f"{kind}: {blocks.numel()} bytes do not hold a [{n}, {k}] tensor")
+    return per, size
+
+
 def gguf_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]):
     """A GGUF tensor's blocks ([rows, bytes per row] uint8) -> (u, d, dm, sc, mn) for
     ``cpu_kquant.pack`` (its module doc says what each is)."""
     n, k = shape
-    per, size = _BLOCK[kind]
-    _check(k % per == 0 and blocks.numel() == n * k // per * size,
-           f"{kind}: {blocks.numel()} bytes do not hold a [{n}, {k}] tensor")
+    per, size = _check_blocks(kind, blocks, n, k)
     b = blocks.reshape(n, k // per, size)
     if kind in ("Q5_0", "Q5_1"):
         at = 2 if kind == "Q5_0" else 4
@@ -104,20 +110,15 @@ class KQuantLinear:
         from sluice.kernels import cpu_kquant
 
         n, k = shape
-        per, size = _BLOCK[kind]
-        _check(k % per == 0 and blocks.numel() == n * k // per * size,
-               f"{kind}: {blocks.numel()} bytes do not hold a [{n}, {k}] tensor")
+        _check_blocks(kind, blocks, n, k)
         packed = cpu_kquant.pack_gguf(kind, blocks, n, k)
-        if packed is not None:
-            self = cls.__new__(cls)
-            self._setup(kind, n, k, packed)
-            return self
-        step = cpu_kquant._PACK_ROWS
-        rows = blocks.reshape(n, -1)
-        packed = [cpu_kquant.pack(kind, *gguf_parts(kind, rows[r:r + step], (min(step, n - r), k)))
-                  for r in range(0, n, step)]
+        if packed is None:
+            step, rows = cpu_kquant._PACK_ROWS, blocks.reshape(n, -1)
+            pieces = [cpu_kquant.pack(kind, *gguf_parts(kind, rows[r:r + step], (min(step, n - r), k)))
+                      for r in range(0, n, step)]
+            packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         self = cls.__new__(cls)
-        self._setup(kind, n, k, packed[0] if len(packed) == 1 else torch.cat(packed))
+        self._setup(kind, n, k, packed)
         return self
 
     def _setup(self, fmt: str, n: int, k: int, packed: torch.Tensor) -> None:
