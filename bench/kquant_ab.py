@@ -66,6 +66,7 @@ def main() -> None:
     p.add_argument("--budget", type=float, default=0.3)
     p.add_argument("--cold", action="store_true", help="each call reads its weight from memory (see above)")
     p.add_argument("--cold-mib", type=int, default=1024, help="total size of the copies with --cold")
+    p.add_argument("--no-check", action="store_true", help="time only (for experiments that change results)")
     p.add_argument("--arch", default="-march=native",
                    help="compiler flags choosing the path, e.g. '-march=native -mno-avx512f' (AVX-VNNI without "
                         "AVX-512) or -march=x86-64-v3 (AVX2 only); default: %(default)s")
@@ -87,7 +88,7 @@ def main() -> None:
                 copies += [w.packed.clone() for _ in range(max(1, (args.cold_mib << 20) // w.packed.numel()) - 1)]
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
-                assert torch.equal(new.kquant_linear(x, w.packed, w.type_id, n),
+                assert args.no_check or torch.equal(new.kquant_linear(x, w.packed, w.type_id, n),
                                    old.kquant_linear(x, w.packed, w.type_id, n)), (kind, shape, rows)
                 t_old = best_us(_cycle(old, x, copies, w.type_id, n), args.budget) / len(copies)
                 t_new = best_us(_cycle(new, x, copies, w.type_id, n), args.budget) / len(copies)

@@ -165,7 +165,7 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
 // fused multiply-adds of the top comment.
 template <int FMT>
 void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, const float* s, const float* ss,
-                 const int32_t* as, int64_t k, float* out, int64_t ldo, int64_t lanes) {
+                 const int32_t* zs, int64_t k, float* out, int64_t ldo, int64_t lanes) {
   using F = Fmt<FMT>; using L = Lay<FMT>;
   const int64_t nb = k / kBlock, n16 = k / 16;
   for (int64_t r = 0; r < rows; ++r) {
@@ -186,8 +186,7 @@ void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, c
               acc = std::fma(static_cast<float>(isum), scale, acc);
               acc = std::fma(sub_offset<FMT>(chunk, lane, i), ss[r * nb + b], acc);
             } else {
-              const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
-              isum -= F::ZERO * asum;
+              isum += zs[r * n16 + 2 * b + i2];
               acc = std::fma(static_cast<float>(isum), scale, acc);
             }
           }
@@ -256,7 +255,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m256i w32 = _mm256_madd_epi16(p16[r], ones);
-        isum[r][i2] = first ? w32 : _mm256_add_epi32(isum[r][i2], w32);
+        isum[r][i2] = first && F::OFFSET ? w32 : _mm256_add_epi32(isum[r][i2], w32);
         p16[r] = _mm256_setzero_si256();
       }
     }
@@ -265,7 +264,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 
   // One block's half h: the integer sums, then per sub-block acc = fma(I, D s, acc) (+ fma(M, s sum a, acc)).
   inline void block_half(const uint8_t* chunk, int blk, int64_t b, int h, __m256 dv, __m256 dmv, const float* s,
-                         const float* ss, const int32_t* as, __m256* acc, int stride_acc) {
+                         const float* ss, const int32_t* zs, __m256* acc, int stride_acc) {
     const int64_t nb = k / kBlock, n16 = k / 16;
     const uint8_t* body = chunk + L::BODY + blk * L::BLK;
     const int8_t* ab = a + b * kBlock;
@@ -275,8 +274,10 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       p16[r] = _mm256_setzero_si256();
-      if (SLUICE_KQ_VNNI256)
-        for (int i2 = 0; i2 < L::PER; ++i2) isum[r][i2] = _mm256_setzero_si256();
+      // Zero-point formats start each sum at its correction (see zs); VNNI adds into it from zero.
+      for (int i2 = 0; i2 < L::PER; ++i2)
+        if (!F::OFFSET) isum[r][i2] = _mm256_set1_epi32(zs[r * n16 + 2 * b + i2]);
+        else if (SLUICE_KQ_VNNI256) isum[r][i2] = _mm256_setzero_si256();
     }
     group<0>(body, h, hi, ab); group<1>(body, h, hi, ab); group<2>(body, h, hi, ab); group<3>(body, h, hi, ab);
     group<4>(body, h, hi, ab); group<5>(body, h, hi, ab); group<6>(body, h, hi, ab); group<7>(body, h, hi, ab);
@@ -296,19 +297,14 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const int64_t nbr = r * nb + b;
-        __m256i is = isum[r][i2];
-        if (!F::OFFSET) {
-          const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
-          is = _mm256_sub_epi32(is, _mm256_set1_epi32(F::ZERO * asum));
-        }
         __m256& ar = acc[r * stride_acc];
-        ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
+        ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i2]), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
         if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[nbr]), ar);
       }
     }
   }
 
-  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
+  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* zs, float* out,
            int64_t ldo, int64_t lanes) {
     const int64_t ahead = prefetch_distance();
     for (int h0 = 0; h0 < 2 && 8 * h0 < lanes; h0 += NH) {
@@ -326,7 +322,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
         }
         for (int blk = 0; blk < L::NBLK; ++blk) {
           const int64_t b = sb * L::NBLK + blk;
-          for (int hh = 0; hh < NH; ++hh) block_half(chunk, blk, b, h0 + hh, dv[hh], dmv[hh], s, ss, as, acc + hh, NH);
+          for (int hh = 0; hh < NH; ++hh) block_half(chunk, blk, b, h0 + hh, dv[hh], dmv[hh], s, ss, zs, acc + hh, NH);
         }
       }
       for (int r = 0; r < MR; ++r) {
@@ -394,7 +390,7 @@ template <int FMT, int MR> struct TileVnni {
   }
 
   inline void block(const uint8_t* chunk, int blk, int64_t b, __m512 dv, __m512 dmv, const float* s,
-                    const float* ss, const int32_t* as, __m512* acc) {
+                    const float* ss, const int32_t* zs, __m512* acc) {
     const int64_t nb = k / kBlock, n16 = k / 16;
     const uint8_t* body = chunk + L::BODY + blk * L::BLK;
     const int8_t* ab = a + b * kBlock;
@@ -402,7 +398,8 @@ template <int FMT, int MR> struct TileVnni {
     for (int pb = 0; pb < F::VB - 4; ++pb) hi[pb] = _mm512_loadu_si512(body + 256 + 64 * pb);
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
-      for (int i2 = 0; i2 < L::PER; ++i2) isum[r][i2] = _mm512_setzero_si512();
+      for (int i2 = 0; i2 < L::PER; ++i2)
+        isum[r][i2] = F::OFFSET ? _mm512_setzero_si512() : _mm512_set1_epi32(zs[r * n16 + 2 * b + i2]);
     group<0>(body, hi, ab); group<1>(body, hi, ab); group<2>(body, hi, ab); group<3>(body, hi, ab);
     group<4>(body, hi, ab); group<5>(body, hi, ab); group<6>(body, hi, ab); group<7>(body, hi, ab);
 #pragma GCC unroll 2
@@ -423,18 +420,13 @@ template <int FMT, int MR> struct TileVnni {
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t nbr = r * nb + b;
-        __m512i is = isum[r][i2];
-        if (!F::OFFSET) {
-          const int32_t asum = F::SUB == 16 ? as[r * n16 + 2 * b + i2] : as[r * n16 + 2 * b] + as[r * n16 + 2 * b + 1];
-          is = _mm512_sub_epi32(is, _mm512_set1_epi32(F::ZERO * asum));
-        }
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(dsub, _mm512_set1_ps(s[nbr])), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i2]), _mm512_mul_ps(dsub, _mm512_set1_ps(s[nbr])), acc[r]);
         if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(ss[nbr]), acc[r]);
       }
     }
   }
 
-  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* as, float* out,
+  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* zs, float* out,
            int64_t ldo, int64_t lanes) {
     const int64_t ahead = prefetch_distance();
     __m512 acc[MR];
@@ -446,7 +438,7 @@ template <int FMT, int MR> struct TileVnni {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::D)));
       const __m512 dmv = F::OFFSET ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::DM)))
                                    : _mm512_setzero_ps();
-      for (int blk = 0; blk < L::NBLK; ++blk) block(chunk, blk, sb * L::NBLK + blk, dv, dmv, s, ss, as, acc);
+      for (int blk = 0; blk < L::NBLK; ++blk) block(chunk, blk, sb * L::NBLK + blk, dv, dmv, s, ss, zs, acc);
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
     for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
@@ -455,12 +447,12 @@ template <int FMT, int MR> struct TileVnni {
 
 // TileVnni<FMT, mr>::run for a run-time mr in 1..MR.
 template <int FMT, int MR> inline void run_vnni(int64_t mr, const int8_t* a, int64_t k, const uint8_t* w, int64_t nsb,
-                                                 const float* s, const float* ss, const int32_t* as, float* out,
+                                                 const float* s, const float* ss, const int32_t* zs, float* out,
                                                  int64_t ldo, int64_t lanes) {
   if constexpr (MR > 1) {
-    if (mr < MR) return run_vnni<FMT, MR - 1>(mr, a, k, w, nsb, s, ss, as, out, ldo, lanes);
+    if (mr < MR) return run_vnni<FMT, MR - 1>(mr, a, k, w, nsb, s, ss, zs, out, ldo, lanes);
   }
-  TileVnni<FMT, MR>{a, k}.run(w, nsb, s, ss, as, out, ldo, lanes);
+  TileVnni<FMT, MR>{a, k}.run(w, nsb, s, ss, zs, out, ldo, lanes);
 }
 #endif
 
@@ -488,7 +480,7 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
 
 template <int FMT>
 void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8_t* ap, const float* sp,
-               const float* ssp, const int32_t* asp, float* op) {
+               const float* ssp, const int32_t* zsp, float* op) {
   using L = Lay<FMT>;
   const int64_t nb = k / kBlock, n16 = k / 16, nsb = k / Fmt<FMT>::SBK;
   const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK;
@@ -503,7 +495,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
         static_assert(kRows >= 1 && kRows <= 12, "SLUICE_KQ_ROWS: 1 to 12 rows per pass");
         for (int64_t r0 = p0; r0 < p1; r0 += kRows)
           run_vnni<FMT, kRows>(std::min<int64_t>(kRows, p1 - r0), ap + r0 * k, k, wt, nsb, sp + r0 * nb,
-                               ssp + r0 * nb, asp + r0 * n16, op + r0 * n + t * kTile, n, lanes);
+                               ssp + r0 * nb, zsp + r0 * n16, op + r0 * n + t * kTile, n, lanes);
 #elif SLUICE_KQ_AVX2
         constexpr int64_t kRows = rows_avx2<Fmt<FMT>::VB>();
         static_assert(kRows >= 1 && kRows <= 6, "SLUICE_KQ_ROWS: 1 to 6 rows per pass");
@@ -512,18 +504,18 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
           float* o = op + r0 * n + t * kTile;
           const int8_t* ar = ap + r0 * k;
           const float *sr = sp + r0 * nb, *ssr = ssp + r0 * nb;
-          const int32_t* asr = asp + r0 * n16;
+          const int32_t* zsr = zsp + r0 * n16;
           switch (mr) {
-            case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            case 5: TileAvx2<FMT, 5, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            case 4: TileAvx2<FMT, 4, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            case 3: TileAvx2<FMT, 3, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            case 2: TileAvx2<FMT, 2, 1>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
-            default: TileAvx2<FMT, 1, 2>{ar, k}.run(wt, nsb, sr, ssr, asr, o, n, lanes); break;
+            case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
+            case 5: TileAvx2<FMT, 5, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
+            case 4: TileAvx2<FMT, 4, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
+            case 3: TileAvx2<FMT, 3, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
+            case 2: TileAvx2<FMT, 2, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
+            default: TileAvx2<FMT, 1, 2>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
           }
         }
 #else
-        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * nb, ssp + p0 * nb, asp + p0 * n16, k,
+        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * nb, ssp + p0 * nb, zsp + p0 * n16, k,
                          op + p0 * n + t * kTile, n, lanes);
 #endif
       }
@@ -573,24 +565,34 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   auto a = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
   auto s = torch::empty({rows, nb}, x.options());
   auto ss = torch::empty({rows, nb}, x.options());
-  auto as = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));
   int8_t* ap = a.data_ptr<int8_t>();
   blockq_quantize_rows(x.data_ptr<float>(), rows, k, ap, s.data_ptr<float>(), ss.data_ptr<float>());
-  int32_t* asp = as.data_ptr<int32_t>();
-  for (int64_t i = 0; i < rows * n16; ++i) {     // sums of a per 16, for the zero points
-    int32_t t = 0;
-    for (int j = 0; j < 16; ++j) t += ap[16 * i + j];
-    asp[i] = t;
+  // Zero-point formats (Q6_K, Q5_0): each sub-block's integer sum starts at -z * (sum of a over
+  // it), at [row][2 b + i] for sub-block i of block b (i = 0 only for sub-blocks of 32). The
+  // loops load it as their accumulator's first value: the same exact sum, one subtraction fewer
+  // per row and sub-block.
+  const bool zero_point = fmt == kQ6_K || fmt == kQ5_0;
+  auto zs = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));   // unread without a zero point
+  int32_t* zsp = zs.data_ptr<int32_t>();
+  if (zero_point) {
+    const int32_t z = fmt == kQ6_K ? Fmt<kQ6_K>::ZERO : Fmt<kQ5_0>::ZERO;
+    const int64_t per = fmt == kQ6_K ? 16 : 32;
+    for (int64_t i = 0; i < rows * n16; ++i) {
+      if (per == 32 && i % 2) { zsp[i] = 0; continue; }
+      int32_t t = 0;
+      for (int64_t j = 0; j < per; ++j) t += ap[16 * i + j];
+      zsp[i] = -z * t;
+    }
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *ssp = ss.data_ptr<float>();
   float* op = out.data_ptr<float>();
   switch (fmt) {
-    case kQ5_0: run_tiles<kQ5_0>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
-    case kQ5_1: run_tiles<kQ5_1>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
-    case kQ4_K: run_tiles<kQ4_K>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
-    case kQ5_K: run_tiles<kQ5_K>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
-    case kQ6_K: run_tiles<kQ6_K>(wp, rows, n, k, ap, sp, ssp, asp, op); break;
+    case kQ5_0: run_tiles<kQ5_0>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
+    case kQ5_1: run_tiles<kQ5_1>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
+    case kQ4_K: run_tiles<kQ4_K>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
+    case kQ5_K: run_tiles<kQ5_K>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
+    case kQ6_K: run_tiles<kQ6_K>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
   }
   return out;
 }
