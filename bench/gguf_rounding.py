@@ -13,7 +13,8 @@ Per file, over ``tests/model/perplexity_text.txt`` (one prefill, every position'
   in float32: the error the file's own quantization adds (the scale auto's rounding is judged by);
 * per projection type, ``weights``: the RMS of auto's weight change (what it multiplies by against
   gguf's float32) over the RMS of the file's own change (the file against the reference), over
-  the tensors of that type; 0 for types held as stored.
+  the tensors of that type, and the same ratio per block of 32 (its median and largest); 0 for
+  types held as stored.
 
 Weight comparisons need the same architecture and shapes in every file (llama-quantize's outputs
 of one model). Each file's two models are built from one read of it.
@@ -143,14 +144,20 @@ def main() -> None:
         rows.append((Path(path).name, ",".join(sorted(projection_types(weights))), fmt, _perplexity(none_logits, ids),
                      _perplexity(auto_logits, ids), ours, own, _compare(rounded_logits, none_logits)))
         file_w, auto_w = _projections(none), _projections(auto)
-        sums = defaultdict(lambda: [0.0, 0.0, 0])
+        sums, blocks = defaultdict(lambda: [0.0, 0.0, 0]), defaultdict(list)
         for name, kind in types.items():
+            rounding, own = auto_w[name] - file_w[name], file_w[name] - ref_weights[name]
             s = sums[kind]
-            s[0] += float(((auto_w[name] - file_w[name]) ** 2).sum())
-            s[1] += float(((file_w[name] - ref_weights[name]) ** 2).sum())
+            s[0] += float((rounding ** 2).sum())
+            s[1] += float((own ** 2).sum())
             s[2] += 1
+            per_block = [x.reshape(-1, 32).pow(2).mean(-1).sqrt() for x in (rounding, own)]
+            blocks[kind].append(per_block[0][per_block[1] > 0] / per_block[1][per_block[1] > 0])
         for kind, (rounding, own_sq, n) in sorted(sums.items()):
-            weight_rows.append((Path(path).name, kind, n, math.sqrt(rounding / own_sq) if own_sq else float("nan")))
+            ratios = torch.cat(blocks[kind])
+            weight_rows.append((Path(path).name, kind, n, math.sqrt(rounding / own_sq) if own_sq else float("nan"),
+                                float(ratios.median()) if len(ratios) else float("nan"),
+                                float(ratios.max()) if len(ratios) else float("nan")))
         del none, auto
     print("\n| file | projection types | auto | perplexity none → auto | auto vs none: mean / max \\|Δlogit\\|, top-1 "
           "| of which the weights' rounding | none vs reference: mean / max \\|Δlogit\\|, top-1 | ratio of mean \\|Δlogit\\| |")
@@ -159,10 +166,11 @@ def main() -> None:
     for name, kinds, fmt, ppl_none, ppl_auto, ours, own, weights_only in rows:
         print(f"| {name} | {kinds} | {fmt} | {ppl_none:.3f} → {ppl_auto:.3f} ({100 * (ppl_auto / ppl_none - 1):+.2f}%) | "
               f"{measures(ours)} | {measures(weights_only)} | {measures(own)} | {ours['mean'] / own['mean'] if own['mean'] else float('nan'):.3f} |")
-    print("\n| file | projection type | tensors | RMS of auto's weight change ÷ RMS of the file's own |")
-    print("| --- | --- | ---: | ---: |")
-    for name, kind, n, ratio in weight_rows:
-        print(f"| {name} | {kind} | {n} | {ratio:.4f} |")
+    print("\n| file | projection type | tensors | RMS of auto's weight change ÷ RMS of the file's own | "
+          "the same per block of 32: median, largest |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name, kind, n, ratio, median, largest in weight_rows:
+        print(f"| {name} | {kind} | {n} | {ratio:.4f} | {median:.4f}, {largest:.4f} |")
 
 
 if __name__ == "__main__":
