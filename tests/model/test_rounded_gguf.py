@@ -239,3 +239,16 @@ def test_a_float16_projection_keeps_float32_and_cuda_keeps_none(tmp_path):
         assert weights.tensor_type("model.layers.0.mlp.down_proj.weight") == down
         assert resolve_quantization("auto", weights, torch.device("cpu")) == cpu
         assert resolve_quantization("auto", weights, torch.device("cuda")) == "none"
+
+
+def test_a_tied_q4_0_table_is_read_from_the_head_exactly(tmp_path):
+    """llama-quantize --pure writes a Q4_0 table beside Q3_K projections: the 8-bit head holds its
+    4-bit values as they are, so lookups read the head and are the file's values."""
+    path = tmp_path / "q4_0-table.gguf"
+    write_gguf(path, [{name: "Q3_K" for name in SHAPES}], table="Q4_0")
+    model = load_model(path, dtype="float32", quantization="auto").model
+    floats = load_model(path, dtype="float32", quantization="none").model
+    assert isinstance(model.quant_embedding, quant.TiedBlockEmbedding)
+    assert model.quant_embedding.head is model.quant_lm_head and model.embed_tokens.weight is None
+    ids = torch.tensor([3, 0, 255, 3])
+    assert torch.equal(model.embed(ids), floats.embed_tokens.weight[ids])
