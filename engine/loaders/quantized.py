@@ -6,7 +6,9 @@ layouts, and a Q8_0 embedding is kept as stored. In w8a8 the K-quants (Q4_K, Q5_
 embedding alike, tensor by tensor in a file that mixes them (a fused q/k/v or gate/up whose parts
 differ in type is a ``kquant.StackedLinear``); w4a8 keeps Q4_K as stored. Every other tensor is
 read one at a time as float32 (dequantized by gguf, or from safetensors) and quantized, so the
-load never holds a float32 copy of the model.
+load never holds a float32 copy of the model: in w8a8 that is how Q2_K, Q3_K, the IQ types,
+TQ1_0 / TQ2_0, MXFP4 and NVFP4 are held (``_ROUNDED_TYPES``: 8-bit blocks of 32, Q8_0's rule),
+an untied table of these types as int8 blocks, and a tied one as its LM head's blocks.
 
 ``auto`` (``resolve_quantization``) picks the fastest format that keeps the precision the file
 has, judged by the types of its projection weights:
@@ -19,13 +21,22 @@ has, judged by the types of its projection weights:
   (values and float16 scales), the LM head's too, and round activations to int8 per block of 32
   (llama.cpp rounds them per 32 for these, and per 256, Q8_K, for K-quants: ours is finer;
   perplexity +0.2-0.3% on SmolLM2, bench/README.md); they are 4-7x float32's decode rate here;
+* with those kernels, every projection one of the above or one of ``_ROUNDED_TYPES`` (Q2_K, Q3_K,
+  the IQ types, TQ1_0 / TQ2_0, MXFP4, NVFP4: llama.cpp's Q3_K_M / Q2_K / IQ4_XS / IQ3_XXS...
+  presets, which mix them with the types above): ``w8a8``, the types above as stored and these
+  rounded to 8-bit blocks of 32. They hold 2-4 bits of precision a value, and the rounding is
+  far below the file's own error: on SmolLM2 re-quantized from its Q4_1 file by llama-quantize,
+  the RMS weight change is 1-4% of the file's own change from Q4_1, and it moves the logits by
+  1-4% as much as that re-quantization did (5-11% with the int8 rounding of activations that
+  every block format has; bench/README.md, "Other GGUF block types through w8a8"). Float32
+  held them at 4x the bytes, at a third of w8a8's decode rate;
 * without them (or with only their portable C++ loop, slower than float32: 1.2 ms against
   0.37 ms for a 3072x576 product at one row on an AVX2 CPU), every projection Q4_0 / Q4_1:
   ``int4`` (the file's own 4-bit values and its float16 scales rounded to bfloat16). Its LM
   head is int8 whatever the file (torch has no kernel for per-block scales): SmolLM2's Q8_0 head re-rounded that way is part of the measured
   int4 error, which is still under int8's (mean |logit change| 0.07, perplexity -0.2%);
-* anything else (Q2_K, Q3_K, the IQ types, float16, bfloat16, float32; and any block type but
-  Q4_0 / Q4_1 without the kernels): ``none``, dequantized to float32 at load. int8 re-rounds each
+* anything else (float16, bfloat16, float32 anywhere among the projections; and any block type
+  but Q4_0 / Q4_1 without the kernels): ``none``, dequantized to float32 at load. int8 re-rounds each
   weight to a per-row scale (coarser than Q8_0's per-32 blocks), and measured on SmolLM2-135M
   that is not negligible: mean |logit change| 0.19 against 0.05 for the bfloat16 rounding of
   activations alone (bf16), and the top token changed on 5% of positions (bench/README.md).
@@ -46,6 +57,17 @@ QUANTIZED = ("bf16", "int8", "int4", "w8a8", "w4a8")
 _LOSSLESS_INT4 = frozenset({"Q4_0", "Q4_1"})
 # Held as stored by w8a8 (the 4-bit ones, and Q4_K, by w4a8 too).
 _BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", *kquant.KQUANT_TYPES})
+# Block types with at most 4 bits of precision per value (grids of 16 levels or fewer, or
+# ternary) that sluice has no kernel for: w8a8 rounds them to 8-bit blocks of 32 from gguf's
+# float32, one tensor at a time. That moves a weight by at most 1/254 of its 32-block's largest
+# value, where these grids step by 1/15 or more of their (sub-)block's largest, so the file's
+# precision is kept (a 16-value sub-block scaled far below its neighbour loses more; measured on
+# SmolLM2's files, a 32-block's rounding error was at most 17% of the block's own error from the
+# file it was quantized from, median 0-4%: bench/README.md, "Other GGUF block types through
+# w8a8"). Listed by name, not by bits per weight: a type gguf learns later stays float32 until
+# measured.
+_ROUNDED_TYPES = frozenset({"Q2_K", "Q3_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+                            "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"})
 _PROJECTIONS = ("_proj.weight",)
 
 
@@ -87,7 +109,7 @@ def resolve_quantization(quantization: str, weights, device: torch.device) -> st
     types = projection_types(weights)
     from sluice.kernels import cpu_blockq
 
-    if types and types <= _BLOCK_TYPES and cpu_blockq.vectorized():
+    if types and types <= _BLOCK_TYPES | _ROUNDED_TYPES and cpu_blockq.vectorized():
         return "w4a8" if types <= _LOSSLESS_INT4 else "w8a8"
     return "int4" if types and types <= _LOSSLESS_INT4 else "none"
 
@@ -119,17 +141,28 @@ class Quantizer:
         return quant.HEAD_CLASSES[self.fmt].from_float(_float(weights, name, shape))
 
     def embedding(self, weights, name: str, shape: tuple[int, int], tied_head=None):
-        """The token embedding as stored, or None (keep float32 rows): a tied block head that holds
-        the file's table as stored serves the lookups from its blocks (``TiedBlockEmbedding``); else a
-        Q8_0 table is kept as int8 blocks, and, in the block formats, a K-quant or 5-bit one as stored."""
+        """The token embedding as stored, or None (keep float32 rows): a tied block head holding a
+        block-typed table serves the lookups from its blocks (``TiedBlockEmbedding``); else a Q8_0
+        table is kept as int8 blocks, and, in the block formats, a K-quant or 5-bit one as stored
+        and one of the ``_ROUNDED_TYPES`` as int8 blocks of 32 (Q8_0's rounding, as its head's)."""
         kind = _stored_type(weights, name)
-        held = tied_head is not None and self.fmt in quant.BLOCK_FORMATS
-        if held and (kind == "Q8_0" or kind in kquant.KQUANT_TYPES) and isinstance(tied_head, (quant.BlockQLinear, kquant.KQuantLinear)):
+        block = self.fmt in quant.BLOCK_FORMATS
+        held = tied_head is not None and block and isinstance(tied_head, (quant.BlockQLinear, kquant.KQuantLinear))
+        # The head holds the table as stored (Q4_0 / Q4_1 / Q8_0 in 8-bit blocks, K-quants, 5-bit),
+        # or rounded to 8-bit blocks from a type of at most ~4 bits (_ROUNDED_TYPES): either way
+        # lookups may read it, and the table is held once. (A float table stays float32 rows: an
+        # 8-bit head is a rounding of it that the file does not have.)
+        if held and kind in _BLOCK_TYPES | _ROUNDED_TYPES:
             return quant.TiedBlockEmbedding(tied_head)
         if kind == "Q8_0":
             return quant.embedding_from_q8_0(_raw(weights, name, shape)[1], shape)
-        if kind in kquant.KQUANT_TYPES and self.fmt in quant.BLOCK_FORMATS:
+        if kind in kquant.KQUANT_TYPES and block:
             return quant.TiedBlockEmbedding(kquant.KQuantLinear.from_gguf(*_raw(weights, name, shape), shape))
+        if kind in _ROUNDED_TYPES and block:
+            # llama.cpp's low-bit presets write an untied table in such a type (Q3_K_M: Q3_K,
+            # IQ2_XXS: Q2_K): as float32 rows it would be ~9x its file bytes (2 GiB for a
+            # 128k x 4096 table), as int8 blocks of 32 ~2.6x.
+            return quant.embedding_from_float(_float(weights, name, shape))
         return None
 
     def _block(self, weights, name: str, shape: tuple[int, int], bits: int):

@@ -358,7 +358,27 @@ def _half(x: torch.Tensor, what: str) -> torch.Tensor:
 def float_to_block(weight: torch.Tensor, bits: int) -> BlockParts:
     """8 bits: symmetric per block (Q8_0's rule: q = round(w / d), d = max|w| / 127, held as
     u = q + 128, m = -128 d). 4 bits: min/max per block (u = round((w - m) / d), m = min). d and
-    m are float16 values, as GGUF stores them, rounded before the weights are."""
+    m are float16 values, as GGUF stores them, rounded before the weights are.
+
+    Rows go through in slices of about ``_ROUND_SLICE`` values: each block is rounded on its own,
+    so slicing changes no bit, and the rounding's float32 temporaries (three of the slice's size)
+    stay small beside a large tensor (a 128k x 4096 table's would be 2 GiB each)."""
+    n, k = weight.shape
+    _check(k % GROUP == 0, f"block weight: {k} inputs is not a multiple of {GROUP}")
+    u = torch.empty((n, k), dtype=torch.uint8)
+    d, m = torch.empty((n, k // GROUP)), torch.empty((n, k // GROUP))
+    step = max(1, _ROUND_SLICE // k)
+    for start in range(0, n, step):
+        rows = slice(start, start + step)
+        u[rows], d[rows], m[rows] = _rows_to_block(weight[rows], bits)
+    return u, d, m
+
+
+_ROUND_SLICE = 1 << 20
+
+
+def _rows_to_block(weight: torch.Tensor, bits: int) -> BlockParts:
+    """``float_to_block`` of a slice of rows."""
     n, k = weight.shape
     g = weight.to(torch.float32).reshape(n, k // GROUP, GROUP)
     if bits == 8:
@@ -496,6 +516,14 @@ class TiedBlockEmbedding:
         return self.head.dequantize()
 
     nbytes = 0   # the head's bytes, counted there
+
+
+def embedding_from_float(weight: torch.Tensor) -> BlockInt8Embedding:
+    """A float table rounded to int8 blocks of 32 by Q8_0's rule (``float_to_block``'s 8 bits):
+    the rows an 8-bit block head rounded from the same table would give, bit for bit."""
+    u, d, _m = float_to_block(weight, 8)
+    # u = q + 128 with q in [-127, 127]: flipping the top bit is q's two's complement byte, in place.
+    return BlockInt8Embedding(u.bitwise_xor_(128).view(torch.int8), d)
 
 
 def embedding_from_q8_0(blocks: torch.Tensor, shape: tuple[int, int]) -> BlockInt8Embedding:

@@ -40,3 +40,21 @@ def test_blockq_bench_prints_one_row_per_shape_and_row_count():
     assert len(rows) == 8, proc.stdout
     assert all(len(r.strip("|").split("|")) == 6 for r in rows), rows
     assert "block product path: " in proc.stdout and "path: None" not in proc.stdout
+
+
+def test_gguf_rounding_bench_compares_a_file_with_itself():
+    """``bench/gguf_rounding.py`` end to end on the shipped Q4_1 file as its own reference: every
+    difference from the reference is zero, and auto (w4a8) differs from none by its activations'
+    int8 rounding only (no weight is rounded)."""
+    from tests.model_files import smollm2_gguf
+
+    # The caller's path after the checkout: where sluice is this tree through it, so is the child's.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "bench/gguf_rounding.py", "--threads", "1", "--reference",
+                           str(smollm2_gguf()), str(smollm2_gguf())],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith(f"| {smollm2_gguf().name} | Q4_1 | w4a8 |"))
+    assert "| 0.0000 / 0.000, 1.000 | 0.0000 / 0.000, 1.000 |" in row, row
+    assert f"| {smollm2_gguf().name} | Q4_1 | 210 | nan | nan, nan |" in proc.stdout

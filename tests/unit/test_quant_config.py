@@ -98,9 +98,21 @@ class _Typed(dict):
     ({"a.q_proj.weight": "Q4_1", "a.down_proj.weight": "Q6_K"}, "w8a8", "none"),
     ({"a.q_proj.weight": "Q4_K", "a.v_proj.weight": "Q6_K", "a.up_proj.weight": "Q5_0",
       "a.o_proj.weight": "Q5_K", "a.down_proj.weight": "Q8_0", "b.q_proj.weight": "Q5_1"}, "w8a8", "none"),
-    ({"a.q_proj.weight": "Q4_K", "a.down_proj.weight": "Q3_K"}, "none", "none"),
     ({"a.q_proj.weight": "Q8_0", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
+    # Types without a kernel of their own (2-4 bits a value) are rounded to 8-bit blocks, beside
+    # the stored ones (llama.cpp's Q3_K_M, IQ3_XXS, Q2_K presets), never to w4a8's 4 bits.
+    ({"a.q_proj.weight": "Q4_K", "a.down_proj.weight": "Q3_K"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "Q4_0", "a.up_proj.weight": "Q2_K", "a.down_proj.weight": "Q3_K"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "IQ4_NL", "a.down_proj.weight": "IQ4_XS"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "IQ2_XXS", "a.k_proj.weight": "IQ1_M", "a.up_proj.weight": "IQ3_S",
+      "a.down_proj.weight": "Q6_K"}, "w8a8", "none"),
+    ({"a.q_proj.weight": "TQ2_0", "a.down_proj.weight": "MXFP4"}, "w8a8", "none"),
+    # A float projection anywhere keeps the file float32, as an all-float file does; so does a
+    # type not measured (Q1_0: gguf cannot read it, the load refuses it by name).
+    ({"a.q_proj.weight": "Q3_K", "a.down_proj.weight": "F16"}, "none", "none"),
     ({"a.q_proj.weight": "BF16"}, "none", "none"),
+    ({"a.q_proj.weight": "F16", "a.down_proj.weight": "F32"}, "none", "none"),
+    ({"a.q_proj.weight": "Q3_K", "a.down_proj.weight": "Q1_0"}, "none", "none"),
 ])
 def test_auto_rule(types, picked, without_kernels, monkeypatch):
     from sluice.kernels import cpu_blockq, cpu_ext

@@ -68,6 +68,29 @@ def test_q8_0_embedding_is_exactly_gguf_dequantize(n, k):
     assert torch.equal(emb(ids), want[ids])
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float_to_block_in_slices_of_rows_is_the_whole_tensors_rounding(monkeypatch, bits):
+    w = torch.from_numpy(_random(70, 96, 3))
+    monkeypatch.setattr(quant, "_ROUND_SLICE", 1 << 30)
+    whole = quant.float_to_block(w, bits)
+    monkeypatch.setattr(quant, "_ROUND_SLICE", 3 * 96)          # 3 rows a slice, the last one 1 row
+    sliced = quant.float_to_block(w, bits)
+    assert all(torch.equal(a, b) for a, b in zip(whole, sliced))
+    assert int(whole[0].max()) == 2 ** bits - 1                   # every value range was used
+
+
+def test_an_embedding_rounded_from_float_is_the_8_bit_heads_rows():
+    """A table read as float32 (a Q3_K / IQ type's) as int8 blocks: the rows an 8-bit block LM head
+    rounded from it holds, bit for bit, so a tied and an untied table of one type agree."""
+    w = torch.from_numpy(_random(40, 64, 5))
+    emb = quant.embedding_from_float(w)
+    head = quant.BlockQLinear.from_float(w, 8)
+    assert emb.q.dtype == torch.int8 and int(emb.q.abs().max()) == 127 and int(emb.q.min()) >= -127
+    assert torch.equal(emb.dequantize(), head.dequantize())
+    ids = torch.tensor([3, 0, 39, 3])
+    assert torch.equal(emb(ids), head.rows(ids))
+
+
 def test_int4_layout_round_trips():
     torch.manual_seed(0)
     q = torch.randint(0, 16, (128, 64), dtype=torch.uint8)
