@@ -35,11 +35,12 @@ def best_us(fn, budget_s: float) -> float:
             return best * 1e6
 
 
-def random_kquant(kind: str, n: int, k: int, seed: int):
+def random_blocks(kind: str, n: int, k: int, seed: int):
+    """A GGUF tensor's bytes [n, K / block * bytes] of random blocks, their float16 scales set small."""
     import numpy as np
     import torch
 
-    from sluice.engine.models.kquant import _BLOCK, KQuantLinear
+    from sluice.engine.models.kquant import _BLOCK
 
     per, size = _BLOCK[kind]
     rng = np.random.default_rng(seed)
@@ -47,7 +48,13 @@ def random_kquant(kind: str, n: int, k: int, seed: int):
     halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q6_K": [208]}.get(kind, [0, 2])
     for at in halves:
         raw[..., at:at + 2] = np.full((n, k // per), 1e-3, np.float16).view(np.uint8).reshape(n, k // per, 2)
-    return KQuantLinear.from_gguf(kind, torch.from_numpy(raw.reshape(n, -1)), (n, k))
+    return torch.from_numpy(raw.reshape(n, -1))
+
+
+def random_kquant(kind: str, n: int, k: int, seed: int):
+    from sluice.engine.models.kquant import KQuantLinear
+
+    return KQuantLinear.from_gguf(kind, random_blocks(kind, n, k, seed), (n, k))
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 as its own small module, calls alternate on the same weights and inputs, and every output of the
 new one must equal the old one's bit for bit (an assertion, not a tolerance). For kernel changes
 on a shared, busy host, where two separate runs of ``bench/kquant.py`` minutes apart differ by
-more than the change.
+more than the change. Each version packs the weight from the same random GGUF blocks itself
+(``kquant_pack_gguf``), so a change of the packed layout is compared as well.
 
     git show HEAD~1:kernels/cpu_kquant.cpp > /tmp/old_kquant.cpp
     python bench/kquant_ab.py /tmp/old_kquant.cpp kernels/cpu_kquant.cpp --kinds Q4_K,Q6_K
@@ -26,7 +27,11 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 _BIND = """#include <torch/extension.h>
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n);
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("kquant_linear", &kquant_linear); }
+torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int64_t k);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("kquant_linear", &kquant_linear);
+  m.def("kquant_pack_gguf", &kquant_pack_gguf);
+}
 """
 
 
@@ -51,10 +56,18 @@ def _cycle(module, x, copies, type_id: int, n: int):
     return run
 
 
+def _copies(module, raw, type_id: int, n: int, k: int, count: int) -> list:
+    """The weight packed by ``module`` itself (the two sources may lay it out differently), ``count`` times."""
+    packed = module.kquant_pack_gguf(raw, type_id, n, k)
+    return [packed] + [packed.clone() for _ in range(count - 1)]
+
+
 def main() -> None:
     import torch
 
-    from kquant import best_us, random_kquant
+    from kquant import best_us, random_blocks
+
+    from sluice.kernels.cpu_kquant import FORMATS
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("old", type=Path)
@@ -82,16 +95,15 @@ def main() -> None:
     for kind in args.kinds.split(","):
         for shape in args.shapes.split(","):
             n, k = (int(v) for v in shape.split("x"))
-            w = random_kquant(kind, n, k, seed=0)
-            copies = [w.packed]
-            if args.cold:
-                copies += [w.packed.clone() for _ in range(max(1, (args.cold_mib << 20) // w.packed.numel()) - 1)]
+            raw, type_id = random_blocks(kind, n, k, seed=0), FORMATS[kind].type_id
+            count = max(1, (args.cold_mib << 20) // old.kquant_pack_gguf(raw, type_id, n, k).numel()) if args.cold else 1
+            copies_old, copies_new = _copies(old, raw, type_id, n, k, count), _copies(new, raw, type_id, n, k, count)
             for rows in (int(r) for r in args.rows.split(",")):
                 x = torch.randn(rows, k)
-                assert args.no_check or torch.equal(new.kquant_linear(x, w.packed, w.type_id, n),
-                                   old.kquant_linear(x, w.packed, w.type_id, n)), (kind, shape, rows)
-                t_old = best_us(_cycle(old, x, copies, w.type_id, n), args.budget) / len(copies)
-                t_new = best_us(_cycle(new, x, copies, w.type_id, n), args.budget) / len(copies)
+                assert args.no_check or torch.equal(new.kquant_linear(x, copies_new[0], type_id, n),
+                                                    old.kquant_linear(x, copies_old[0], type_id, n)), (kind, shape, rows)
+                t_old = best_us(_cycle(old, x, copies_old, type_id, n), args.budget) / count
+                t_new = best_us(_cycle(new, x, copies_new, type_id, n), args.budget) / count
                 print(f"| {kind} | {n}×{k} | {rows} | {t_old:.0f} | {t_new:.0f} | {t_new / t_old:.2f} |", flush=True)
 
 

@@ -24,8 +24,10 @@
 // chunk: d [16] float16, dmin or m [16] float16 (with an offset), sc [sub-blocks][16] and mn
 // [sub-blocks][16] bytes (K-quants), then per block of 32: 256 bytes of low nibbles (4 pairs of
 // 64 bytes, [lane 16][j 4], pair p holding k = 4(2p) + j in its low nibbles and 4(2p + 1) + j in its
-// high ones) and one 64-byte plane per bit above the fourth ([lane 16][j 4]; bit g of a byte is
-// that bit of k = 4g + j). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
+// high ones) and W = VB - 4 planes of 64 bytes ([lane 16][j 4]) for the bits above the fourth:
+// the W high bits of k = 4g + j sit at bits W (g % P) .. W (g % P) + W - 1 of byte j of plane
+// g / P, P = 8 / W groups a plane (Q5: bit g of one plane; Q6_K: two bits side by side, groups
+// 0-3 in the first plane, 4-7 in the second, so a group's high bits are one shift and mask away). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
 // Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6).
 //
 // Paths, widest first, each with the same exact integer sums as the portable loop and the same
@@ -157,7 +159,11 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
   const int g = e / 4, j = e % 4;
   const uint8_t byte = blk[64 * (g / 2) + lane * 4 + j];
   int u = (g % 2) ? (byte >> 4) : (byte & 0x0F);
-  for (int b = 0; b < Fmt<FMT>::VB - 4; ++b) u |= ((blk[256 + 64 * b + lane * 4 + j] >> g) & 1) << (4 + b);
+  constexpr int W = Fmt<FMT>::VB - 4;
+  if constexpr (W > 0) {
+    constexpr int P = 8 / W;
+    u |= ((blk[256 + 64 * (g / P) + lane * 4 + j] >> (W * (g % P))) & ((1 << W) - 1)) << 4;
+  }
   return u;
 }
 
@@ -198,12 +204,13 @@ void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, c
 }
 
 #if SLUICE_KQ_AVX2
-// Bit g of each byte of v moved to bit T (the others cleared): a 16-bit shift moves no bit across
-// a byte boundary into the bit kept, as g and T are both within the byte.
-template <int G, int T> inline __m256i bit_to(__m256i v) {
-  const __m256i keep = _mm256_set1_epi8(static_cast<char>(1 << T));
-  if constexpr (T > G) return _mm256_and_si256(_mm256_slli_epi16(v, T - G), keep);
-  else if constexpr (T < G) return _mm256_and_si256(_mm256_srli_epi16(v, G - T), keep);
+// The W-bit field at bit F of each byte of v moved to bits 4 .. 3 + W (the others cleared): a
+// 16-bit shift moves no bit across a byte boundary into the bits kept, as both places are within
+// the byte.
+template <int F, int W> inline __m256i field_to4(__m256i v) {
+  const __m256i keep = _mm256_set1_epi8(static_cast<char>(((1 << W) - 1) << 4));
+  if constexpr (F < 4) return _mm256_and_si256(_mm256_slli_epi16(v, 4 - F), keep);
+  else if constexpr (F > 4) return _mm256_and_si256(_mm256_srli_epi16(v, F - 4), keep);
   else return _mm256_and_si256(v, keep);
 }
 
@@ -211,8 +218,8 @@ template <int G, int T> inline __m256i bit_to(__m256i v) {
 template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i* hi) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i v = (G % 2) ? _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4) : _mm256_and_si256(nib, low4);
-  if constexpr (VB >= 5) v = _mm256_or_si256(v, bit_to<G, 4>(hi[0]));
-  if constexpr (VB >= 6) v = _mm256_or_si256(v, bit_to<G, 5>(hi[1]));
+  constexpr int W = VB - 4, P = W > 0 ? 8 / W : 1;
+  if constexpr (W > 0) v = _mm256_or_si256(v, field_to4<W * (G % P), W>(hi[G / P]));
   return v;
 }
 
@@ -349,10 +356,10 @@ template <int PER> constexpr int64_t rows_vnni() {
 #endif
 }
 
-template <int G, int T> inline __m512i bit_to512(__m512i v) {
-  const __m512i keep = _mm512_set1_epi8(static_cast<char>(1 << T));
-  if constexpr (T > G) return _mm512_and_si512(_mm512_slli_epi16(v, T - G), keep);
-  else if constexpr (T < G) return _mm512_and_si512(_mm512_srli_epi16(v, G - T), keep);
+template <int F, int W> inline __m512i field_to4_512(__m512i v) {
+  const __m512i keep = _mm512_set1_epi8(static_cast<char>(((1 << W) - 1) << 4));
+  if constexpr (F < 4) return _mm512_and_si512(_mm512_slli_epi16(v, 4 - F), keep);
+  else if constexpr (F > 4) return _mm512_and_si512(_mm512_srli_epi16(v, F - 4), keep);
   else return _mm512_and_si512(v, keep);
 }
 
@@ -360,8 +367,8 @@ template <int G, int T> inline __m512i bit_to512(__m512i v) {
 template <int VB, int G> inline __m512i group_values512(__m512i nib, const __m512i* hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i v = (G % 2) ? _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4) : _mm512_and_si512(nib, low4);
-  if constexpr (VB >= 5) v = _mm512_or_si512(v, bit_to512<G, 4>(hi[0]));
-  if constexpr (VB >= 6) v = _mm512_or_si512(v, bit_to512<G, 5>(hi[1]));
+  constexpr int W = VB - 4, P = W > 0 ? 8 / W : 1;
+  if constexpr (W > 0) v = _mm512_or_si512(v, field_to4_512<W * (G % P), W>(hi[G / P]));
   return v;
 }
 
@@ -638,15 +645,17 @@ inline void put_lane(uint8_t* chunk, int64_t lane, const uint8_t* ur, uint16_t d
     uint8_t* body = chunk + L::BODY + blk * L::BLK;
     const uint8_t* ub = ur + blk * kBlock;
     // Element 4 g + j: its low nibble in byte j of the lane's 4 in row 64 (g / 2), low half for
-    // even g; its bit 4 + b in bit g of byte j of high-bit plane b.
+    // even g.
     for (int p = 0; p < 4; ++p)
       for (int j = 0; j < 4; ++j)
         body[64 * p + lane * 4 + j] = static_cast<uint8_t>((ub[8 * p + j] & 0x0F) | ((ub[8 * p + 4 + j] & 0x0F) << 4));
-    for (int b = 0; b < F::VB - 4; ++b)
+    // The high bits of element 4 g + j: bits W (g % P) .. of byte j of plane g / P (see the top).
+    constexpr int W = F::VB - 4, P = W > 0 ? 8 / W : 1;
+    for (int p = 0; p < W; ++p)
       for (int j = 0; j < 4; ++j) {
         unsigned bits = 0;
-        for (int g = 0; g < 8; ++g) bits |= ((ub[4 * g + j] >> (4 + b)) & 1u) << g;
-        body[256 + 64 * b + lane * 4 + j] = static_cast<uint8_t>(bits);
+        for (int m = 0; m < P; ++m) bits |= ((ub[4 * (P * p + m) + j] >> 4) & ((1u << W) - 1)) << (W * m);
+        body[256 + 64 * p + lane * 4 + j] = static_cast<uint8_t>(bits);
       }
   }
 }

@@ -170,12 +170,14 @@ def _pack_rows(fmt: str, u, d, dm, sc, mn) -> torch.Tensor:
     lo = q & 15
     nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)                                      # [N, blocks, p, j]
     body = [nib.view(tiles, TILE, nsb, blocks, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, nsb, blocks, 256)]
-    for bit in range(4, spec.bits):
-        hb = (q >> bit) & 1
-        plane = hb[:, :, 0].clone()
-        for i in range(1, 8):
-            plane |= hb[:, :, i] << i                                                   # [N, blocks, j]
-        body.append(plane.view(tiles, TILE, nsb, blocks, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nsb, blocks, 64))
+    width = spec.bits - 4                       # high bits per value: W planes, 8 / W groups each
+    if width:
+        per, high = 8 // width, (q >> 4) & ((1 << width) - 1)                         # [N, blocks, g, j]
+        for p in range(width):
+            plane = high[:, :, p * per].clone()
+            for m in range(1, per):
+                plane |= high[:, :, p * per + m] << (width * m)                        # [N, blocks, j]
+            body.append(plane.view(tiles, TILE, nsb, blocks, 4).permute(0, 2, 3, 1, 4).reshape(tiles, nsb, blocks, 64))
     body = torch.cat(body, -1).reshape(tiles, nsb, -1)
     return torch.cat([*header, body], -1).reshape(-1).contiguous()
 
@@ -207,10 +209,14 @@ def unpack(fmt: str, packed: torch.Tensor, n: int, k: int) -> Parts:
     nib = body[..., :256].reshape(tiles, nsb, blocks, 4, TILE, 4)                     # [t, sb, b, p, r, j]
     lo = torch.stack((nib & 15, nib >> 4), dim=4)                                     # [t, sb, b, p, h, r, j]
     u = lo.permute(0, 5, 1, 2, 3, 4, 6).reshape(tiles * TILE, nsb, blocks, 8, 4).to(torch.int32)   # [N, sb, b, g, j]
-    for i, bit in enumerate(range(4, spec.bits)):
-        plane = body[..., 256 + 64 * i:256 + 64 * (i + 1)].reshape(tiles, nsb, blocks, TILE, 4).to(torch.int32)
-        bits = (plane[..., None] >> torch.arange(8, dtype=torch.int32)) & 1         # [t, sb, b, r, j, g]
-        u |= bits.permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE, nsb, blocks, 8, 4) << bit
+    width = spec.bits - 4
+    if width:
+        per, planes = 8 // width, []
+        for p in range(width):
+            plane = body[..., 256 + 64 * p:256 + 64 * (p + 1)].reshape(tiles, nsb, blocks, TILE, 4).to(torch.int32)
+            planes.append((plane[..., None] >> (width * torch.arange(per, dtype=torch.int32))) & ((1 << width) - 1))
+        high = torch.cat(planes, -1)                                                  # [t, sb, b, r, j, g]
+        u |= high.permute(0, 3, 1, 2, 5, 4).reshape(tiles * TILE, nsb, blocks, 8, 4) << 4
     return u.reshape(tiles * TILE, k)[:n].to(torch.uint8), d, dm, sc, mn
 
 
