@@ -81,6 +81,28 @@ def _stamp_lines(stream, t0: float, lines: list[tuple[float, str]]) -> None:
         lines.append((time.monotonic() - t0, raw.decode(errors="replace").rstrip()))
 
 
+def _cpu_busy_fraction(interval_s: float = 1.0) -> float:
+    """The host's CPU time spent busy over ``interval_s`` (/proc/stat; 0.0 where it is missing)."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return sum(fields), fields[3] + fields[4]          # total, idle + iowait
+    try:
+        total0, idle0 = sample()
+        time.sleep(interval_s)
+        total1, idle1 = sample()
+    except OSError:
+        return 0.0
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_until_idle(max_busy: float, timeout_s: float) -> None:
+    """On a shared host, wait (up to ``timeout_s``) until another job's work (a compile, a
+    benchmark) has stopped: a second with at most ``max_busy`` of the CPUs busy."""
+    deadline = time.monotonic() + timeout_s
+    while _cpu_busy_fraction() > max_busy and time.monotonic() < deadline:
+        pass
+
+
 def one_run(args: argparse.Namespace) -> dict:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
@@ -124,11 +146,15 @@ def main() -> int:
     ap.add_argument("--poll-ms", type=float, default=20.0)
     ap.add_argument("--timeout", type=float, default=300.0)
     ap.add_argument("--log-dir", type=Path, default=None, help="write each run's stamped stderr here")
+    ap.add_argument("--max-busy", type=float, default=0.1,
+                    help="before each run, wait for a second with at most this fraction of the CPUs busy "
+                         "(another job on a shared host; 1 waits for nothing; default: 0.1)")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here")
     ap.add_argument("extra", nargs="*", help="more `sluice serve` arguments (after --)")
     args = ap.parse_args()
     results = []
     for i in range(args.runs):
+        wait_until_idle(args.max_busy, timeout_s=120.0)
         r = one_run(args)
         results.append(r)
         print(f"run {i + 1}: ready {r['ready_s']:.2f} s, first request TTFT {r['ttft_s'] * 1000:.0f} ms "
