@@ -126,15 +126,29 @@ def _build_parser() -> argparse.ArgumentParser:
     add_train_arguments(heads)
     heads.set_defaults(func=_cmd_train_heads)
 
-    from sluice.http_facade.cli import add_facade_arguments, add_serve_arguments, main_facade, main_serve
+    # The flags only: every sluice process builds this parser, the engine's included, and the
+    # facade's modules (aiohttp, pydantic, gRPC: ~0.35 s) are imported only by the command that runs it.
+    from sluice.http_facade.arguments import add_facade_arguments, add_serve_arguments
 
     serve = sub.add_parser("serve", help="run the engine and the HTTP facade (OpenAI, MLC, AFS), supervised")
     add_serve_arguments(serve)
-    serve.set_defaults(func=main_serve)
+    serve.set_defaults(func=_cmd_serve)
     facade = sub.add_parser("facade", help="run the HTTP facade in front of a running engine")
     add_facade_arguments(facade)
-    facade.set_defaults(func=main_facade)
+    facade.set_defaults(func=_cmd_facade)
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from sluice.http_facade.supervisor import serve_from_args
+
+    return serve_from_args(args)
+
+
+def _cmd_facade(args: argparse.Namespace) -> int:
+    from sluice.http_facade.cli import main_facade
+
+    return main_facade(args)
 
 
 # Flags that stand for an override key (each must agree with the override when both are given).

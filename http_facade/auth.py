@@ -9,18 +9,20 @@ from __future__ import annotations
 import hmac
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
-
-from aiohttp import web
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from sluice.http_facade.errors import ApiError
-from sluice.http_facade.openapi import PUBLIC_PATHS as OPENAPI_PUBLIC_PATHS
 
-KeyExtractor = Callable[[web.Request], "str | None"]
+if TYPE_CHECKING:   # no aiohttp at run time: the supervisor builds an AuthPolicy (config.py)
+    from aiohttp import web
+
+KeyExtractor = Callable[["web.Request"], "str | None"]
 ENV_KEYS = "SLUICE_API_KEYS"
-# Routes that never need a key: liveness and readiness probes.
-# (openapi.ENDPOINTS marks them): liveness and readiness probes, and the API's documentation.
-PUBLIC_PATHS = OPENAPI_PUBLIC_PATHS
+# Routes that never need a key: the liveness and readiness probes, the API's documentation and the
+# chat page. openapi.ENDPOINTS marks the same ones public (test_facade_app checks every route
+# against this policy); they are spelled here so that this module needs no OpenAPI models.
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/docs", "/docs/swagger-ui-bundle.js", "/docs/swagger-ui.css",
+                          "/openapi.json", "/", "/ui/chat.js", "/ui/chat.css"})
 
 
 def bearer_key(request: web.Request) -> str | None:

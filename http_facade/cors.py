@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from aiohttp import web
+if TYPE_CHECKING:   # no aiohttp at run time: the supervisor builds a CorsPolicy (config.py)
+    from aiohttp import web
 
 _PREFLIGHT_MAX_AGE = "600"
 # request_context.HEADER, spelled here: that module imports the app state, which imports this one.

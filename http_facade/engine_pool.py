@@ -34,12 +34,12 @@ from typing import AsyncIterator
 import grpc
 
 from sluice.engine.rpc import engine_pb2 as pb
+from sluice.http_facade.config import POLICIES
 from sluice.http_facade.engine_link import EngineLink
 from sluice.http_facade.errors import ApiError
 
 log = logging.getLogger("sluice.facade.pool")
 
-POLICIES = ("prefix", "round_robin")
 PREFIX_CHUNK = 128          # characters of prompt text hashed at the first level
 PREFIX_LEVELS = 6           # 128, 256, ..., 4096 characters
 PREFIX_ENTRIES = 1 << 16    # remembered prefix hashes (LRU)

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import grpc
+if TYPE_CHECKING:   # imported where used: ApiError reaches the supervisor (auth.py), which runs no gRPC
+    import grpc
 
 # Seconds a client should wait before retrying a request refused for a full queue.
 RETRY_AFTER_S = 1
@@ -88,6 +90,8 @@ def param_from_details(details: str) -> str | None:
 
 
 def from_rpc_error(err: grpc.aio.AioRpcError) -> ApiError:
+    import grpc   # loaded already wherever an RPC error can arrive
+
     code = err.code()
     details = err.details() or code.name
     if code == grpc.StatusCode.INVALID_ARGUMENT:

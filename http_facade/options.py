@@ -1,6 +1,7 @@
 """Parsed command-line flags → the facade's configuration. ``sluice facade`` (``cli.py``) and
 ``sluice serve``'s supervisor (``supervisor.py``, which hands its facade process the same flags)
-both read them here, so neither imports the other."""
+both read them here, so neither imports the other. Like ``config.py``, standard library only: the
+supervisor checks every flag here before it starts a process."""
 from __future__ import annotations
 
 import argparse
@@ -9,10 +10,9 @@ from collections.abc import Sequence
 
 from sluice.engine.rpc.tracing import EXTRA_HINT
 from sluice.http_facade.auth import PUBLIC_PATHS, AuthPolicy, load_keys
+from sluice.http_facade.config import AfsConfig, FacadeConfig
 from sluice.http_facade.cors import CorsPolicy, parse_json_list
 from sluice.http_facade.limits import parse_limits
-from sluice.http_facade.routes_afs import AfsConfig
-from sluice.http_facade.state import FacadeConfig
 
 
 def _otel_installed() -> bool:

@@ -37,7 +37,6 @@ REQUEST_ID: web.RequestKey[str] = web.RequestKey("sluice_request_id", str)
 # Generation routes put their timer here, for the log line.
 TIMER: web.RequestKey[RequestTimer] = web.RequestKey("sluice_request_timer", RequestTimer)
 HEADER = "X-Request-Id"
-LOG_FORMATS = ("off", "json")
 _ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 request_log = logging.getLogger("sluice.facade.requests")

@@ -23,7 +23,6 @@ embeddings and rerank the embedding model's own name is accepted too.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -33,22 +32,13 @@ from sluice.http_facade import afs_protocol as ap
 from sluice.http_facade import api_models as am
 from sluice.http_facade.afs_errors import invalid, unsupported
 from sluice.http_facade.afs_generation import run_afs
+from sluice.http_facade.config import AfsConfig
 from sluice.http_facade.errors import ApiError
 from sluice.http_facade.json_body import read_json
 from sluice.http_facade.request_context import request_id_of
 from sluice.http_facade.routes_embeddings import (call_encoder, dimensions, embed_request, encode, encoder_inputs,
                                            encoding_format, resolve_encoder)
 from sluice.http_facade.state import state_of
-
-
-@dataclass(frozen=True)
-class AfsConfig:
-    ping_interval_s: float = 15.0       # SSE ping while no record is due
-    query_prefix: str | None = None     # input_type "query": None = the embedding model's own prefix
-
-    def __post_init__(self) -> None:
-        if not self.ping_interval_s > 0:
-            raise ValueError(f"ping_interval_s: must be > 0, got {self.ping_interval_s!r}")
 
 
 AFS_CONFIG: web.AppKey[AfsConfig] = web.AppKey("sluice_afs_config", AfsConfig)

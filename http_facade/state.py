@@ -1,73 +1,22 @@
-"""The facade's configuration (frozen) and its per-app state (engine link, metrics, traces)."""
+"""The facade's per-app state (engine link, metrics, traces); its configuration is ``config.FacadeConfig``."""
 from __future__ import annotations
 
 import asyncio
 import collections
 import time
-from dataclasses import dataclass, field
 
 from aiohttp import web
 
 from sluice.engine.rpc import engine_pb2 as pb
 from sluice.engine.rpc.tracing import Tracing
-from sluice.http_facade.auth import AuthPolicy
-from sluice.http_facade.cors import CorsPolicy
-from sluice.http_facade.engine_pool import POLICIES, EnginePool
+# FacadeConfig and DEFAULT_MAX_BODY_BYTES live in config.py (no aiohttp there); the app's modules
+# and the tests read them here too.
+from sluice.http_facade.config import DEFAULT_MAX_BODY_BYTES, FacadeConfig
+from sluice.http_facade.engine_pool import EnginePool
 from sluice.http_facade.errors import ApiError, not_found
-from sluice.http_facade.limits import RequestLimits
 from sluice.http_facade.metrics import FacadeMetrics
 
-DEFAULT_MAX_BODY_BYTES = 8 << 20
 _TRACE_KEEP = 1024
-
-
-@dataclass(frozen=True)
-class FacadeConfig:
-    engine_addr: str = "127.0.0.1:50051"
-    # Several engines (``--engine`` repeated): when set, these, and ``engine_addr`` is ignored.
-    engine_addrs: tuple[str, ...] = ()
-    routing: str = "prefix"           # engine_pool.POLICIES
-    auth: AuthPolicy = field(default_factory=AuthPolicy)
-    cors: CorsPolicy = field(default_factory=CorsPolicy)
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    enable_tracing: bool = False
-    # chat max_tokens when a client sends none; None: until a stop or the context window (OpenAI)
-    default_max_tokens: int | None = None
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    # A connection waiting for a request (idle keep-alive, or headers dribbled slowly) is closed
-    # after idle_timeout_s; a request body that has not fully arrived after body_timeout_s is a 408.
-    idle_timeout_s: float = 15.0
-    body_timeout_s: float = 30.0
-    # --served-model-name: the names clients use for the main model (served_names.py); () = its own
-    served_model_names: tuple[str, ...] = ()
-    request_log: str = "off"              # "json": one JSON line per request (request_context.py)
-    otlp_traces_endpoint: str | None = None   # OTLP/HTTP traces endpoint (engine/rpc/tracing.py)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes: must be a positive integer, got {self.max_body_bytes!r}")
-        if self.default_max_tokens is not None and self.default_max_tokens < 1:
-            raise ValueError(f"default_max_tokens: must be >= 1, got {self.default_max_tokens}")
-        for name in ("idle_timeout_s", "body_timeout_s"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{name}: must be a positive number of seconds, got {v!r}")
-        for addr in self.engines:
-            host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit():
-                raise ValueError(f"engine_addr: expected HOST:PORT, got {addr!r}")
-        if len(set(self.engines)) != len(self.engines):
-            raise ValueError(f"engine_addr: an engine is named twice in {', '.join(self.engines)}")
-        if any(not isinstance(n, str) or not n.strip() for n in self.served_model_names):
-            raise ValueError(f"served_model_names: names must be non-empty, got {list(self.served_model_names)!r}")
-        if self.request_log not in ("off", "json"):
-            raise ValueError(f"request_log: must be off or json, got {self.request_log!r}")
-        if self.routing not in POLICIES:
-            raise ValueError(f"routing: must be one of {', '.join(POLICIES)}, got {self.routing!r}")
-
-    @property
-    def engines(self) -> tuple[str, ...]:
-        return tuple(self.engine_addrs) or (self.engine_addr,)
 
 
 class FacadeState:
@@ -104,4 +53,4 @@ def state_of(request: web.Request) -> FacadeState:
     return request.app[STATE_KEY]
 
 
-__all__ = ["ApiError", "FacadeConfig", "FacadeState", "STATE_KEY", "state_of"]
+__all__ = ["ApiError", "DEFAULT_MAX_BODY_BYTES", "FacadeConfig", "FacadeState", "STATE_KEY", "state_of"]

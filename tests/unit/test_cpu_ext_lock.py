@@ -13,6 +13,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _pythonpath() -> str:
+    """The child's: a caller's PYTHONPATH first (a package folder linking `sluice` to a worktree
+    tests that tree, whose sources the parent built), then this checkout."""
+    return os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(REPO)) if p)
+
+
 def test_a_stale_build_lock_does_not_hang_the_next_load(tmp_path):
     from sluice.kernels import cpu_ext
 
@@ -23,7 +29,7 @@ def test_a_stale_build_lock_does_not_hang_the_next_load(tmp_path):
     (copy / "lock").touch()               # what the killed build left: its lock, no library
     library = copy / "sluice_cpu.so"
     library.unlink()
-    env = {**os.environ, "SLUICE_CACHE_DIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "SLUICE_CACHE_DIR": str(tmp_path), "PYTHONPATH": _pythonpath()}
     code = ("import logging; logging.basicConfig(level='INFO'); "
             "from sluice.kernels import cpu_ext; print(cpu_ext.module().__file__)")
     try:
@@ -34,3 +40,31 @@ def test_a_stale_build_lock_does_not_hang_the_next_load(tmp_path):
     assert proc.stdout.strip().startswith(str(copy)) and library.is_file()   # linked again, in place
     assert not (copy / "lock").exists()
     assert f"compiling sluice's C++ CPU kernels into {copy}" in proc.stderr
+
+
+def _load_in_child(cache_dir: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "SLUICE_CACHE_DIR": str(cache_dir), "PYTHONPATH": _pythonpath()}
+    code = ("import sys; from sluice.kernels import cpu_ext; print(cpu_ext.module().__file__); "
+            "print('torch.utils.cpp_extension' in sys.modules)")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_built_library_loads_without_torchs_extension_builder_until_its_flags_change(tmp_path):
+    """Once a build of these flags has loaded, later loads import the library directly (torch's
+    builder imports setuptools, ~0.13 s of every engine start); a stamp of other flags (an edited
+    VARIANTS) sends the load through the builder again, which checks the build and writes the stamp."""
+    from sluice.kernels import cpu_ext
+
+    assert cpu_ext.available(), cpu_ext.unavailable_reason()
+    built = cpu_ext.build_dir()
+    copy = tmp_path / "ext" / built.name
+    shutil.copytree(built, copy)
+    stamp = copy / "sluice_cpu.flags"
+    stamp.write_text("cflags=['-O0'] ldflags=[]\n")
+    first = _load_in_child(tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stdout.split() == [str(copy / "sluice_cpu.so"), "True"]       # through the builder
+    assert stamp.read_text() == cpu_ext._stamp_text("native")
+    again = _load_in_child(tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.split() == [str(copy / "sluice_cpu.so"), "False"]      # imported directly

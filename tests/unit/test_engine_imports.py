@@ -38,3 +38,16 @@ def test_the_command_line_and_the_facade_import_no_torch():
             "args = _build_parser().parse_args(['serve', 'smollm2'])\n"
             "assert build_plan(args).engine_cmd\n")
     assert _unwanted_modules(code, "m.split('.')[0] == 'torch'") == []
+
+
+def test_the_supervisor_and_the_engines_parser_import_none_of_the_facades_libraries():
+    """``sluice serve`` checks every flag and starts the engine before the facade's libraries could
+    load (aiohttp, gRPC, protobuf, pydantic, prometheus: 0.3-0.5 s here, on the way to the engine
+    process and again inside it); they are imported only by the process that serves HTTP."""
+    code = ("from sluice.engine.cli import _build_parser\n"
+            "from sluice.http_facade.supervisor import build_plan\n"
+            "args = _build_parser().parse_args(['serve', 'smollm2', '--api-key', 'k', '--routing', 'round_robin'])\n"
+            "assert build_plan(args).engine_cmd\n"
+            "_build_parser().parse_args(['engine', 'smollm2'])\n")
+    heavy = ("aiohttp", "grpc", "grpc_health", "google", "pydantic", "prometheus_client", "torch")
+    assert _unwanted_modules(code, f"m.split('.')[0] in {heavy!r}") == []

@@ -241,7 +241,7 @@ async def test_auth_on_every_route(fake_engine):  # noqa: F811
     try:
         for ep in ENDPOINTS:
             path = ep.path.replace("{model}", MODEL)
-            public = ep.public     # probes and the documentation (PUBLIC_PATHS comes from these flags)
+            public = ep.public     # probes and the documentation (auth.PUBLIC_PATHS lists the same)
             for headers, ok in (({}, public), ({"Authorization": "Bearer nope"}, public),
                                 ({"Authorization": f"Bearer {KEY}"}, True)):
                 resp = await client.request(ep.method, path, headers=headers, json={})
@@ -256,6 +256,14 @@ async def test_auth_on_every_route(fake_engine):  # noqa: F811
         assert ok.status == 200
     finally:
         await client.close()
+
+
+def test_the_public_paths_are_the_endpoints_marked_public() -> None:
+    """auth.py spells its public paths (it loads without the OpenAPI models, for the supervisor);
+    the endpoint table marks them too, and the two must agree."""
+    from sluice.http_facade import auth, openapi
+
+    assert auth.PUBLIC_PATHS == openapi.PUBLIC_PATHS
 
 
 async def test_cors_preflight_and_headers(fake_engine):  # noqa: F811
