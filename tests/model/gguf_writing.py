@@ -29,6 +29,27 @@ def start(path, arch: str, config, rope_base: float | None = None, head_dim: int
     return writer
 
 
+def tiny_llama_keys(writer, *, layers: int, context: int, hidden: int, inter: int, heads: int, kv_heads: int,
+                    tokens: list[str]) -> None:
+    """The shape keys of a tiny Llama (RMSNorm eps 1e-5, RoPE base 10000) and a byte-pair vocabulary
+    of ``tokens`` whose first three are control tokens (1 BOS, 2 EOS), with two merges."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(inter)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
+    writer.add_token_merges(["a b", "c d"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+
+
 def q8_0(w: np.ndarray) -> np.ndarray:
     """A 2-D matrix, or each matrix of a 3-D stack, as Q8_0 blocks (the bytes llama.cpp writes)."""
     import gguf

@@ -28,6 +28,7 @@ from sluice.engine.loaders import gguf_loader, load_model
 from sluice.engine.loaders.quantized import _ROUNDED_TYPES
 from sluice.engine.models import kquant, quant
 from tests.helpers.kquant_encode import encode
+from tests.model import gguf_writing
 from tests.model.test_logits import _prefill_logits
 
 H, HEADS, KV_HEADS, INTER = 256, 4, 2, 512
@@ -72,21 +73,8 @@ def write_gguf(path, types: list[dict[str, str]], table: str, output: str | None
 
     rng = np.random.default_rng(0)
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(len(types))
-    writer.add_context_length(256)
-    writer.add_embedding_length(H)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
-    writer.add_token_merges(["a b", "c d"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    gguf_writing.tiny_llama_keys(writer, layers=len(types), context=256, hidden=H, inter=INTER,
+                                 heads=HEADS, kv_heads=KV_HEADS, tokens=TOKENS)
 
     def add(name: str, shape: tuple[int, int], kind: str, std: float) -> None:
         if kind in _SCALE_OFFSETS:

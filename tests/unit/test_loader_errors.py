@@ -21,6 +21,7 @@ import torch
 from sluice.engine.errors import ModelLoadError
 from sluice.engine.loaders import load_model
 from sluice.engine.models import registry
+from tests.model import gguf_writing
 
 H, HEADS, KV_HEADS, D, INTER, LAYERS = 32, 4, 2, 8, 48, 2
 TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd"]
@@ -75,21 +76,8 @@ def write_tiny_gguf(path: Path, weights: dict[str, np.ndarray], arch: str = "lla
     if rope_linear is not None:
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope_linear)
-    writer.add_block_count(LAYERS)
-    writer.add_context_length(128)
-    writer.add_embedding_length(H)
-    writer.add_feed_forward_length(INTER)
-    writer.add_head_count(HEADS)
-    writer.add_head_count_kv(KV_HEADS)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_freq_base(10000.0)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(TOKENS)
-    writer.add_token_types([3, 3, 3] + [1] * (len(TOKENS) - 3))
-    writer.add_token_merges(["a b", "c d"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
+    gguf_writing.tiny_llama_keys(writer, layers=LAYERS, context=128, hidden=H, inter=INTER,
+                                 heads=HEADS, kv_heads=KV_HEADS, tokens=TOKENS)
     for name, w in weights.items():
         if name == drop:
             continue
