@@ -25,6 +25,7 @@ from sluice.engine.loaders import gguf_loader
 from sluice.engine.models import kquant, quant
 from sluice.engine.models.llama import _Linear
 from sluice.engine.sampling_params import SamplingParams
+from tests.helpers.gguf_reads import load_recording_float_reads
 from tests.helpers.kquant_encode import encode
 from tests.model import gguf_writing
 from tests.model.test_logits import _prefill_logits
@@ -90,16 +91,7 @@ def mixed(tmp_path_factory):
     """(path, the model kept as stored with what it read as float32, the float32 model)."""
     path = tmp_path_factory.mktemp("kquant") / "mixed.gguf"
     write_mixed_gguf(path)
-    read = []
-    getitem = gguf_loader.GGUFWeights.__getitem__
-
-    def spy(self, name):
-        read.append((name, self.tensor_type(name)))
-        return getitem(self, name)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_loader.GGUFWeights, "__getitem__", spy)
-        stored = load_model(path, dtype="float32", quantization="auto")
+    stored, read = load_recording_float_reads(path)
     return path, stored, read, load_model(path, dtype="float32", quantization="none")
 
 

@@ -24,9 +24,10 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from sluice.engine.loaders import gguf_loader, load_model
+from sluice.engine.loaders import load_model
 from sluice.engine.loaders.quantized import _ROUNDED_TYPES
 from sluice.engine.models import kquant, quant
+from tests.helpers.gguf_reads import load_recording_float_reads
 from tests.helpers.kquant_encode import encode
 from tests.model import gguf_writing
 from tests.model.test_logits import _prefill_logits
@@ -105,16 +106,7 @@ def mixed(tmp_path_factory):
     """(auto's model, the tensors it read as float32 with their types, the float32 model), tied Q3_K table."""
     path = tmp_path_factory.mktemp("rounded") / "mixed.gguf"
     write_gguf(path, MIXED, table="Q3_K")
-    read = []
-    getitem = gguf_loader.GGUFWeights.__getitem__
-
-    def spy(self, name):
-        read.append((name, self.tensor_type(name)))
-        return getitem(self, name)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gguf_loader.GGUFWeights, "__getitem__", spy)
-        auto = load_model(path, dtype="float32", quantization="auto")
+    auto, read = load_recording_float_reads(path)
     return auto, read, load_model(path, dtype="float32", quantization="none")
 
 
