@@ -40,3 +40,9 @@ def debug_invariants() -> bool:
     core does not know (``EngineCore.check_invariants``). On in the test suite; costs one pass
     over the live requests per step."""
     return os.environ.get("SLUICE_DEBUG_INVARIANTS", "0") == "1"
+
+
+def huge_pages() -> bool:
+    """SLUICE_HUGE_PAGES=0 loads CPU weights onto torch's usual heap (4 KiB pages) instead of
+    transparent huge pages (``heap.huge_page_allocations``; for comparison: huge pages are faster)."""
+    return os.environ.get("SLUICE_HUGE_PAGES", "1") != "0"

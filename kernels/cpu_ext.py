@@ -1,4 +1,5 @@
-"""sluice's C++ CPU kernels (``cpu_blockq.cpp``, ``cpu_kquant.cpp``, ``cpu_ops.cpp``, ``cpu_stack.cpp``),
+"""sluice's C++ CPU kernels (``cpu_blockq.cpp``, ``cpu_kquant.cpp``, ``cpu_ops.cpp``, ``cpu_stack.cpp``,
+and ``cpu_pages.cpp``'s weights on huge pages),
 built on first use, as one module.
 
 They are compiled once per machine, torch installation and source by ``torch.utils.cpp_extension``
@@ -21,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_blockq.cpp", "cpu_kquant.cpp", "cpu_ops.cpp", "cpu_stack.cpp")]
+_SOURCES = [Path(__file__).with_name(name) for name in ("cpu_blockq.cpp", "cpu_kquant.cpp", "cpu_ops.cpp", "cpu_pages.cpp",
+                                                           "cpu_stack.cpp")]
 _lock = threading.Lock()
 log = logging.getLogger("sluice.kernels")
 _module = None

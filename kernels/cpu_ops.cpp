@@ -911,6 +911,9 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
   return {probs, idx};
 }
 
+bool set_huge_page_allocations(int64_t min_bytes);   // cpu_pages.cpp
+int64_t huge_page_bytes();
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is let go while the product runs (the LM head: ~2 ms a step), so the server's other
   // threads (gRPC, asyncio) are not held up by it.
@@ -938,5 +941,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("argmax_rows", &argmax_rows, "each row's first maximum (or first NaN), as torch.argmax");
   mod.def("top_probs", &top_probs, "each row's k largest logits' softmax probabilities and indices");
   mod.def("row_bucket", &row_bucket, "the row count a oneDNN-packed projection of this many rows runs at");
+  mod.def("set_huge_page_allocations", &set_huge_page_allocations,
+          "torch's CPU allocations of at least min_bytes on huge pages; 0: back to the previous allocator (cpu_pages.cpp)");
+  mod.def("huge_page_bytes", &huge_page_bytes, "bytes the huge-page allocator has mapped in this process");
   bind_layer_stacks(mod);   // cpu_stack.cpp
 }

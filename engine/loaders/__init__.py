@@ -5,6 +5,7 @@ architecture, a missing or misshapen tensor) raises ``ModelLoadError`` naming th
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,7 +14,7 @@ import torch
 
 from sluice.engine import envs
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.heap import release_freed_heap
+from sluice.engine.heap import huge_page_allocations, release_freed_heap
 from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 from sluice.engine.models.gemma import GemmaForCausalLM
 from sluice.engine.models.llama import LlamaForCausalLM
@@ -144,8 +145,11 @@ def load_model(
     if transform is not None:
         arch, weights = transform(arch, weights)
     fmt = resolve_quantization(quantization, weights, device)
+    # CPU weights are written onto huge pages as they are built (heap.huge_page_allocations).
+    pages = huge_page_allocations() if device.type == "cpu" else contextlib.nullcontext()
     try:
-        model = build_model(arch, weights, dtype, device, max_seq_len, quantization=fmt)
+        with pages:
+            model = build_model(arch, weights, dtype, device, max_seq_len, quantization=fmt)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{path}: {exc}") from exc
     del weights

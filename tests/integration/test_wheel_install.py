@@ -98,7 +98,8 @@ def test_the_wheel_serves_beside_hf_kernels_from_a_folder_with_engine_and_kernel
     assert not Path(_where(fresh_venv, tmp_path, "sluice.engine")).is_relative_to(REPO)
     code = "from sluice.kernels import cpu_ext; print('\\n'.join(str(p) for p in cpu_ext._SOURCES if p.is_file()))"
     shipped = _run([str(fresh_venv / "bin" / "python"), "-P", "-c", code], cwd=tmp_path).stdout.split()
-    assert [Path(p).name for p in shipped] == ["cpu_blockq.cpp", "cpu_kquant.cpp", "cpu_ops.cpp", "cpu_stack.cpp"], shipped
+    assert [Path(p).name for p in shipped] == ["cpu_blockq.cpp", "cpu_kquant.cpp", "cpu_ops.cpp", "cpu_pages.cpp",
+                                              "cpu_stack.cpp"], shipped
     assert all(Path(p).is_relative_to(site / "sluice" / "kernels") for p in shipped), shipped
 
     port = free_port()

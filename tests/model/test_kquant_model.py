@@ -27,6 +27,7 @@ from sluice.engine.models.llama import _Linear
 from sluice.engine.sampling_params import SamplingParams
 from tests.helpers.gguf_reads import load_recording_float_reads
 from tests.helpers.kquant_encode import encode
+from tests.helpers.pages import THP_BUILT, advised_huge
 from tests.model import gguf_writing
 from tests.model.test_logits import _prefill_logits
 
@@ -128,6 +129,27 @@ def test_weights_are_the_files_values_bit_for_bit(mixed):
     held += stored.model.quant_lm_head.nbytes
     file_blocks = sum(int(t.n_bytes) for t in gguf_loader.open_gguf(_path).tensors if t.tensor_type.name != "F32")
     assert held <= 1.05 * file_blocks, (held, file_blocks)
+
+
+def test_block_weights_are_loaded_onto_huge_pages(mixed, monkeypatch):
+    """Every packed weight of the loaded model is its own mapping advised for huge pages (the
+    threshold lowered to this tiny model's sizes), and the model computes the same bits as the
+    shared one, whose weights are this small and so on the heap."""
+    from sluice.engine import heap
+    from sluice.engine.models.kquant import block_cpp_parts
+
+    path, stored, _read, _floats = mixed
+    monkeypatch.setattr(heap, "_HUGE_PAGE_MIN_BYTES", 4096)
+    huge = load_model(path, quantization="auto").model
+    linears = [m.quantized for m in huge.modules() if isinstance(m, _Linear)] + [huge.quant_lm_head]
+    packed = [part[1] for w in linears for part in block_cpp_parts(w)]
+    assert len(packed) == 13                      # stacked parts of differing types counted apart
+    for t in packed:
+        assert t.untyped_storage().data_ptr() % (2 << 20) == 0 and advised_huge(t.data_ptr()) is THP_BUILT
+    assert not any(advised_huge(part[1].data_ptr()) for m in stored.model.modules() if isinstance(m, _Linear)
+                   for part in block_cpp_parts(m.quantized))
+    ids = [3, 9, 200, 11, 5, 40]
+    assert torch.equal(_prefill_logits(huge, ids), _prefill_logits(stored.model, ids))
 
 
 def test_logits_close_to_float32_teacher_forced(mixed):
