@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SLUICE_VNNI 1
@@ -431,6 +432,130 @@ torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, t
     }
   }
   return out;
+}
+
+namespace {
+
+// GGML type ids of the block types packed straight from a file's bytes, and their block sizes.
+constexpr int64_t kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ8_0 = 8;
+
+int64_t gguf_block_bytes(int64_t type) {
+  return type == kGgmlQ4_0 ? 18 : type == kGgmlQ4_1 ? 20 : type == kGgmlQ8_0 ? 34 : 0;
+}
+
+inline uint16_t load_half(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
+// -c * d as float16 bits (Q4_0's m = -8 d, Q8_0's -128 d): exact unless it leaves float16's range.
+inline uint16_t scaled_half(uint16_t d, float c) {
+  const float v = -c * widen(d);
+  const c10::Half h(v);
+  TORCH_CHECK(widen(h.x) == v, "blockq: block scales and offsets must be float16 values (GGUF's precision): "
+              "an offset ", v, " is outside float16's range");
+  return h.x;
+}
+
+// One output row of GGML type Type into its tile lane, block after block: w is the lane's first
+// 4 bytes in the tile, dl / ml its first scale and offset (a block's are kTile further on).
+template <int64_t Type, int Bits>
+void pack_gguf_row(const uint8_t* src, int64_t nb, uint8_t* w, uint16_t* dl, uint16_t* ml) {
+  constexpr int64_t bb = Type == kGgmlQ4_0 ? 18 : Type == kGgmlQ4_1 ? 20 : 34;
+  constexpr int64_t group_bytes = Bits == 4 ? 256 : 512;
+  for (int64_t b = 0; b < nb; ++b, src += bb, w += group_bytes) {
+    const uint16_t dh = load_half(src);
+    dl[b * kTile] = dh;
+    uint8_t u[kBlock];
+    if constexpr (Type == kGgmlQ8_0) {
+      ml[b * kTile] = scaled_half(dh, 128.f);
+      for (int i = 0; i < kBlock; ++i) u[i] = static_cast<uint8_t>(src[2 + i] ^ 0x80);   // q + 128
+    } else {
+      ml[b * kTile] = Type == kGgmlQ4_1 ? load_half(src + 2) : scaled_half(dh, 8.f);
+      const uint8_t* qs = src + (Type == kGgmlQ4_1 ? 4 : 2);
+      for (int j = 0; j < 16; ++j) {
+        u[j] = qs[j] & 0x0F;
+        u[16 + j] = qs[j] >> 4;
+      }
+    }
+    for (int g = 0; g < 8; ++g) {
+      if constexpr (Bits == 8) {
+        std::memcpy(w + 64 * g, u + 4 * g, 4);
+      } else if (g % 2 == 0) {
+        for (int j = 0; j < 4; ++j) w[64 * (g / 2) + j] = static_cast<uint8_t>(u[4 * g + j] | (u[4 * g + 4 + j] << 4));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// GGUF Q4_0 / Q4_1 / Q8_0 tensors, stacked by rows (a fused q/k/v or gate/up's parts, each
+// [rows, K / 32 * block bytes] uint8 of GGML type types[i]), -> {packed, d, m} in the layout
+// above, in one pass over the file's bytes: what kernels/cpu_blockq.py's pack_weights and
+// pack_scales make of models.quant.block_parts' (u, d, m), bit for bit (tests/unit/test_cpu_ops.py).
+// u = q (4-bit types, also in 8-bit blocks) or q + 128 (Q8_0); m = Q4_1's own, -8 d or -128 d.
+std::vector<torch::Tensor> blockq_pack_gguf(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& types,
+                                            int64_t bits, int64_t k) {
+  TORCH_CHECK(bits == 4 || bits == 8, "blockq pack: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(k > 0 && k % kBlock == 0, "blockq pack: K must be a positive multiple of 32, got ", k);
+  TORCH_CHECK(!parts.empty() && parts.size() == types.size(), "blockq pack: one GGML type per part");
+  const int64_t nb = k / kBlock;
+  struct Row {
+    const uint8_t* p;
+    int64_t type;
+  };
+  std::vector<Row> rows;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const int64_t bb = gguf_block_bytes(types[i]);
+    TORCH_CHECK(bb > 0, "blockq pack: GGML type ", types[i], " is not Q4_0, Q4_1 or Q8_0");
+    TORCH_CHECK(!(bits == 4 && types[i] == kGgmlQ8_0), "blockq pack: Q8_0 blocks do not fit 4-bit blocks");
+    const torch::Tensor& b = parts[i];
+    TORCH_CHECK(b.scalar_type() == torch::kUInt8 && b.is_contiguous() && b.dim() == 2 && b.size(1) == nb * bb,
+                "blockq pack: part ", i, " must be contiguous uint8 [rows, ", nb * bb, "] (GGML type ", types[i],
+                ", K = ", k, ")");
+    const uint8_t* p = b.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < b.size(0); ++r) rows.push_back({p + r * nb * bb, types[i]});
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  TORCH_CHECK(n > 0, "blockq pack: no rows");
+  const int64_t tiles = (n + kTile - 1) / kTile, group_bytes = bits == 4 ? 256 : 512;
+  auto packed = torch::empty({tiles * nb * group_bytes}, torch::dtype(torch::kUInt8));
+  auto d = torch::empty({tiles, nb, kTile}, torch::dtype(torch::kHalf));
+  auto m = torch::empty({tiles, nb, kTile}, torch::dtype(torch::kHalf));
+  uint8_t* wp = packed.data_ptr<uint8_t>();
+  uint16_t* dp = reinterpret_cast<uint16_t*>(d.data_ptr<at::Half>());
+  uint16_t* mp = reinterpret_cast<uint16_t*>(m.data_ptr<at::Half>());
+  const int64_t tile_bytes = nb * group_bytes;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t lane = 0; lane < kTile; ++lane) {
+        const int64_t row = t * kTile + lane;
+        uint8_t* w = wp + t * tile_bytes + lane * 4;
+        uint16_t* dl = dp + t * nb * kTile + lane;
+        uint16_t* ml = mp + t * nb * kTile + lane;
+        if (row >= n) {                       // padding rows: zero weights and scales
+          for (int64_t b = 0; b < nb; ++b) {
+            for (int g = 0; g < group_bytes / 64; ++g) std::memset(w + b * group_bytes + 64 * g, 0, 4);
+            dl[b * kTile] = ml[b * kTile] = 0;
+          }
+          continue;
+        }
+        const int64_t type = rows[row].type;
+        if (type == kGgmlQ8_0) {
+          pack_gguf_row<kGgmlQ8_0, 8>(rows[row].p, nb, w, dl, ml);
+        } else if (type == kGgmlQ4_1) {
+          bits == 8 ? pack_gguf_row<kGgmlQ4_1, 8>(rows[row].p, nb, w, dl, ml)
+                    : pack_gguf_row<kGgmlQ4_1, 4>(rows[row].p, nb, w, dl, ml);
+        } else {
+          bits == 8 ? pack_gguf_row<kGgmlQ4_0, 8>(rows[row].p, nb, w, dl, ml)
+                    : pack_gguf_row<kGgmlQ4_0, 4>(rows[row].p, nb, w, dl, ml);
+        }
+      }
+    }
+  });
+  return {packed, d, m};
 }
 
 // The integer dot-product path compiled in: "avx512vnni", "avx2" or "portable".

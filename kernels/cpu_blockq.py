@@ -71,6 +71,28 @@ def pack_scales(x: torch.Tensor) -> torch.Tensor:
     return p.view(p.shape[0] // TILE, TILE, p.shape[1]).transpose(1, 2).contiguous()
 
 
+# GGML type ids of the GGUF block types ``pack_gguf`` reads.
+GGML_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+
+
+def pack_gguf(parts: list[tuple[str, torch.Tensor]], bits: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GGUF Q4_0 / Q4_1 / Q8_0 tensors [rows, K / 32 * block bytes] uint8, stacked by rows (a fused
+    projection's parts may differ in type) -> (packed, d, m), in one C++ pass over the file's
+    bytes: ``pack_weights`` / ``pack_scales`` of ``models.quant.block_parts``' (u, d, m), bit for bit.
+    ValueError where an offset (-8 d, -128 d) leaves float16's range, as ``pack_scales``."""
+    for kind, _ in parts:
+        if kind not in GGML_TYPES:
+            raise ValueError(f"blockq: {kind} is not one of {sorted(GGML_TYPES)}")
+    try:
+        packed, d, m = cpu_ext.module().blockq_pack_gguf([b.contiguous() for _, b in parts],
+                                                         [GGML_TYPES[kind] for kind, _ in parts], bits, k)
+    except RuntimeError as exc:
+        if "float16 values" in str(exc):
+            raise ValueError(str(exc).splitlines()[0]) from None
+        raise
+    return packed, d, m
+
+
 def unpack_weights(packed: torch.Tensor, bits: int, n: int, k: int) -> torch.Tensor:
     """Inverse of ``pack_weights``: [N, K] uint8."""
     tiles, nb = -(-n // TILE), k // BLOCK

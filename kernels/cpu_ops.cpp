@@ -35,6 +35,8 @@ torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, t
 torch::Tensor blockq_rows(torch::Tensor ids, torch::Tensor w, torch::Tensor d, torch::Tensor m,
                           int64_t bits, int64_t n, int64_t k);
 std::string blockq_isa();
+std::vector<torch::Tensor> blockq_pack_gguf(const std::vector<torch::Tensor>& parts, const std::vector<int64_t>& types,
+                                            int64_t bits, int64_t k);
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n);
 torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t n, int64_t k);
 int64_t kquant_chunk_bytes(int64_t fmt);
@@ -921,6 +923,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
           pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("blockq_rows", &blockq_rows, "rows of a block-quantized W, dequantized (cpu_blockq.cpp)");
   mod.def("blockq_isa", &blockq_isa, "the block product's integer path: avx512vnni, avx2 or portable");
+  mod.def("blockq_pack_gguf", &blockq_pack_gguf, "GGUF Q4_0 / Q4_1 / Q8_0 parts -> (packed, d, m) (cpu_blockq.cpp)");
   mod.def("kquant_linear", &kquant_linear, "y = x @ W^T for a K-quant / 5-bit block W (cpu_kquant.cpp)",
           pybind11::call_guard<pybind11::gil_scoped_release>());
   mod.def("kquant_rows", &kquant_rows, "rows of a K-quant / 5-bit block W, dequantized (cpu_kquant.cpp)");

@@ -46,6 +46,8 @@ has, judged by the types of its projection weights:
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sluice.engine.config import QUANTIZATIONS
@@ -143,8 +145,8 @@ class Quantizer:
     def embedding(self, weights, name: str, shape: tuple[int, int], tied_head=None):
         """The token embedding as stored, or None (keep float32 rows): a tied block head holding a
         block-typed table serves the lookups from its blocks (``TiedBlockEmbedding``); else a Q8_0
-        table is kept as int8 blocks, and, in the block formats, a K-quant or 5-bit one as stored
-        and one of the ``_ROUNDED_TYPES`` as int8 blocks of 32 (Q8_0's rounding, as its head's)."""
+        table is kept as int8 blocks, and, in the block formats, a K-quant, 5-bit, Q4_0 or Q4_1 one
+        as stored and one of the ``_ROUNDED_TYPES`` as int8 blocks of 32 (Q8_0's rounding, as its head's)."""
         kind = _stored_type(weights, name)
         block = self.fmt in quant.BLOCK_FORMATS
         held = tied_head is not None and block and isinstance(tied_head, (quant.BlockQLinear, kquant.KQuantLinear))
@@ -157,7 +159,11 @@ class Quantizer:
         if kind == "Q8_0":
             return quant.embedding_from_q8_0(_raw(weights, name, shape)[1], shape)
         if kind in kquant.KQUANT_TYPES and block:
-            return quant.TiedBlockEmbedding(kquant.KQuantLinear.from_gguf(*_raw(weights, name, shape), shape))
+            return quant.TiedBlockEmbedding(kquant.KQuantLinear.from_gguf(*_raw(weights, name, shape), shape),
+                                            owned=True)
+        if kind in quant.BLOCK_BITS and block:      # Q4_0 / Q4_1: 4-bit blocks as stored (~7x smaller than float32)
+            return quant.TiedBlockEmbedding(quant.BlockQLinear.from_gguf([_raw(weights, name, shape)], 4, shape[1]),
+                                            owned=True)
         if kind in _ROUNDED_TYPES and block:
             # llama.cpp's low-bit presets write an untied table in such a type (Q3_K_M: Q3_K,
             # IQ2_XXS: Q2_K): as float32 rows it would be ~9x its file bytes (2 GiB for a
@@ -173,8 +179,7 @@ class Quantizer:
         if kind in kquant.KQUANT_TYPES and (bits == 8 or kind == "Q4_K"):
             return kind, _raw(weights, name, shape)[1]       # raw blocks: decoded a slice at a time
         if kind in quant.BLOCK_BITS and quant.BLOCK_BITS[kind] <= bits:
-            raw = _raw(weights, name, shape)
-            return bits, quant.block_parts(raw[0], raw[1], shape, bits)
+            return bits, _GgufBlocks(*_raw(weights, name, shape))   # packed from the bytes by _stack
         return bits, quant.float_to_block(_float(weights, name, shape), bits)
 
     def _int4(self, weights, name: str, shape: tuple[int, int]) -> quant.Int4Parts:
@@ -182,6 +187,15 @@ class Quantizer:
         if raw is not None and raw[0] in quant.RAW_INT4:
             return quant.RAW_INT4[raw[0]](raw[1], shape)
         return quant.float_to_int4(_float(weights, name, shape))
+
+
+class _GgufBlocks(NamedTuple):
+    """A GGUF Q4_0 / Q4_1 / Q8_0 tensor's bytes [rows, bytes per row], packed by ``_stack``."""
+    kind: str
+    blocks: torch.Tensor
+
+
+_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 
 
 def _stack(pieces: list):
@@ -195,8 +209,14 @@ def _stack(pieces: list):
             groups.append((fmt, [parts]))
     made = []
     for fmt, group in groups:
-        if isinstance(fmt, int):
-            made.append(quant.BlockQLinear(*[torch.cat(p) for p in zip(*group)], fmt))
+        if isinstance(fmt, int) and all(isinstance(p, _GgufBlocks) for p in group):
+            k = group[0].blocks.shape[1] // _GGUF_BLOCK_BYTES[group[0].kind] * quant.GROUP
+            made.append(quant.BlockQLinear.from_gguf(list(group), fmt, k))
+        elif isinstance(fmt, int):   # some parts rounded from float: every part as (u, d, m)
+            parts = [quant.block_parts(p.kind, p.blocks, (p.blocks.shape[0], p.blocks.shape[1] //
+                                       _GGUF_BLOCK_BYTES[p.kind] * quant.GROUP), fmt)
+                     if isinstance(p, _GgufBlocks) else p for p in group]
+            made.append(quant.BlockQLinear(*[torch.cat(p) for p in zip(*parts)], fmt))
         else:   # K-quant blocks [rows, bytes per row]: the same bytes per row in one format
             raw = group[0] if len(group) == 1 else torch.cat(group)
             k = raw.shape[1] // kquant._BLOCK[fmt][1] * kquant._BLOCK[fmt][0]

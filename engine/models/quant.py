@@ -282,6 +282,21 @@ class BlockQLinear:
     def from_float(cls, weight: torch.Tensor, bits: int) -> "BlockQLinear":
         return cls(*float_to_block(weight, bits), bits)
 
+    @classmethod
+    def from_gguf(cls, parts: list[tuple[str, torch.Tensor]], bits: int, k: int) -> "BlockQLinear":
+        """GGUF Q4_0 / Q4_1 / Q8_0 tensors (type, [rows, bytes per row] uint8), stacked by rows,
+        packed straight from the file's bytes (``cpu_blockq.pack_gguf``): the weight
+        ``cls(*block_parts(...), bits)`` of the stacked parts would be, without the (u, d, m) detour."""
+        from sluice.kernels import cpu_blockq
+
+        _check(bits in (4, 8), f"block weight: bits must be 4 or 8, got {bits}")
+        self = cls.__new__(cls)
+        self.packed, self.d, self.m = cpu_blockq.pack_gguf(parts, bits, k)
+        self.out_features, self.in_features, self.bits = sum(b.shape[0] for _, b in parts), k, bits
+        self._kernel = cpu_blockq.kernel()
+        self._rows_kernel = cpu_blockq.rows_kernel()
+        return self
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Called ~120 times per decode step: the common case (a contiguous float32 [M, K]) goes
         # straight to the kernel, which checks shapes and dtypes itself.
@@ -503,19 +518,19 @@ def int4_from_q4_1(blocks: torch.Tensor, shape: tuple[int, int]) -> Int4Linear:
 
 class TiedBlockEmbedding:
     """The token embedding of a tied model served from its block LM head (``BlockQLinear.rows``):
-    the table is held once, as the head's blocks."""
+    the table is held once, as the head's blocks. ``owned``: the block weight is the embedding's
+    own (an untied table held as stored), so its bytes count here."""
 
-    def __init__(self, head: BlockQLinear) -> None:
+    def __init__(self, head: BlockQLinear, owned: bool = False) -> None:
         self.head = head
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+        self.nbytes = head.nbytes if owned else 0
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head.rows(ids).reshape(*ids.shape, self.embedding_dim)
 
     def dequantize(self) -> torch.Tensor:
         return self.head.dequantize()
-
-    nbytes = 0   # the head's bytes, counted there
 
 
 def embedding_from_float(weight: torch.Tensor) -> BlockInt8Embedding:

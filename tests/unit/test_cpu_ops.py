@@ -97,6 +97,47 @@ def test_gguf_blocks_are_used_as_stored(ops, kind, bits):
         assert quant.block_parts("Q8_0", blocks, (48, 128), 4) is None
 
 
+def _gguf_tensor(kind, n: int, k: int, seed: int) -> torch.Tensor:
+    """gguf's own blocks of a random [n, k] weight, every float16 bit pattern of d around."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.001, 2.0, (n, 1)) + 0.1).astype(np.float32)
+    return torch.from_numpy(np.ascontiguousarray(quantize(w, kind)))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gguf_blocks_packed_in_one_pass_equal_the_parts_path(ops, bits):
+    """``BlockQLinear.from_gguf`` (``cpu_blockq.cpp``'s blockq_pack_gguf, straight from the file's
+    bytes) holds exactly what ``block_parts`` + ``BlockQLinear`` hold, for each type alone and for
+    a fused projection whose parts differ in type, with a partial last tile of 16 rows."""
+    kinds = [T.Q4_0, T.Q4_1] + ([T.Q8_0] if bits == 8 else [])
+    stacks = [[(kind, 37)] for kind in kinds] + [[(kind, rows) for kind, rows in zip(kinds, (21, 5, 18))]]
+    for stack in stacks:
+        parts = [(kind.name, _gguf_tensor(kind, rows, 96, seed=i + rows)) for i, (kind, rows) in enumerate(stack)]
+        got = quant.BlockQLinear.from_gguf(parts, bits, 96)
+        pieces = [quant.block_parts(kind, b, (b.shape[0], 96), bits) for kind, b in parts]
+        want = quant.BlockQLinear(*[torch.cat(p) for p in zip(*pieces)], bits)
+        assert (got.out_features, got.in_features, got.bits) == (want.out_features, 96, bits)
+        for name in ("packed", "d", "m"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (stack, name)
+        x = torch.randn(3, 96)
+        assert torch.equal(got(x), want(x))
+
+
+def test_gguf_block_packing_refuses_what_it_cannot_hold(ops):
+    q8 = _gguf_tensor(T.Q8_0, 16, 64, seed=3)
+    with pytest.raises(RuntimeError, match="Q8_0 blocks do not fit 4-bit blocks"):
+        quant.BlockQLinear.from_gguf([("Q8_0", q8)], 4, 64)
+    with pytest.raises(RuntimeError, match=r"part 0 must be contiguous uint8 \[rows, 34\] \(GGML type 8, K = 32\)"):
+        quant.BlockQLinear.from_gguf([("Q8_0", q8)], 8, 32)
+    with pytest.raises(ValueError, match="not one of"):
+        quant.BlockQLinear.from_gguf([("Q5_0", q8)], 8, 64)
+    # Q8_0's offset is -128 d: a d past 65504 / 128 has none in float16, as with the parts path.
+    big = q8.clone()
+    big.view(16, 2, 34)[0, 0, 0:2] = torch.tensor([1000.0], dtype=torch.float16).view(torch.uint8)
+    with pytest.raises(ValueError, match="must be float16 values"):
+        quant.BlockQLinear.from_gguf([("Q8_0", big)], 8, 64)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_weight_rows_are_the_dequantized_rows(ops, bits):
     """A tied block LM head serves the embedding's lookups (``TiedBlockEmbedding``)."""

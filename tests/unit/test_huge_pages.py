@@ -1,7 +1,9 @@
 """Weights on transparent huge pages (engine/heap.py's huge_page_allocations, kernels/cpu_pages.cpp):
 inside the scope, torch's large CPU allocations are their own 2 MiB-aligned mappings advised
 MADV_HUGEPAGE; small ones, and everything after the scope, come from the allocator before it; the
-memory stays valid after the scope and is unmapped with its tensor."""
+memory stays valid after the scope and is unmapped with its tensor. Which allocations went to the
+huge-page allocator is read from its byte count, not from the memory map: heap memory may be
+advised for huge pages too (numpy advises its own large buffers, and the heap reuses them)."""
 from __future__ import annotations
 
 import torch
@@ -24,12 +26,9 @@ def test_large_allocations_inside_the_scope_are_advised_huge_page_mappings():
         big = torch.empty(3 << 20, dtype=torch.uint8).fill_(7)
         small = torch.empty(1 << 20, dtype=torch.uint8).fill_(9)
     assert big.data_ptr() % HUGE == 0
-    assert _mapped() - before == 3 << 20                  # the small one came from the heap
     assert advised_huge(big.data_ptr()) is THP_BUILT
-    assert not advised_huge(small.data_ptr())
     after = torch.empty(3 << 20, dtype=torch.uint8)       # the scope is over: the heap again
-    assert _mapped() - before == 3 << 20
-    assert not advised_huge(after.data_ptr())
+    assert _mapped() - before == 3 << 20                  # neither the small one nor this one
     assert int(big.sum()) == 7 * (3 << 20)                # still valid after the scope
     start = big.data_ptr()
     assert mapping_of(start) is not None
@@ -61,7 +60,7 @@ def test_off_with_the_environment_variable(monkeypatch):
     with heap.huge_page_allocations() as on:
         assert on is False
         t = torch.empty(4 << 20, dtype=torch.uint8)
-    assert _mapped() == before and not advised_huge(t.data_ptr())
+    assert _mapped() == before and t.numel() == 4 << 20
 
 
 def test_the_previous_allocator_is_back_after_an_exception():
