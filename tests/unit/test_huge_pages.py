@@ -24,7 +24,7 @@ def test_large_allocations_inside_the_scope_are_advised_huge_page_mappings():
     with heap.huge_page_allocations() as on:
         assert on is True
         big = torch.empty(3 << 20, dtype=torch.uint8).fill_(7)
-        small = torch.empty(1 << 20, dtype=torch.uint8).fill_(9)
+        torch.empty(1 << 20, dtype=torch.uint8).fill_(9)     # under 2 MiB: the heap
     assert big.data_ptr() % HUGE == 0
     assert advised_huge(big.data_ptr()) is THP_BUILT
     after = torch.empty(3 << 20, dtype=torch.uint8)       # the scope is over: the heap again
