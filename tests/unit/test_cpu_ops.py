@@ -123,6 +123,20 @@ def test_gguf_blocks_packed_in_one_pass_equal_the_parts_path(ops, bits):
         assert torch.equal(got(x), want(x))
 
 
+def test_a_projection_mixing_file_blocks_and_rounded_floats_stacks_them(ops):
+    """w4a8 with a Q4_1 q and a Q8_0 v (rounded to 4 bits from float): the loader's ``_stack`` holds
+    the file's blocks and the rounded part in one 4-bit weight, as the (u, d, m) path would."""
+    from sluice.engine.loaders import quantized
+
+    q = _gguf_tensor(T.Q4_1, 24, 64, seed=7)
+    v = torch.randn(8, 64) * 0.1
+    got = quantized._stack([(4, quantized._GgufBlocks("Q4_1", q)), (4, quant.float_to_block(v, 4))])
+    want = quant.BlockQLinear(*[torch.cat(p) for p in zip(quant.block_parts("Q4_1", q, (24, 64), 4),
+                                                               quant.float_to_block(v, 4))], 4)
+    assert isinstance(got, quant.BlockQLinear) and got.out_features == 32
+    assert all(torch.equal(getattr(got, name), getattr(want, name)) for name in ("packed", "d", "m"))
+
+
 def test_gguf_block_packing_refuses_what_it_cannot_hold(ops):
     q8 = _gguf_tensor(T.Q8_0, 16, 64, seed=3)
     with pytest.raises(RuntimeError, match="Q8_0 blocks do not fit 4-bit blocks"):
