@@ -194,8 +194,13 @@ class _GgufBlocks(NamedTuple):
     kind: str
     blocks: torch.Tensor
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The weight's [N, K] (gguf's block sizes)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-_GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+        per_block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[self.kind]]
+        return self.blocks.shape[0], self.blocks.shape[1] // nbytes * per_block
 
 
 def _stack(pieces: list):
@@ -210,12 +215,10 @@ def _stack(pieces: list):
     made = []
     for fmt, group in groups:
         if isinstance(fmt, int) and all(isinstance(p, _GgufBlocks) for p in group):
-            k = group[0].blocks.shape[1] // _GGUF_BLOCK_BYTES[group[0].kind] * quant.GROUP
-            made.append(quant.BlockQLinear.from_gguf(list(group), fmt, k))
+            made.append(quant.BlockQLinear.from_gguf(list(group), fmt, group[0].shape[1]))
         elif isinstance(fmt, int):   # some parts rounded from float: every part as (u, d, m)
-            parts = [quant.block_parts(p.kind, p.blocks, (p.blocks.shape[0], p.blocks.shape[1] //
-                                       _GGUF_BLOCK_BYTES[p.kind] * quant.GROUP), fmt)
-                     if isinstance(p, _GgufBlocks) else p for p in group]
+            parts = [quant.block_parts(p.kind, p.blocks, p.shape, fmt) if isinstance(p, _GgufBlocks) else p
+                     for p in group]
             made.append(quant.BlockQLinear(*[torch.cat(p) for p in zip(*parts)], fmt))
         else:   # K-quant blocks [rows, bytes per row]: the same bytes per row in one format
             raw = group[0] if len(group) == 1 else torch.cat(group)

@@ -45,7 +45,7 @@ def test_views_and_clones_of_a_huge_page_tensor():
     assert torch.equal(view.clone(), torch.arange(5, 1 << 20, dtype=torch.float32))
 
 
-def test_a_scope_inside_another_keeps_the_outer_one(monkeypatch):
+def test_a_scope_inside_another_keeps_the_outer_one():
     before = _mapped()
     with heap.huge_page_allocations():
         with heap.huge_page_allocations() as inner:
