@@ -9,6 +9,11 @@
 //   Q6_K        D = d * sc, z = 32            d float16 per 256; sc int8 per 16
 //   Q5_0        D = d, z = 16                 d float16 per 32
 //   Q5_1        D = d, M = m                  d, m float16 per 32
+//   IQ4_NL      D = d, z = 128                d float16 per 32
+//   IQ4_XS      D = d * sc, z = 128           d float16 per 256; sc 6-bit minus 32 per 32
+// IQ4_NL and IQ4_XS store 4-bit indices into llama.cpp's grid of 16 int8 values (-127 .. 113);
+// the kernels look each index up as u = grid + 128 (unsigned, 1 .. 241: a vpshufb per vector),
+// so they are zero-point formats like the others, with z = 128.
 // A float16 times an integer of at most 8 bits is exact in float32, so D and M are the file's
 // values exactly (gguf's dequantize forms them the same way).
 //
@@ -28,7 +33,7 @@
 // the W high bits of k = 4g + j sit at bits W (g % P) .. W (g % P) + W - 1 of byte j of plane
 // g / P, P = 8 / W groups a plane (Q5: bit g of one plane; Q6_K: two bits side by side, groups
 // 0-3 in the first plane, 4-7 in the second, so a group's high bits are one shift and mask away). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
-// Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6).
+// Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6), IQ4_NL 4.5 (4.5), IQ4_XS 4.3125 (4.25).
 //
 // Paths, widest first, each with the same exact integer sums as the portable loop and the same
 // float operations in the same order per lane, so all give the same bits:
@@ -37,7 +42,10 @@
 //   AVX-VNNI      the AVX2 tile (8 lanes a vector) with vpdpbusd in place of the two steps below
 //   AVX2          vpmaddubsw, then vpmaddwd by ones. The int16 pair sums stay below 2^15: a byte
 //                 product is at most 63 * 127, and the sums are widened every 8 (4-bit), 4
-//                 (5-bit) or 2 (6-bit) groups of 4.
+//                 (5-bit) or 2 (6-bit) groups of 4. The grid formats' values (up to 241) would
+//                 overflow a pair, so there the grid's signed values multiply instead (|v| times
+//                 the input with v's sign, vpsignb: at most 127 * 127), widened every group, and
+//                 the sums start at zero rather than at the zero point's correction.
 // Every output element's order of operations is fixed by K alone: a row's result is bitwise the
 // same alone and in a batch, whatever the thread split.
 #include <torch/extension.h>
@@ -49,6 +57,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define SLUICE_KQ_AVX2 1
@@ -85,16 +95,22 @@ template <int VB> constexpr int64_t rows_avx2() {
 }
 
 // GGML type ids.
-enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
+
+// IQ4_NL / IQ4_XS's grid (llama.cpp's kvalues_iq4nl) plus 128: the unsigned value of each index.
+alignas(16) constexpr uint8_t kIq4Grid[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 template <int FMT> struct Fmt;
 // VB value bits, SBK super-block length, SUB sub-block length, OFFSET float offset (else ZERO),
-// SUBSCALE per-sub-block integer scales, SIGNED those scales are int8.
-template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0; };
-template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0; };
-template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0; };
-template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0; };
-template <> struct Fmt<kQ6_K> { static constexpr int VB = 6, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 32, SUBSCALE = 1, SIGNED = 1; };
+// SUBSCALE per-sub-block integer scales, SIGNED those scales are int8, GRID the stored 4-bit
+// value indexes kIq4Grid.
+template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
+template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
+template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
+template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
+template <> struct Fmt<kQ6_K> { static constexpr int VB = 6, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 32, SUBSCALE = 1, SIGNED = 1, GRID = 0; };
+template <> struct Fmt<kIQ4_NL> { static constexpr int VB = 4, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 128, SUBSCALE = 0, SIGNED = 0, GRID = 1; };
+template <> struct Fmt<kIQ4_XS> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 0, ZERO = 128, SUBSCALE = 1, SIGNED = 1, GRID = 1; };
 
 // Byte offsets within one (tile, super-block) chunk.
 template <int FMT> struct Lay {
@@ -164,7 +180,7 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
     constexpr int P = 8 / W;
     u |= ((blk[256 + 64 * (g / P) + lane * 4 + j] >> (W * (g % P))) & ((1 << W) - 1)) << 4;
   }
-  return u;
+  return Fmt<FMT>::GRID ? kIq4Grid[u] : u;
 }
 
 // The portable loop: per row and lane, per block and sub-block, the exact integer sum and the
@@ -231,15 +247,19 @@ template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i*
 template <int FMT, int MR, int NH> struct TileAvx2 {
   using F = Fmt<FMT>; using L = Lay<FMT>;
   // Groups of 4 between widening int16 pair sums to int32 (see the top), within a sub-block.
-  static constexpr int FLUSH = std::min(F::SUB / 4, F::VB == 4 ? 8 : F::VB == 5 ? 4 : 2);
+  static constexpr int FLUSH = F::GRID ? 1 : std::min(F::SUB / 4, F::VB == 4 ? 8 : F::VB == 5 ? 4 : 2);
+  // Plain AVX2 sums the grid formats' signed values (see the top): no zero-point correction.
+  static constexpr bool kSigned = F::GRID && !SLUICE_KQ_VNNI256;
 
   const int8_t* a; int64_t k;
   __m256i p16[MR], isum[MR][L::PER];
 
   template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, const int8_t* ab) {
     const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / 2) + 32 * h));
-    const __m256i v = group_values<F::VB, G>(nib, hi);
+    __m256i v = group_values<F::VB, G>(nib, hi);
 #if SLUICE_KQ_VNNI256
+    if constexpr (F::GRID) v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(
+                                   reinterpret_cast<const __m128i*>(kIq4Grid))), v);
     // vpdpbusd: each lane's four unsigned-by-signed products straight into its exact int32 sum.
     constexpr int i2 = (4 * G) / F::SUB;
 #pragma GCC unroll 8
@@ -249,11 +269,19 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
       isum[r][i2] = _mm256_dpbusd_avx_epi32(isum[r][i2], v, _mm256_set1_epi32(a4));
     }
 #else
+    __m256i sv = v;   // the grid's signed values: the sign goes onto the input, |v| is the unsigned operand
+    if constexpr (F::GRID) {
+      sv = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Grid))), v);
+      sv = _mm256_xor_si256(sv, _mm256_set1_epi8(static_cast<char>(0x80)));   // u - 128 as int8
+      v = _mm256_abs_epi8(sv);
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       int32_t a4;
       std::memcpy(&a4, ab + r * k + 4 * G, 4);
-      p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(v, _mm256_set1_epi32(a4)));
+      __m256i av = _mm256_set1_epi32(a4);
+      if constexpr (F::GRID) av = _mm256_sign_epi8(av, sv);
+      p16[r] = _mm256_add_epi16(p16[r], _mm256_maddubs_epi16(v, av));
     }
     if constexpr ((G + 1) % FLUSH == 0) {
       constexpr int i2 = (4 * G) / F::SUB;
@@ -283,8 +311,8 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
       p16[r] = _mm256_setzero_si256();
       // Zero-point formats start each sum at its correction (see zs); VNNI adds into it from zero.
       for (int i2 = 0; i2 < L::PER; ++i2)
-        if (!F::OFFSET) isum[r][i2] = _mm256_set1_epi32(zs[r * n16 + 2 * b + i2]);
-        else if (SLUICE_KQ_VNNI256) isum[r][i2] = _mm256_setzero_si256();
+        if (!F::OFFSET && !kSigned) isum[r][i2] = _mm256_set1_epi32(zs[r * n16 + 2 * b + i2]);
+        else if (SLUICE_KQ_VNNI256 || kSigned) isum[r][i2] = _mm256_setzero_si256();
     }
     group<0>(body, h, hi, ab); group<1>(body, h, hi, ab); group<2>(body, h, hi, ab); group<3>(body, h, hi, ab);
     group<4>(body, h, hi, ab); group<5>(body, h, hi, ab); group<6>(body, h, hi, ab); group<7>(body, h, hi, ab);
@@ -364,11 +392,12 @@ template <int F, int W> inline __m512i field_to4_512(__m512i v) {
 }
 
 // Group G (k = 4G .. 4G + 3) of all 16 lanes: values as bytes, lane r in 32-bit lane r.
-template <int VB, int G> inline __m512i group_values512(__m512i nib, const __m512i* hi) {
+template <int VB, int G, int GRID> inline __m512i group_values512(__m512i nib, const __m512i* hi) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i v = (G % 2) ? _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4) : _mm512_and_si512(nib, low4);
   constexpr int W = VB - 4, P = W > 0 ? 8 / W : 1;
   if constexpr (W > 0) v = _mm512_or_si512(v, field_to4_512<W * (G % P), W>(hi[G / P]));
+  if constexpr (GRID) v = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_load_si128(reinterpret_cast<const __m128i*>(kIq4Grid))), v);
   return v;
 }
 
@@ -386,7 +415,7 @@ template <int FMT, int MR> struct TileVnni {
 
   template <int G> inline void group(const uint8_t* body, const __m512i* hi, const int8_t* ab) {
     const __m512i nib = _mm512_loadu_si512(body + 64 * (G / 2));
-    const __m512i v = group_values512<F::VB, G>(nib, hi);
+    const __m512i v = group_values512<F::VB, G, F::GRID>(nib, hi);
     constexpr int i2 = (4 * G) / F::SUB;
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
@@ -463,19 +492,31 @@ template <int FMT, int MR> inline void run_vnni(int64_t mr, const int8_t* a, int
 }
 #endif
 
-int64_t chunk_bytes(int64_t fmt) {
+// fn(std::integral_constant<int, FMT>) for the format with GGML type id `fmt`: the one switch
+// every entry point goes through.
+template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
-    case kQ5_0: return Lay<kQ5_0>::CHUNK;
-    case kQ5_1: return Lay<kQ5_1>::CHUNK;
-    case kQ4_K: return Lay<kQ4_K>::CHUNK;
-    case kQ5_K: return Lay<kQ5_K>::CHUNK;
-    case kQ6_K: return Lay<kQ6_K>::CHUNK;
-    default: TORCH_CHECK(false, "kquant: unknown format ", fmt, " (GGML type ids: Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+    case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
+    case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
+    case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
+    case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
+    case kIQ4_NL: return fn(std::integral_constant<int, kIQ4_NL>{});
+    case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
+    default:
+      TORCH_CHECK(false, "kquant: unknown format ", fmt,
+                  " (GGML type ids: Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
   }
-  return 0;
+  return fn(std::integral_constant<int, kQ4_K>{});   // not reached
 }
 
-int64_t super_block(int64_t fmt) { return (fmt == kQ5_0 || fmt == kQ5_1) ? 32 : 256; }
+int64_t chunk_bytes(int64_t fmt) {
+  return with_format(fmt, [](auto f) { return Lay<decltype(f)::value>::CHUNK; });
+}
+
+int64_t super_block(int64_t fmt) {
+  return with_format(fmt, [](auto f) -> int64_t { return Fmt<decltype(f)::value>::SBK; });
+}
 
 void check_weight(const torch::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
   const int64_t chunk = chunk_bytes(fmt), sbk = super_block(fmt);
@@ -578,12 +619,13 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   // it), at [row][2 b + i] for sub-block i of block b (i = 0 only for sub-blocks of 32). The
   // loops load it as their accumulator's first value: the same exact sum, one subtraction fewer
   // per row and sub-block.
-  const bool zero_point = fmt == kQ6_K || fmt == kQ5_0;
+  const auto [z, per] = with_format(fmt, [](auto f) {
+    using F = Fmt<decltype(f)::value>;
+    return std::pair<int32_t, int64_t>{F::OFFSET ? 0 : F::ZERO, F::SUB};
+  });
   auto zs = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));   // unread without a zero point
   int32_t* zsp = zs.data_ptr<int32_t>();
-  if (zero_point) {
-    const int32_t z = fmt == kQ6_K ? Fmt<kQ6_K>::ZERO : Fmt<kQ5_0>::ZERO;
-    const int64_t per = fmt == kQ6_K ? 16 : 32;
+  if (z) {
     for (int64_t i = 0; i < rows * n16; ++i) {
       if (per == 32 && i % 2) { zsp[i] = 0; continue; }
       int32_t t = 0;
@@ -594,13 +636,7 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float *sp = s.data_ptr<float>(), *ssp = ss.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  switch (fmt) {
-    case kQ5_0: run_tiles<kQ5_0>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
-    case kQ5_1: run_tiles<kQ5_1>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
-    case kQ4_K: run_tiles<kQ4_K>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
-    case kQ5_K: run_tiles<kQ5_K>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
-    case kQ6_K: run_tiles<kQ6_K>(wp, rows, n, k, ap, sp, ssp, zsp, op); break;
-  }
+  with_format(fmt, [&](auto f) { run_tiles<decltype(f)::value>(wp, rows, n, k, ap, sp, ssp, zsp, op); });
   return out;
 }
 
@@ -617,13 +653,7 @@ torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64
   auto out = torch::empty({count, k}, torch::dtype(torch::kFloat32));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* op = out.data_ptr<float>();
-  switch (fmt) {
-    case kQ5_0: rows_of<kQ5_0>(wp, ip, count, k, op); break;
-    case kQ5_1: rows_of<kQ5_1>(wp, ip, count, k, op); break;
-    case kQ4_K: rows_of<kQ4_K>(wp, ip, count, k, op); break;
-    case kQ5_K: rows_of<kQ5_K>(wp, ip, count, k, op); break;
-    case kQ6_K: rows_of<kQ6_K>(wp, ip, count, k, op); break;
-  }
+  with_format(fmt, [&](auto f) { rows_of<decltype(f)::value>(wp, ip, count, k, op); });
   return out;
 }
 
@@ -696,7 +726,8 @@ void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const u
 
 // GGML's bytes per block of each format (one block per super-block of this layout).
 constexpr int64_t gguf_block_bytes(int64_t fmt) {
-  return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : 210;
+  return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : fmt == kIQ4_NL ? 18
+       : fmt == kIQ4_XS ? 136 : 210;
 }
 
 // One GGUF block -> its values u [SBK], d / dm bits and sub-block scales sc / minimums mn, as
@@ -714,6 +745,24 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
       u[16 + i] = qs[i] >> 4;
     }
     for (int e = 0; e < 32; ++e) u[e] |= static_cast<uint8_t>(((qh[e / 8] >> (e % 8)) & 1) << 4);
+  } else if constexpr (FMT == kIQ4_NL) {
+    for (int i = 0; i < 16; ++i) {
+      u[i] = b[2 + i] & 15;
+      u[16 + i] = b[2 + i] >> 4;
+    }
+  } else if constexpr (FMT == kIQ4_XS) {
+    // d, 2 bytes of the scales' high 2 bits (sub-block i at bits 2i), 4 of their low nibbles
+    // (sub-block i in nibble i % 2 of byte i / 2), then per sub-block of 32 16 bytes: elements
+    // 0-15 in the low nibbles, 16-31 in the high ones. A scale is its 6 bits minus 32.
+    const unsigned high = static_cast<unsigned>(b[2]) | (static_cast<unsigned>(b[3]) << 8);
+    for (int i = 0; i < 8; ++i) {
+      const int ls = static_cast<int>(((b[4 + i / 2] >> (4 * (i % 2))) & 15) | (((high >> (2 * i)) & 3) << 4));
+      sc[i] = static_cast<uint8_t>(static_cast<int8_t>(ls - 32));
+      for (int j = 0; j < 16; ++j) {
+        u[32 * i + j] = b[8 + 16 * i + j] & 15;
+        u[32 * i + 16 + j] = b[8 + 16 * i + j] >> 4;
+      }
+    }
   } else if constexpr (FMT == kQ6_K) {
     const uint8_t *ql = b, *qh = b + 128;
     std::memcpy(&d, b + 208, 2);
@@ -778,13 +827,7 @@ torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, to
   const uint8_t* scp = sc.numel() ? static_cast<const uint8_t*>(sc.data_ptr()) : nullptr;
   const uint8_t* mnp = mn.numel() ? static_cast<const uint8_t*>(mn.data_ptr()) : nullptr;
   uint8_t* op = out.data_ptr<uint8_t>();
-  switch (fmt) {
-    case kQ5_0: pack_tiles<kQ5_0>(up, dp, dmp, scp, mnp, n, k, op); break;
-    case kQ5_1: pack_tiles<kQ5_1>(up, dp, dmp, scp, mnp, n, k, op); break;
-    case kQ4_K: pack_tiles<kQ4_K>(up, dp, dmp, scp, mnp, n, k, op); break;
-    case kQ5_K: pack_tiles<kQ5_K>(up, dp, dmp, scp, mnp, n, k, op); break;
-    case kQ6_K: pack_tiles<kQ6_K>(up, dp, dmp, scp, mnp, n, k, op); break;
-  }
+  with_format(fmt, [&](auto f) { pack_tiles<decltype(f)::value>(up, dp, dmp, scp, mnp, n, k, op); });
   return out;
 }
 
@@ -800,13 +843,7 @@ torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int
   auto out = torch::empty({(n + kTile - 1) / kTile * (k / sbk) * chunk}, blocks.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
   uint8_t* op = out.data_ptr<uint8_t>();
-  switch (fmt) {
-    case kQ5_0: pack_gguf_tiles<kQ5_0>(bp, n, k, op); break;
-    case kQ5_1: pack_gguf_tiles<kQ5_1>(bp, n, k, op); break;
-    case kQ4_K: pack_gguf_tiles<kQ4_K>(bp, n, k, op); break;
-    case kQ5_K: pack_gguf_tiles<kQ5_K>(bp, n, k, op); break;
-    case kQ6_K: pack_gguf_tiles<kQ6_K>(bp, n, k, op); break;
-  }
+  with_format(fmt, [&](auto f) { pack_gguf_tiles<decltype(f)::value>(bp, n, k, op); });
   return out;
 }
 

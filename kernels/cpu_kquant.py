@@ -1,15 +1,17 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) as CPU linear layers
-(``cpu_kquant.cpp``): the file's values and scales, integer dot products.
+"""GGUF K-quants (Q4_K, Q5_K, Q6_K), 5-bit blocks (Q5_0, Q5_1) and the 4-bit grid formats
+(IQ4_NL, IQ4_XS) as CPU linear layers (``cpu_kquant.cpp``): the file's values and scales,
+integer dot products.
 
 A weight is given as its parts, the form every one of these formats shares (``cpu_kquant.cpp``
 says how each maps onto it):
 
-* ``u`` [N, K] uint8: the unsigned values (4, 5 or 6 bits);
+* ``u`` [N, K] uint8: the unsigned values (4, 5 or 6 bits); for IQ4_NL / IQ4_XS the 4-bit
+  index into ``IQ4_GRID``, the value each index stands for;
 * ``d`` [N, K/S] float16: the super-block scale (S = 256 for K-quants, 32 for Q5_0 / Q5_1);
 * ``dm`` [N, K/S] float16: the super-block minimum scale (Q4_K, Q5_K) or the offset m (Q5_1);
   None for the formats with a zero point (Q6_K 32, Q5_0 16);
 * ``sc`` [N, K/SUB] uint8: the sub-block scales (6-bit for Q4_K / Q5_K per 32, Q6_K's int8 per
-  16 as their bytes); None for Q5_0 / Q5_1;
+  16 and IQ4_XS's 6-bit minus 32 per 32 as their bytes); None for Q5_0 / Q5_1 / IQ4_NL;
 * ``mn`` [N, K/32] uint8: Q4_K's and Q5_K's 6-bit sub-block minimums; None otherwise.
 
 They are repacked at load into the kernel's layout (``pack``, in C++; ``pack_ref`` is the same
@@ -40,6 +42,9 @@ import torch
 from sluice.kernels import cpu_blockq, cpu_ext
 
 TILE = 16
+# IQ4_NL's and IQ4_XS's 16 values (llama.cpp's non-linear 4-bit grid); the C++ kernels look up
+# these plus 128, unsigned, and subtract 128 times the input's sum (a zero point).
+IQ4_GRID = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +57,7 @@ class Spec:
     zero: int
     sub_scales: bool
     signed_scales: bool = False
+    grid: tuple[int, ...] | None = None   # the value of each index (w = D grid[u]), else u itself
 
     @property
     def sub_blocks(self) -> int:
@@ -64,6 +70,8 @@ FORMATS = {
     "Q4_K": Spec(12, 4, 256, 32, True, 0, True),
     "Q5_K": Spec(13, 5, 256, 32, True, 0, True),
     "Q6_K": Spec(14, 6, 256, 16, False, 32, True, signed_scales=True),
+    "IQ4_NL": Spec(20, 4, 32, 32, False, 0, False, grid=IQ4_GRID),
+    "IQ4_XS": Spec(23, 4, 256, 32, False, 0, True, signed_scales=True, grid=IQ4_GRID),
 }
 Parts = tuple  # (u, d, dm | None, sc | None, mn | None)
 
@@ -237,13 +245,19 @@ def scales(fmt: str, d, dm, sc, mn, k: int) -> tuple[torch.Tensor, torch.Tensor 
     return big_d, (-(dmf * mn.float()) if spec.sub_scales else dmf)
 
 
+def values(fmt: str, u: torch.Tensor) -> torch.Tensor:
+    """The stored values as int32: ``u`` itself, or the grid's value at each index."""
+    grid = FORMATS[fmt].grid
+    return u.to(torch.int32) if grid is None else torch.tensor(grid, dtype=torch.int32)[u.long()]
+
+
 def dequantize(fmt: str, parts: Parts) -> torch.Tensor:
     """[N, K] float32 with gguf's float32 arithmetic: D q + M, or D (q - zero)."""
     spec = FORMATS[fmt]
     u, d, dm, sc, mn = parts
     n, k = u.shape
     big_d, big_m = scales(fmt, d, dm, sc, mn, k)
-    q = u.float().view(n, k // spec.sub, spec.sub)
+    q = values(fmt, u).float().view(n, k // spec.sub, spec.sub)
     if spec.offset:
         w = big_d[..., None] * q + big_m[..., None]
     else:
@@ -275,7 +289,7 @@ def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
     a, s = cpu_blockq.quantize_input(x)                                             # [M, K], [M, K/32]
     rows = a.shape[0]
     big_d, big_m = scales(fmt, d, dm, sc, mn, k)                                     # [N, K/SUB]
-    q = u.double() - (0 if spec.offset else spec.zero)
+    q = values(fmt, u).double() - (0 if spec.offset else spec.zero)
     dots = torch.einsum("msi,nsi->mns", a.double().view(rows, -1, spec.sub), q.view(n, -1, spec.sub))
     s_sub = s.double().repeat_interleave(32 // spec.sub, dim=1)                      # [M, K/SUB]
     out = (dots * big_d.double()[None] * s_sub[:, None]).sum(-1)

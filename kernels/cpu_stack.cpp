@@ -45,7 +45,7 @@ void check_f32(const torch::Tensor& t, const char* name, int64_t dim) {
 }
 
 // One product: kind 4 or 8 (cpu_blockq.cpp's blocks of that many bits; d and m their scales and
-// offsets), 100 + a GGML type id (cpu_kquant.cpp's K-quant and 5-bit formats; d and m unused),
+// offsets), 100 + a GGML type id (cpu_kquant.cpp's K-quant, 5-bit and IQ4 formats; d and m unused),
 // or 32 (float32 packed by oneDNN, with the projection's bias inside).
 struct Part {
   torch::Tensor packed, d, m;
@@ -53,7 +53,8 @@ struct Part {
 };
 
 bool known_kind(int64_t kind) {
-  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 112 && kind <= 114);
+  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 112 && kind <= 114) ||
+         kind == 120 || kind == 123;
 }
 
 // A projection: its parts' products side by side (a fused q/k/v or gate/up whose parts the

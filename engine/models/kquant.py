@@ -1,7 +1,7 @@
 """GGUF's K-quants and 5-bit blocks held as stored (``quantization=gguf``), and projections whose
 parts the file stores in different types.
 
-* ``KQuantLinear``: a Q4_K, Q5_K, Q6_K, Q5_0 or Q5_1 weight in the layout of
+* ``KQuantLinear``: a Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS weight in the layout of
   ``kernels/cpu_kquant.cpp`` (the file's values, float16 scales and 6-/8-bit sub-block scales;
   ``kernels/cpu_kquant.py`` says why that layout), multiplied with the input rounded to int8 per
   block of 32 and exact integer sums, like ``quant.BlockQLinear`` for Q4_0 / Q4_1 / Q8_0.
@@ -22,11 +22,12 @@ import torch
 
 from sluice.engine.models.quant import BlockQLinear, _check, _rows
 
-KQUANT_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+KQUANT_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 KIND_OFFSET = 100
 _EMPTY = torch.empty(0)
 # elements and bytes per GGUF block
-_BLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210)}
+_BLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -77,6 +78,17 @@ def gguf_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]):
         hi = _bits(b[..., at:at + 4], list(range(8)), 1).transpose(-1, -2).reshape(n, -1, 32)   # bit e%8 of byte e//8
         u = _low_nibbles(b[..., at + 4:], 1) | (hi << 4)
         return u.reshape(n, k), d, dm, None, None
+    if kind == "IQ4_NL":
+        return _low_nibbles(b[..., 2:], 1).reshape(n, k), _f16(b[..., 0:2]), None, None, None
+    if kind == "IQ4_XS":
+        # d, the scales' high 2 bits (uint16: sub-block i at bits 2i), their low nibbles (sub-block i
+        # in nibble i % 2 of byte i / 2), then 16 bytes per sub-block of 32 (low nibbles first)
+        high = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)
+        shifts = torch.arange(8, dtype=torch.int32)
+        low = (b[..., 4:8].to(torch.int32).repeat_interleave(2, -1) >> (4 * (shifts % 2))) & 15
+        sc = (low | (((high[..., None] >> (2 * shifts)) & 3) << 4)) - 32
+        u = _low_nibbles(b[..., 8:], 8)
+        return u.reshape(n, k), _f16(b[..., 0:2]), None, sc.to(torch.int8).view(torch.uint8).reshape(n, -1), None
     if kind == "Q6_K":
         lo = _low_nibbles(b[..., 0:128], 2)                                             # [n, nsb, 256]
         hi = _bits(b[..., 128:192].reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, -1, 256)

@@ -1,18 +1,19 @@
 """GGUF types sluice has no kernel for (Q2_K, Q3_K, the IQ types...: ``quantized._ROUNDED_TYPES``)
 go to w8a8 under ``auto``, rounded to 8-bit blocks of 32 one tensor at a time, while the types it
 keeps as stored stay so in the same file (llama.cpp's Q3_K_M / IQ3_XXS presets mix Q3_K with
-Q4_K / Q6_K / IQ4_NL).
+Q4_K / Q6_K / IQ4_NL / IQ4_XS).
 
 Tiny random-weight Llamas written here: the rounded types' blocks are random bytes with their
 float16 scales set so that the weights have a trained model's size (gguf dequantizes them, so
-``quantization=none`` is the float32 reference); Q4_K / Q6_K from tests/helpers/kquant_encode.py.
+``quantization=none`` is the float32 reference), and so are the kept IQ4_NL / IQ4_XS ones; Q4_K /
+Q6_K from tests/helpers/kquant_encode.py.
 
 * Each rounded weight is within half a step of the 8-bit rounding (d / 2, d = its 32-block's
   largest |w| / 127 as float16) of gguf's float32, an exact bound of Q8_0's rule; the kept types
   are the file's values bit for bit.
 * Logits against ``none``: test_quantization's w8a8 bounds (most of w8a8's change is its int8
   rounding of activations, which every block type has).
-* The token embedding: a tied Q3_K table is held once, by the 8-bit LM head; an untied IQ4_NL
+* The token embedding: a tied Q3_K table is held once, by the 8-bit LM head; an untied IQ3_S
   table as int8 blocks (Q8_0's rule), beside a Q6_K output kept as stored.
 """
 from __future__ import annotations
@@ -38,15 +39,16 @@ VOCAB = 256
 TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd", *[f"z{i}" for i in range(VOCAB - 13)]]
 SHAPES = {"attn_q": (H, H), "attn_k": (KV_HEADS * D, H), "attn_v": (KV_HEADS * D, H), "attn_output": (H, H),
           "ffn_gate": (INTER, H), "ffn_up": (INTER, H), "ffn_down": (H, INTER)}
-# Layer 0: a fused q/k/v of three types, a gate/up of one rounded type; layer 1: the IQ types.
+# Layer 0: a fused q/k/v of three types, a gate/up of one rounded type; layer 1: IQ types, rounded
+# (IQ3_S) and kept (IQ4_XS, IQ4_NL).
 MIXED = [{"attn_q": "Q3_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ4_NL",
           "ffn_gate": "Q3_K", "ffn_up": "Q3_K", "ffn_down": "Q6_K"},
-         {"attn_q": "IQ4_XS", "attn_k": "IQ4_XS", "attn_v": "IQ4_NL", "attn_output": "Q3_K",
-          "ffn_gate": "Q4_K", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}]
+         {"attn_q": "IQ3_S", "attn_k": "IQ3_S", "attn_v": "IQ4_XS", "attn_output": "Q3_K",
+          "ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}]
 MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE, AGREEMENT = 2.5, 0.23, 0.9   # test_quantization's w8a8 bounds
 # Byte offsets of the float16 scales in one block (llama.cpp's block_q3_K: hmask, qs, scales, d;
-# block_q2_K: scales, qs, d, dmin; block_iq4_nl / block_iq4_xs: d first).
-_SCALE_OFFSETS = {"Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+# block_q2_K: scales, qs, d, dmin; block_iq3_s / block_iq4_nl / block_iq4_xs: d first).
+_SCALE_OFFSETS = {"Q3_K": (108,), "Q2_K": (80, 82), "IQ3_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_blocks(rng, kind: str, shape: tuple[int, int], std: float) -> np.ndarray:
@@ -122,14 +124,15 @@ def _describe(part) -> str:
 def test_auto_rounds_only_the_types_it_has_no_kernel_for(mixed):
     auto, read, _floats = mixed
     assert auto.quantization == "w8a8"
-    # Only the rounded types (and the float norms) were read as float32: Q4_K / Q6_K as blocks.
-    assert {kind for _name, kind in read} == {"F32", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS"}
+    # Only the rounded types (and the float norms) were read as float32: Q4_K / Q6_K / IQ4 as blocks.
+    assert {kind for _name, kind in read} == {"F32", "Q3_K", "Q2_K", "IQ3_S"}
     layer0, layer1 = auto.model.layers
     assert [_describe(p) for p in _parts(layer0.self_attn.qkv_proj)] == ["8-bit blocks", "Q4_K", "Q6_K"]
+    assert [_describe(p) for p in _parts(layer0.self_attn.o_proj)] == ["IQ4_NL"]
     assert [_describe(p) for p in _parts(layer0.mlp.gate_up_proj)] == ["8-bit blocks"]       # Q3_K + Q3_K: one weight
     assert [_describe(p) for p in _parts(layer0.mlp.down_proj)] == ["Q6_K"]
-    assert [_describe(p) for p in _parts(layer1.self_attn.qkv_proj)] == ["8-bit blocks"]     # IQ4_XS, IQ4_XS, IQ4_NL
-    assert [_describe(p) for p in _parts(layer1.mlp.gate_up_proj)] == ["Q4_K", "8-bit blocks"]
+    assert [_describe(p) for p in _parts(layer1.self_attn.qkv_proj)] == ["8-bit blocks", "IQ4_XS"]   # IQ3_S, IQ3_S | IQ4_XS
+    assert [_describe(p) for p in _parts(layer1.mlp.gate_up_proj)] == ["IQ4_XS", "8-bit blocks"]
     assert auto.model._cpu_decoder() is not None                                              # the C++ layer stack
 
 
@@ -190,9 +193,9 @@ def test_logits_close_to_float32_teacher_forced(mixed):
     assert agree / total >= AGREEMENT, f"top-1 agreement {agree / total:.3f}"
 
 
-def test_an_untied_iq4_nl_table_is_held_as_int8_blocks(tmp_path):
+def test_an_untied_iq3_s_table_is_held_as_int8_blocks(tmp_path):
     path = tmp_path / "untied.gguf"
-    write_gguf(path, [{name: "Q3_K" for name in SHAPES}], table="IQ4_NL", output="Q6_K")
+    write_gguf(path, [{name: "Q3_K" for name in SHAPES}], table="IQ3_S", output="Q6_K")
     auto = load_model(path, dtype="float32", quantization="auto")
     floats = load_model(path, dtype="float32", quantization="none")
     model = auto.model

@@ -26,7 +26,7 @@ from tests.helpers.kquant_encode import encode
 
 FORMATS = kquant.KQUANT_TYPES
 # byte offsets of each block's float16 scales
-_HALVES = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+_HALVES = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 
 
 @pytest.fixture(scope="module")
