@@ -3,7 +3,7 @@
 file's own quantization error?
 
     llama-quantize --allow-requantize SmolLM2-135M-Instruct.Q4_1.gguf /tmp/q/Q2_K.gguf Q2_K
-    python bench/gguf_rounding.py --reference smollm2 /tmp/q/Q2_K.gguf /tmp/q/IQ4_NL.gguf
+    python bench/gguf_rounding.py --reference smollm2 /tmp/q/Q2_K.gguf /tmp/q/IQ3_XXS.gguf
 
 Per file, over ``tests/model/perplexity_text.txt`` (one prefill, every position's logits):
 

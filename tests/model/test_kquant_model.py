@@ -1,5 +1,5 @@
 """A GGUF that mixes block types per tensor, as llama.cpp's Q4_K_M / Q5_K_M files do (Q4_K, Q5_K,
-Q6_K, Q5_0, Q5_1 and Q8_0 here, with a fused q/k/v whose parts differ in type), on a tiny
+Q6_K, Q5_0, Q5_1, Q8_0, IQ4_XS and IQ4_NL here, with a fused q/k/v whose parts differ in type), on a tiny
 random-weight Llama written by the test (tests/helpers/kquant_encode.py's encoder; gguf's own
 for Q5_0 / Q5_1 / Q8_0).
 
@@ -38,8 +38,8 @@ TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd", *[f"z{i}" for i in ra
 # layers); the tied embedding / LM head is Q6_K.
 TYPES = [{"attn_q": "Q4_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "Q5_K",
           "ffn_gate": "Q4_K", "ffn_up": "Q4_K", "ffn_down": "Q6_K"},
-         {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "Q4_K",
-          "ffn_gate": "Q5_K", "ffn_up": "Q6_K", "ffn_down": "Q4_K"}]
+         {"attn_q": "Q5_0", "attn_k": "Q5_1", "attn_v": "Q8_0", "attn_output": "IQ4_XS",
+          "ffn_gate": "Q5_K", "ffn_up": "Q6_K", "ffn_down": "IQ4_NL"}]
 HEAD_TYPE = "Q6_K"
 MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE, AGREEMENT = 2.5, 0.23, 0.9   # test_quantization's w8a8 bounds
 
@@ -109,6 +109,7 @@ def test_auto_keeps_every_tensor_as_stored(mixed):
     assert isinstance(layer0.mlp.gate_up_proj.quantized, kquant.KQuantLinear)      # Q4_K + Q4_K: one weight
     assert [getattr(p, "fmt", getattr(p, "bits", None)) for p in layer1.self_attn.qkv_proj.quantized.parts_] == [
         "Q5_0", "Q5_1", 8]
+    assert (layer1.self_attn.o_proj.quantized.fmt, layer1.mlp.down_proj.quantized.fmt) == ("IQ4_XS", "IQ4_NL")
     assert isinstance(model.quant_lm_head, kquant.KQuantLinear) and model.quant_lm_head.fmt == "Q6_K"
     assert isinstance(model.quant_embedding, quant.TiedBlockEmbedding)
     assert model.quant_embedding.head is model.quant_lm_head and model.embed_tokens.weight is None
@@ -189,7 +190,7 @@ def test_greedy_tokens_alone_in_a_batch_and_with_speculation(mixed):
     assert spec.engine.spec.stats.num_accepted_tokens > 0      # verification rows ran and were kept
 
 
-@pytest.mark.parametrize("kind", ["Q5_K", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q5_K", "IQ4_XS", "IQ4_NL", "Q4_0", "Q4_1"])
 def test_an_untied_block_embedding_is_held_as_stored(tmp_path, kind):
     """An untied K-quant table is held in its own format, a Q4_0 / Q4_1 one as 4-bit blocks (not
     float32 rows: 7x the bytes), and its lookups are the file's values."""
@@ -202,8 +203,8 @@ def test_an_untied_block_embedding_is_held_as_stored(tmp_path, kind):
     assert isinstance(model.quant_embedding, quant.TiedBlockEmbedding)
     held = model.quant_embedding.head
     assert held is not model.quant_lm_head and model.quant_embedding.nbytes == held.nbytes > 0
-    if kind == "Q5_K":
-        assert isinstance(held, kquant.KQuantLinear) and held.fmt == "Q5_K"
+    if kind in kquant.KQUANT_TYPES:
+        assert isinstance(held, kquant.KQuantLinear) and held.fmt == kind
     else:
         assert isinstance(held, quant.BlockQLinear) and held.bits == 4
         assert held.nbytes <= len(TOKENS) * H * (0.5 + 4 / 32)      # the file's 4 bits and two float16 a block
@@ -213,13 +214,18 @@ def test_an_untied_block_embedding_is_held_as_stored(tmp_path, kind):
     assert torch.equal(model.quant_lm_head.dequantize(), floats.model.lm_head.dense_weight())
 
 
-def test_w4a8_keeps_q4_k_as_stored_and_rounds_the_wider_types_to_4_bits(mixed):
+def test_w4a8_keeps_the_4_bit_types_as_stored_and_rounds_the_wider_ones_to_4_bits(mixed):
     path, _stored, _read, floats = mixed
     model = load_model(path, dtype="float32", quantization="w4a8").model
     qkv0 = model.layers[0].self_attn.qkv_proj.quantized          # Q4_K q, k as stored; Q6_K v rounded
     assert [getattr(p, "fmt", None) or p.bits for p in qkv0.parts_] == ["Q4_K", 4]
     assert torch.equal(qkv0.parts_[0].dequantize(), floats.model.layers[0].self_attn.qkv_proj.dense_weight()[:H + KV_HEADS * D])
     assert isinstance(model.quant_lm_head, kquant.KQuantLinear)   # the head keeps its Q6_K
+    # IQ4_XS / IQ4_NL hold 4-bit values too: kept as stored, the file's values
+    for name in ("self_attn.o_proj", "mlp.down_proj"):
+        held = model.layers[1].get_submodule(name)
+        assert held.quantized.fmt in ("IQ4_XS", "IQ4_NL")
+        assert torch.equal(held.dense_weight(), floats.model.layers[1].get_submodule(name).dense_weight())
     ids = [1, *range(40, 80)]
     change = (_prefill_logits(model, ids) - _prefill_logits(floats.model, ids)).abs()
     assert change.mean() < 1.0, f"mean logit change {change.mean():.3f}"      # 4-bit re-rounding costs more
