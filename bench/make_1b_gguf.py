@@ -6,7 +6,7 @@ memory comparisons at a size where weights, not Python, set the pace.
     python bench/make_1b_gguf.py out/q4km.gguf --type Q4_K_M     # written directly
     python bench/make_1b_gguf.py out/q41.gguf --type Q4_1 --layers 4
 
-``--type`` is one GGML type for every projection (F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+``--type`` is one GGML type for every projection (F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, IQ4_NL, IQ4_XS,
 Q6_K), or a mix after llama.cpp's presets: ``Q4_K_M`` / ``Q5_K_M`` keep attn_v and ffn_down in
 Q6_K on the first and last eighth of the layers and every third one between, the rest Q4_K /
 Q5_K; the output matrix is Q6_K in both and in Q6_K. Blocks are written by the tests' encoder

@@ -1,11 +1,12 @@
-"""SmolLM2-135M re-quantized the way llama.cpp's Q4_K_M preset treats it, held as stored (w8a8),
-against the same file in float32.
+"""SmolLM2-135M re-quantized the way llama.cpp's Q4_K_M and IQ4_XS presets treat it, held as stored
+(w8a8), against the same file in float32.
 
 SmolLM2's rows of 576 are not whole K-quant super-blocks (256), so llama-quantize falls back to
 Q5_0 for most of its tensors; only ffn_down (rows of 1536) takes K-quants. The file written here:
 ffn_down Q4_K on even layers and Q6_K on odd ones, the other projections Q5_0 (Q5_1 for the
 MLP's up), the embedding Q8_0 (tests/helpers/kquant_encode.py and gguf's encoder, from the
-shipped Q4_1 file's values). Bounds are tests/model/test_quantization.py's for w8a8.
+shipped Q4_1 file's values). IQ4_XS falls back to IQ4_NL (blocks of 32) the same way: ffn_down
+IQ4_XS, the other projections IQ4_NL. Bounds are tests/model/test_quantization.py's for w8a8.
 """
 from __future__ import annotations
 
@@ -26,17 +27,19 @@ from tests.model_files import smollm2_gguf
 TEXT = (Path(__file__).parent / "perplexity_text.txt").read_text()
 
 
-def _type_for(name: str, layer: int) -> str | None:
+def _type_for(name: str, layer: int, preset: str) -> str | None:
     if not name.endswith(".weight") or "norm" in name:
         return None
+    if name == "token_embd.weight":
+        return "Q8_0"
+    if preset == "IQ4_XS":
+        return "IQ4_XS" if "ffn_down" in name else "IQ4_NL"
     if "ffn_down" in name:
         return "Q4_K" if layer % 2 == 0 else "Q6_K"
-    if "ffn_up" in name:
-        return "Q5_1"
-    return "Q8_0" if name == "token_embd.weight" else "Q5_0"
+    return "Q5_1" if "ffn_up" in name else "Q5_0"
 
 
-def write_requantized(path: Path) -> None:
+def write_requantized(path: Path, preset: str) -> None:
     import gguf
     from gguf.quants import dequantize
 
@@ -51,7 +54,7 @@ def write_requantized(path: Path) -> None:
     for tensor in reader.tensors:
         w = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)   # GGUF's own row order
         parts = tensor.name.split(".")
-        kind = _type_for(tensor.name, int(parts[1]) if parts[0] == "blk" else -1)
+        kind = _type_for(tensor.name, int(parts[1]) if parts[0] == "blk" else -1, preset)
         if kind is None:
             writer.add_tensor(tensor.name, w)
         else:
@@ -62,11 +65,12 @@ def write_requantized(path: Path) -> None:
     writer.close()
 
 
-@pytest.fixture(scope="module")
-def requantized(tmp_path_factory, smollm2):
-    path = tmp_path_factory.mktemp("smollm2_k") / "smollm2-mixed.gguf"
-    write_requantized(path)
-    return load_model(path, dtype="float32", quantization="auto"), load_model(path, dtype="float32", quantization="none")
+@pytest.fixture(scope="module", params=["Q4_K_M", "IQ4_XS"])
+def requantized(request, tmp_path_factory, smollm2):
+    path = tmp_path_factory.mktemp("smollm2_k") / f"smollm2-{request.param}.gguf"
+    write_requantized(path, request.param)
+    return (request.param, load_model(path, dtype="float32", quantization="auto"),
+            load_model(path, dtype="float32", quantization="none"))
 
 
 def _perplexity(model, ids: list[int]) -> tuple[float, torch.Tensor]:
@@ -76,12 +80,16 @@ def _perplexity(model, ids: list[int]) -> tuple[float, torch.Tensor]:
 
 
 def test_requantized_smollm2_is_held_as_stored_and_close_to_its_float32(requantized, smollm2):
-    stored, floats = requantized
+    preset, stored, floats = requantized
     assert stored.quantization == "w8a8"
     down = [layer.mlp.down_proj.quantized for layer in stored.model.layers]
-    assert [d.fmt for d in down[:2]] == ["Q4_K", "Q6_K"] and all(isinstance(d, kquant.KQuantLinear) for d in down)
+    assert all(isinstance(d, kquant.KQuantLinear) for d in down)
     gate_up = stored.model.layers[0].mlp.gate_up_proj.quantized
-    assert [p.fmt for p in gate_up.parts_] == ["Q5_0", "Q5_1"]
+    if preset == "IQ4_XS":
+        assert {d.fmt for d in down} == {"IQ4_XS"} and gate_up.fmt == "IQ4_NL"
+    else:
+        assert [d.fmt for d in down[:2]] == ["Q4_K", "Q6_K"]
+        assert [p.fmt for p in gate_up.parts_] == ["Q5_0", "Q5_1"]
     ids = smollm2.tokenizer.encode(TEXT)
     ref_ppl, ref = _perplexity(floats.model, ids)
     ppl, ours = _perplexity(stored.model, ids)
@@ -92,5 +100,5 @@ def test_requantized_smollm2_is_held_as_stored_and_close_to_its_float32(requanti
     assert change.max() <= 2.5, f"max logit change {change.max():.3f}"
     top1 = float((ours.argmax(-1) == ref.argmax(-1)).double().mean())
     assert top1 >= 0.9, f"teacher-forced top-1 agreement {top1:.3f}"
-    print(f"requantized SmolLM2: perplexity {ppl:.3f} vs {ref_ppl:.3f}, mean |dlogit| {change.mean():.3f}, "
+    print(f"requantized SmolLM2 ({preset}): perplexity {ppl:.3f} vs {ref_ppl:.3f}, mean |dlogit| {change.mean():.3f}, "
           f"max {change.max():.3f}, top-1 {top1:.3f}")
