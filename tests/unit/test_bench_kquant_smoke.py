@@ -1,5 +1,5 @@
 """``bench/kquant.py`` runs end to end on a small shape: one row per row count, a cell per format
-(float32, Q4_1, Q8_0 and the five K-quant / 5-bit formats), each with its ratios; so does
+(float32, Q4_1, Q8_0 and the K-quant / 5-bit / IQ4 formats), each with its ratios; so does
 ``bench/hugepages.py``. Nothing is measured here."""
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from sluice.engine.models.kquant import KQUANT_TYPES
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -20,7 +22,8 @@ def test_kquant_bench_prints_one_row_per_shape_and_row_count():
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| 48×512 |")]
     assert len(rows) == 2, proc.stdout
     cells = [r.strip("|").split("|") for r in rows]
-    assert all(len(c) == 10 for c in cells), rows
+    # shape, rows, float32, Q4_1, Q8_0 and every format cpu_kquant keeps as stored
+    assert all(len(c) == 5 + len(KQUANT_TYPES) for c in cells), rows
     assert all(c.count(",") == 1 for r in cells for c in r[3:]), rows      # (x float32, x Q4_1)
     paths = ("avx512vnni", "avxvnni", "avx2", "portable")      # cpu_kquant.isa()'s names
     assert any(f"K-quant path: {p}," in proc.stdout for p in paths), proc.stdout[:300]
