@@ -10,10 +10,12 @@
 //   Q5_0        D = d, z = 16                 d float16 per 32
 //   Q5_1        D = d, M = m                  d, m float16 per 32
 //   IQ4_NL      D = d, z = 128                d float16 per 32
+//   Q3_K        D = d * sc, z = 4             d float16 per 256; sc 6-bit minus 32 per 16
 //   IQ4_XS      D = d * sc, z = 128           d float16 per 256; sc 6-bit minus 32 per 32
 // IQ4_NL and IQ4_XS store 4-bit indices into llama.cpp's grid of 16 int8 values (-127 .. 113);
 // the kernels look each index up as u = grid + 128 (unsigned, 1 .. 241: a vpshufb per vector),
-// so they are zero-point formats like the others, with z = 128.
+// so they are zero-point formats like the others, with z = 128. Q3_K's 3-bit values (two low bits
+// and a high one, u = q + 4) are held in the 4-bit fields.
 // A float16 times an integer of at most 8 bits is exact in float32, so D and M are the file's
 // values exactly (gguf's dequantize forms them the same way).
 //
@@ -33,7 +35,8 @@
 // the W high bits of k = 4g + j sit at bits W (g % P) .. W (g % P) + W - 1 of byte j of plane
 // g / P, P = 8 / W groups a plane (Q5: bit g of one plane; Q6_K: two bits side by side, groups
 // 0-3 in the first plane, 4-7 in the second, so a group's high bits are one shift and mask away). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
-// Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6), IQ4_NL 4.5 (4.5), IQ4_XS 4.3125 (4.25).
+// Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6), IQ4_NL 4.5 (4.5), IQ4_XS 4.3125 (4.25), Q3_K
+// 4.5625 (3.4375: its 3-bit values take 4-bit fields).
 //
 // Paths, widest first, each with the same exact integer sums as the portable loop and the same
 // float operations in the same order per lane, so all give the same bits:
@@ -95,7 +98,7 @@ template <int VB> constexpr int64_t rows_avx2() {
 }
 
 // GGML type ids.
-enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
+enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
 
 // IQ4_NL / IQ4_XS's grid (llama.cpp's kvalues_iq4nl) plus 128: the unsigned value of each index.
 alignas(16) constexpr uint8_t kIq4Grid[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -106,6 +109,7 @@ template <int FMT> struct Fmt;
 // value indexes kIq4Grid.
 template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
 template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
+template <> struct Fmt<kQ3_K> { static constexpr int VB = 4, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 4, SUBSCALE = 1, SIGNED = 1, GRID = 0; };
 template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
 template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
 template <> struct Fmt<kQ6_K> { static constexpr int VB = 6, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 32, SUBSCALE = 1, SIGNED = 1, GRID = 0; };
@@ -498,6 +502,7 @@ template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
     case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
     case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ3_K: return fn(std::integral_constant<int, kQ3_K>{});
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
     case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
@@ -505,7 +510,7 @@ template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
     case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
     default:
       TORCH_CHECK(false, "kquant: unknown format ", fmt,
-                  " (GGML type ids: Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
+                  " (GGML type ids: Q5_0 6, Q5_1 7, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
   }
   return fn(std::integral_constant<int, kQ4_K>{});   // not reached
 }
@@ -727,7 +732,7 @@ void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const u
 // GGML's bytes per block of each format (one block per super-block of this layout).
 constexpr int64_t gguf_block_bytes(int64_t fmt) {
   return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : fmt == kIQ4_NL ? 18
-       : fmt == kIQ4_XS ? 136 : 210;
+       : fmt == kIQ4_XS ? 136 : fmt == kQ3_K ? 110 : 210;
 }
 
 // One GGUF block -> its values u [SBK], d / dm bits and sub-block scales sc / minimums mn, as
@@ -762,6 +767,20 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
         u[32 * i + j] = b[8 + 16 * i + j] & 15;
         u[32 * i + 16 + j] = b[8 + 16 * i + j] >> 4;
       }
+    }
+  } else if constexpr (FMT == kQ3_K) {
+    // hmask [32], qs [64], 12 scale bytes, d. Scale i: low nibble of byte i % 8 (high nibble for
+    // i >= 8), top 2 bits at bits 2 (i / 4) of byte 8 + i % 4; minus 32. Element e = 128 h + 32 s + l:
+    // bits 2 s of qs[32 h + l], and bit e / 32 of hmask[l] set means +4 (u = q + 4, z = 4).
+    const uint8_t *hm = b, *qs = b + 32, *s = b + 96;
+    std::memcpy(&d, b + 108, 2);
+    for (int i = 0; i < 16; ++i) {
+      const int lo = (s[i % 8] >> (4 * (i / 8))) & 15, top = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
+      sc[i] = static_cast<uint8_t>(static_cast<int8_t>((lo | (top << 4)) - 32));
+    }
+    for (int e = 0; e < 256; ++e) {
+      const int h = e / 128, sh = (e % 128) / 32, l = e % 32;
+      u[e] = static_cast<uint8_t>(((qs[32 * h + l] >> (2 * sh)) & 3) | (((hm[l] >> (e / 32)) & 1) << 2));
     }
   } else if constexpr (FMT == kQ6_K) {
     const uint8_t *ql = b, *qh = b + 128;

@@ -1,17 +1,18 @@
-"""GGUF K-quants (Q4_K, Q5_K, Q6_K), 5-bit blocks (Q5_0, Q5_1) and the 4-bit grid formats
+"""GGUF K-quants (Q3_K, Q4_K, Q5_K, Q6_K), 5-bit blocks (Q5_0, Q5_1) and the 4-bit grid formats
 (IQ4_NL, IQ4_XS) as CPU linear layers (``cpu_kquant.cpp``): the file's values and scales,
 integer dot products.
 
 A weight is given as its parts, the form every one of these formats shares (``cpu_kquant.cpp``
 says how each maps onto it):
 
-* ``u`` [N, K] uint8: the unsigned values (4, 5 or 6 bits); for IQ4_NL / IQ4_XS the 4-bit
+* ``u`` [N, K] uint8: the unsigned values (3, 4, 5 or 6 bits); for IQ4_NL / IQ4_XS the 4-bit
   index into ``IQ4_GRID``, the value each index stands for;
 * ``d`` [N, K/S] float16: the super-block scale (S = 256 for K-quants, 32 for Q5_0 / Q5_1);
 * ``dm`` [N, K/S] float16: the super-block minimum scale (Q4_K, Q5_K) or the offset m (Q5_1);
   None for the formats with a zero point (Q6_K 32, Q5_0 16);
 * ``sc`` [N, K/SUB] uint8: the sub-block scales (6-bit for Q4_K / Q5_K per 32, Q6_K's int8 per
-  16 and IQ4_XS's 6-bit minus 32 per 32 as their bytes); None for Q5_0 / Q5_1 / IQ4_NL;
+  16, Q3_K's 6-bit minus 32 per 16 and IQ4_XS's per 32 as their bytes); None for Q5_0 / Q5_1 /
+  IQ4_NL;
 * ``mn`` [N, K/32] uint8: Q4_K's and Q5_K's 6-bit sub-block minimums; None otherwise.
 
 They are repacked at load into the kernel's layout (``pack``, in C++; ``pack_ref`` is the same
@@ -58,6 +59,12 @@ class Spec:
     sub_scales: bool
     signed_scales: bool = False
     grid: tuple[int, ...] | None = None   # the value of each index (w = D grid[u]), else u itself
+    value_bits: int | None = None          # the values' bits where narrower than their field (Q3_K: 3)
+
+    @property
+    def top(self) -> int:
+        """The largest value ``u`` may hold."""
+        return 2 ** (self.value_bits or self.bits) - 1
 
     @property
     def sub_blocks(self) -> int:
@@ -71,6 +78,7 @@ FORMATS = {
     "Q5_K": Spec(13, 5, 256, 32, True, 0, True),
     "Q6_K": Spec(14, 6, 256, 16, False, 32, True, signed_scales=True),
     "IQ4_NL": Spec(20, 4, 32, 32, False, 0, False, grid=IQ4_GRID),
+    "Q3_K": Spec(11, 4, 256, 16, False, 4, True, signed_scales=True, value_bits=3),   # in 4-bit fields
     "IQ4_XS": Spec(23, 4, 256, 32, False, 0, True, signed_scales=True, grid=IQ4_GRID),
 }
 Parts = tuple  # (u, d, dm | None, sc | None, mn | None)
@@ -97,8 +105,8 @@ def _check_parts(fmt: str, u, d, dm, sc, mn) -> tuple[int, int]:
         elif t is None or tuple(t.shape) != shape or t.dtype != dtype:
             got = None if t is None else (tuple(t.shape), t.dtype)
             raise ValueError(f"{fmt}: {name} must be {dtype} {shape}, got {got}")
-    if u.dtype != torch.uint8 or int(u.max()) >= 2 ** spec.bits:
-        raise ValueError(f"{fmt}: values must be uint8 in 0..{2 ** spec.bits - 1}")
+    if u.dtype != torch.uint8 or int(u.max()) > spec.top:
+        raise ValueError(f"{fmt}: values must be uint8 in 0..{spec.top}")
     if spec.sub_scales and not spec.signed_scales and (int(sc.max()) > 63 or int(mn.max()) > 63):
         raise ValueError(f"{fmt}: sub-block scales and minimums are 6-bit (0..63)")
     return n, k

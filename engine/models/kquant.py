@@ -1,7 +1,7 @@
 """GGUF's K-quants and 5-bit blocks held as stored (``quantization=gguf``), and projections whose
 parts the file stores in different types.
 
-* ``KQuantLinear``: a Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS weight in the layout of
+* ``KQuantLinear``: a Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS weight in the layout of
   ``kernels/cpu_kquant.cpp`` (the file's values, float16 scales and 6-/8-bit sub-block scales;
   ``kernels/cpu_kquant.py`` says why that layout), multiplied with the input rounded to int8 per
   block of 32 and exact integer sums, like ``quant.BlockQLinear`` for Q4_0 / Q4_1 / Q8_0.
@@ -22,12 +22,12 @@ import torch
 
 from sluice.engine.models.quant import BlockQLinear, _check, _rows
 
-KQUANT_TYPES = ("Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+KQUANT_TYPES = ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 KIND_OFFSET = 100
 _EMPTY = torch.empty(0)
 # elements and bytes per GGUF block
 _BLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q3_K": (256, 110)}
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -78,6 +78,16 @@ def gguf_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]):
         hi = _bits(b[..., at:at + 4], list(range(8)), 1).transpose(-1, -2).reshape(n, -1, 32)   # bit e%8 of byte e//8
         u = _low_nibbles(b[..., at + 4:], 1) | (hi << 4)
         return u.reshape(n, k), d, dm, None, None
+    if kind == "Q3_K":
+        # hmask [32], qs [64], 12 scale bytes, d; scale i: low nibble of byte i % 8 (high for i >= 8),
+        # top 2 bits at 2 (i / 4) of byte 8 + i % 4, minus 32; element 128 h + 32 s + l: bits 2 s of
+        # qs[32 h + l], plus 4 where bit (128 h + 32 s + l) / 32 of hmask[l] is set
+        hm, qs, s = b[..., 0:32], b[..., 32:96], b[..., 96:108]
+        low_sc = torch.cat((s[..., 0:8] & 15, s[..., 0:8] >> 4), -1)
+        sc = (low_sc | (_bits(s[..., 8:12], [0, 2, 4, 6], 2).reshape(n, -1, 16) << 4)).to(torch.int16) - 32
+        u = _bits(qs.reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, -1, 256)
+        u = u | (_bits(hm, list(range(8)), 1).reshape(n, -1, 256) << 2)
+        return u.reshape(n, k), _f16(b[..., 108:110]), None, sc.to(torch.int8).view(torch.uint8).reshape(n, -1), None
     if kind == "IQ4_NL":
         return _low_nibbles(b[..., 2:], 1).reshape(n, k), _f16(b[..., 0:2]), None, None, None
     if kind == "IQ4_XS":

@@ -1,7 +1,7 @@
-"""GGUF types sluice has no kernel for (Q2_K, Q3_K, the IQ types...: ``quantized._ROUNDED_TYPES``)
+"""GGUF types sluice has no kernel for (Q2_K, the IQ types below IQ4...: ``quantized._ROUNDED_TYPES``)
 go to w8a8 under ``auto``, rounded to 8-bit blocks of 32 one tensor at a time, while the types it
-keeps as stored stay so in the same file (llama.cpp's Q3_K_M / IQ3_XXS presets mix Q3_K with
-Q4_K / Q6_K / IQ4_NL / IQ4_XS).
+keeps as stored stay so in the same file (llama.cpp's Q2_K / IQ3_XXS presets mix those with
+Q3_K / Q4_K / Q6_K / IQ4_NL / IQ4_XS).
 
 Tiny random-weight Llamas written here: the rounded types' blocks are random bytes with their
 float16 scales set so that the weights have a trained model's size (gguf dequantizes them, so
@@ -13,7 +13,7 @@ Q6_K from tests/helpers/kquant_encode.py.
   are the file's values bit for bit.
 * Logits against ``none``: test_quantization's w8a8 bounds (most of w8a8's change is its int8
   rounding of activations, which every block type has).
-* The token embedding: a tied Q3_K table is held once, by the 8-bit LM head; an untied IQ3_S
+* The token embedding: a tied Q2_K table is held once, by the 8-bit LM head; an untied IQ3_S
   table as int8 blocks (Q8_0's rule), beside a Q6_K output kept as stored.
 """
 from __future__ import annotations
@@ -40,11 +40,11 @@ TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd", *[f"z{i}" for i in ra
 SHAPES = {"attn_q": (H, H), "attn_k": (KV_HEADS * D, H), "attn_v": (KV_HEADS * D, H), "attn_output": (H, H),
           "ffn_gate": (INTER, H), "ffn_up": (INTER, H), "ffn_down": (H, INTER)}
 # Layer 0: a fused q/k/v of three types, a gate/up of one rounded type; layer 1: IQ types, rounded
-# (IQ3_S) and kept (IQ4_XS, IQ4_NL).
-MIXED = [{"attn_q": "Q3_K", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ4_NL",
-          "ffn_gate": "Q3_K", "ffn_up": "Q3_K", "ffn_down": "Q6_K"},
+# (IQ3_S) and kept (IQ4_XS, IQ4_NL); Q3_K kept in both.
+MIXED = [{"attn_q": "IQ3_S", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ4_NL",
+          "ffn_gate": "IQ3_S", "ffn_up": "IQ3_S", "ffn_down": "Q3_K"},
          {"attn_q": "IQ3_S", "attn_k": "IQ3_S", "attn_v": "IQ4_XS", "attn_output": "Q3_K",
-          "ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "Q3_K"}]
+          "ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "IQ3_S"}]
 MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE, AGREEMENT = 2.5, 0.23, 0.9   # test_quantization's w8a8 bounds
 # Byte offsets of the float16 scales in one block (llama.cpp's block_q3_K: hmask, qs, scales, d;
 # block_q2_K: scales, qs, d, dmin; block_iq3_s / block_iq4_nl / block_iq4_xs: d first).
@@ -105,9 +105,9 @@ def write_gguf(path, types: list[dict[str, str]], table: str, output: str | None
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    """(auto's model, the tensors it read as float32 with their types, the float32 model), tied Q3_K table."""
+    """(auto's model, the tensors it read as float32 with their types, the float32 model), tied Q2_K table."""
     path = tmp_path_factory.mktemp("rounded") / "mixed.gguf"
-    write_gguf(path, MIXED, table="Q3_K")
+    write_gguf(path, MIXED, table="Q2_K")
     auto, read = load_recording_float_reads(path)
     return auto, read, load_model(path, dtype="float32", quantization="none")
 
@@ -124,13 +124,14 @@ def _describe(part) -> str:
 def test_auto_rounds_only_the_types_it_has_no_kernel_for(mixed):
     auto, read, _floats = mixed
     assert auto.quantization == "w8a8"
-    # Only the rounded types (and the float norms) were read as float32: Q4_K / Q6_K / IQ4 as blocks.
-    assert {kind for _name, kind in read} == {"F32", "Q3_K", "Q2_K", "IQ3_S"}
+    # Only the rounded types (and the float norms) were read as float32: Q3_K / Q4_K / Q6_K / IQ4 as blocks.
+    assert {kind for _name, kind in read} == {"F32", "Q2_K", "IQ3_S"}
     layer0, layer1 = auto.model.layers
     assert [_describe(p) for p in _parts(layer0.self_attn.qkv_proj)] == ["8-bit blocks", "Q4_K", "Q6_K"]
     assert [_describe(p) for p in _parts(layer0.self_attn.o_proj)] == ["IQ4_NL"]
-    assert [_describe(p) for p in _parts(layer0.mlp.gate_up_proj)] == ["8-bit blocks"]       # Q3_K + Q3_K: one weight
-    assert [_describe(p) for p in _parts(layer0.mlp.down_proj)] == ["Q6_K"]
+    assert [_describe(p) for p in _parts(layer0.mlp.gate_up_proj)] == ["8-bit blocks"]       # IQ3_S + IQ3_S: one weight
+    assert [_describe(p) for p in _parts(layer0.mlp.down_proj)] == ["Q3_K"]
+    assert [_describe(p) for p in _parts(layer1.self_attn.o_proj)] == ["Q3_K"]
     assert [_describe(p) for p in _parts(layer1.self_attn.qkv_proj)] == ["8-bit blocks", "IQ4_XS"]   # IQ3_S, IQ3_S | IQ4_XS
     assert [_describe(p) for p in _parts(layer1.mlp.gate_up_proj)] == ["IQ4_XS", "8-bit blocks"]
     assert auto.model._cpu_decoder() is not None                                              # the C++ layer stack
@@ -164,7 +165,7 @@ def test_weights_are_the_files_values_or_their_8_bit_rounding(mixed):
                 start += n
 
 
-def test_a_tied_q3_k_table_is_held_once_by_the_8_bit_head(mixed):
+def test_a_tied_q2_k_table_is_held_once_by_the_8_bit_head(mixed):
     auto, _read, floats = mixed
     model = auto.model
     assert isinstance(model.quant_lm_head, quant.BlockQLinear) and model.quant_lm_head.bits == 8
@@ -195,7 +196,7 @@ def test_logits_close_to_float32_teacher_forced(mixed):
 
 def test_an_untied_iq3_s_table_is_held_as_int8_blocks(tmp_path):
     path = tmp_path / "untied.gguf"
-    write_gguf(path, [{name: "Q3_K" for name in SHAPES}], table="IQ3_S", output="Q6_K")
+    write_gguf(path, [{name: "Q2_K" for name in SHAPES}], table="IQ3_S", output="Q6_K")
     auto = load_model(path, dtype="float32", quantization="auto")
     floats = load_model(path, dtype="float32", quantization="none")
     model = auto.model
@@ -211,13 +212,13 @@ def test_an_untied_iq3_s_table_is_held_as_int8_blocks(tmp_path):
 
 
 def test_a_float16_projection_keeps_float32_and_cuda_keeps_none(tmp_path):
-    """The rule judges every projection: one float16 among Q3_K ones would be rounded below the
+    """The rule judges every projection: one float16 among Q2_K ones would be rounded below the
     file's precision, so the file stays float32; off CPU every file does."""
     from sluice.engine.loaders.gguf_loader import load_gguf
     from sluice.engine.loaders.quantized import resolve_quantization
 
-    for name, down, cpu in (("q3_k.gguf", "Q3_K", "w8a8"), ("f16-down.gguf", "F16", "none")):
-        write_gguf(tmp_path / name, [{**MIXED[0], "ffn_down": down}], table="Q3_K")
+    for name, down, cpu in (("q2_k.gguf", "Q2_K", "w8a8"), ("f16-down.gguf", "F16", "none")):
+        write_gguf(tmp_path / name, [{**MIXED[0], "ffn_down": down}], table="Q2_K")
         _arch, weights, _reader = load_gguf(tmp_path / name)
         assert weights.tensor_type("model.layers.0.mlp.down_proj.weight") == down
         assert resolve_quantization("auto", weights, torch.device("cpu")) == cpu
