@@ -1,7 +1,7 @@
 """One projection's time per GGUF block format, at a 1B-class Llama's shapes (TinyLlama: hidden
 2048, FFN 5632, 32/4 heads, vocabulary 32000): float32 (oneDNN packed, the ``none`` format),
 Q4_1 and Q8_0 (``cpu_blockq``, as w4a8 / w8a8 hold them) and the K-quant / 5-bit / IQ4 formats
-kept as stored (``cpu_kquant``: Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS), all in one run.
+kept as stored (``cpu_kquant``: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, IQ4_XS), all in one run.
 
     python bench/kquant.py                      # 1 / 8 / 32 / 128 rows, 2 threads
     python bench/kquant.py --rows 1 --shapes 5632x2048 --portable
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 # TinyLlama-1.1B: fused q/k/v, o, fused gate/up, down, the LM head.
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048))
-KQUANTS = ("Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
+KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 
 
 def best_us(fn, budget_s: float) -> float:
@@ -45,7 +45,7 @@ def random_blocks(kind: str, n: int, k: int, seed: int):
     per, size = _BLOCK[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (n, k // per, size), dtype=np.uint8)
-    halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108]}.get(kind, [0, 2])
+    halves = {"Q5_0": [0], "Q5_1": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108], "Q2_K": [80, 82]}.get(kind, [0, 2])
     for at in halves:
         raw[..., at:at + 2] = np.full((n, k // per), 1e-3, np.float16).view(np.uint8).reshape(n, k // per, 2)
     return torch.from_numpy(raw.reshape(n, -1))

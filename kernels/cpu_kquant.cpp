@@ -1,8 +1,8 @@
-// GGUF's K-quants (Q4_K, Q5_K, Q6_K) and 5-bit blocks (Q5_0, Q5_1) as CPU linear layers, y = x @ W^T,
+// GGUF's K-quants (Q2_K .. Q6_K), 5-bit blocks (Q5_0, Q5_1) and IQ4_NL / IQ4_XS as CPU linear layers, y = x @ W^T,
 // with the weights as the file stores them (values, float16 super-block scales, 6- or 8-bit
 // sub-block scales), repacked at load (kernels/cpu_kquant.py) into a layout for these loops.
 //
-// Every format is one case of: unsigned values u (4, 5 or 6 bits) in sub-blocks of 16 or 32 along
+// Every format is one case of: unsigned values u (2, 4, 5 or 6 bits) in sub-blocks of 16 or 32 along
 // K, each sub-block with a float32 scale D and either a float32 offset M (w = D u + M) or an
 // integer zero point z (w = D (u - z)):
 //   Q4_K, Q5_K  D = d * sc, M = -(dmin * mn)  d, dmin float16 per 256; sc, mn 6-bit per 32
@@ -12,6 +12,7 @@
 //   IQ4_NL      D = d, z = 128                d float16 per 32
 //   Q3_K        D = d * sc, z = 4             d float16 per 256; sc 6-bit minus 32 per 16
 //   IQ4_XS      D = d * sc, z = 128           d float16 per 256; sc 6-bit minus 32 per 32
+//   Q2_K        D = d * sc, M = -(dmin * mn)  d, dmin float16 per 256; sc, mn 4-bit per 16
 // IQ4_NL and IQ4_XS store 4-bit indices into llama.cpp's grid of 16 int8 values (-127 .. 113);
 // the kernels look each index up as u = grid + 128 (unsigned, 1 .. 241: a vpshufb per vector),
 // so they are zero-point formats like the others, with z = 128. Q3_K's 3-bit values (two low bits
@@ -24,7 +25,8 @@
 // (one scale per 256) for K-quants. Each sub-block's integer sum I = sum u a (minus z sum a) is
 // exact, and a row accumulates, block after block, in order:
 //   acc = fma(I, D * s, acc)            then, with an offset,  acc = fma(M, s * sum a, acc)
-// (sum a over the block of 32; sub-blocks of 16 share their block's s).
+// (sum a over the sub-block; sub-blocks of 16 share their block's s. For sub-blocks of 32,
+// s * sum a is quantize_rows' float; for Q2_K's of 16 it is s times the exact int32 sum).
 //
 // Layout: output rows in tiles of 16 (one 32-bit lane per row in two 8-lane halves, as
 // cpu_blockq.cpp's 4-bit layout). Per tile and super-block (256 along K; 32 for Q5_0 / Q5_1) one
@@ -34,9 +36,11 @@
 // high ones) and W = VB - 4 planes of 64 bytes ([lane 16][j 4]) for the bits above the fourth:
 // the W high bits of k = 4g + j sit at bits W (g % P) .. W (g % P) + W - 1 of byte j of plane
 // g / P, P = 8 / W groups a plane (Q5: bit g of one plane; Q6_K: two bits side by side, groups
-// 0-3 in the first plane, 4-7 in the second, so a group's high bits are one shift and mask away). Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
+// 0-3 in the first plane, 4-7 in the second, so a group's high bits are one shift and mask away).
+// Q2_K's 2-bit values take 128 bytes a block instead: 2 rows of 64 ([lane 16][j 4]), row p holding
+// k = 4(4p + m) + j at bits 2m .. 2m + 1. Bytes per weight: Q4_K 4.625 bits (file 4.5), Q5_K 5.625 (5.5),
 // Q6_K 6.5625 (6.5625), Q5_0 5.5 (5.5), Q5_1 6 (6), IQ4_NL 4.5 (4.5), IQ4_XS 4.3125 (4.25), Q3_K
-// 4.5625 (3.4375: its 3-bit values take 4-bit fields).
+// 4.5625 (3.4375: its 3-bit values take 4-bit fields), Q2_K 3.125 (2.625: sc and mn a byte each).
 //
 // Paths, widest first, each with the same exact integer sums as the portable loop and the same
 // float operations in the same order per lane, so all give the same bits:
@@ -44,7 +48,7 @@
 //                 bytes, four products into each int32 lane) takes the stored values as they are
 //   AVX-VNNI      the AVX2 tile (8 lanes a vector) with vpdpbusd in place of the two steps below
 //   AVX2          vpmaddubsw, then vpmaddwd by ones. The int16 pair sums stay below 2^15: a byte
-//                 product is at most 63 * 127, and the sums are widened every 8 (4-bit), 4
+//                 product is at most 63 * 127, and the sums are widened every 8 (2- and 4-bit), 4
 //                 (5-bit) or 2 (6-bit) groups of 4. The grid formats' values (up to 241) would
 //                 overflow a pair, so there the grid's signed values multiply instead (|v| times
 //                 the input with v's sign, vpsignb: at most 127 * 127), widened every group, and
@@ -87,18 +91,18 @@ namespace {
 
 constexpr int64_t kTile = 16, kBlock = 32, kPanel = 128;
 // Input rows per pass over a tile (at most 6; measured with bench/kquant.py on a 2-core AVX-512
-// Xeon, 2026-12-06: 4 for Q4_K, whose unpacking is cheap, 6 where merging high-bit planes costs
+// Xeon, 2026-12-06: 4 for Q4_K (and Q2_K, Q3_K), whose unpacking is cheap, 6 where merging high-bit planes costs
 // more per weight vector and more rows share it). -DSLUICE_KQ_ROWS=R sets one count for all.
 template <int VB> constexpr int64_t rows_avx2() {
 #ifdef SLUICE_KQ_ROWS
   return SLUICE_KQ_ROWS;
 #else
-  return VB == 4 ? 4 : 6;
+  return VB <= 4 ? 4 : 6;
 #endif
 }
 
 // GGML type ids.
-enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
+enum : int { kQ5_0 = 6, kQ5_1 = 7, kQ2_K = 10, kQ3_K = 11, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kIQ4_NL = 20, kIQ4_XS = 23 };
 
 // IQ4_NL / IQ4_XS's grid (llama.cpp's kvalues_iq4nl) plus 128: the unsigned value of each index.
 alignas(16) constexpr uint8_t kIq4Grid[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
@@ -109,6 +113,7 @@ template <int FMT> struct Fmt;
 // value indexes kIq4Grid.
 template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
 template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
+template <> struct Fmt<kQ2_K> { static constexpr int VB = 2, SBK = 256, SUB = 16, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
 template <> struct Fmt<kQ3_K> { static constexpr int VB = 4, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 4, SUBSCALE = 1, SIGNED = 1, GRID = 0; };
 template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
 template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
@@ -124,7 +129,9 @@ template <int FMT> struct Lay {
   static constexpr int64_t SC = 32 + (F::OFFSET ? 32 : 0);
   static constexpr int64_t MN = SC + (F::SUBSCALE ? NSUB * kTile : 0);
   static constexpr int64_t BODY = MN + (F::SUBSCALE && F::OFFSET ? NSUB * kTile : 0);
-  static constexpr int64_t BLK = 256 + 64 * (F::VB - 4);
+  static constexpr int64_t BLK = F::VB == 2 ? 128 : 256 + 64 * (F::VB - 4);
+  // Groups of 4 values per 64-byte row of the body: 2 (nibbles) or 4 (Q2_K's 2-bit fields).
+  static constexpr int GPR = F::VB == 2 ? 4 : 2;
   static constexpr int64_t CHUNK = BODY + NBLK * BLK;
 };
 
@@ -177,6 +184,7 @@ template <int FMT> inline float sub_offset(const uint8_t* chunk, int64_t lane, i
 // Element e (< 32) of one lane in a block's packed bytes.
 template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
   const int g = e / 4, j = e % 4;
+  if constexpr (Fmt<FMT>::VB == 2) return (blk[64 * (g / 4) + lane * 4 + j] >> (2 * (g % 4))) & 3;
   const uint8_t byte = blk[64 * (g / 2) + lane * 4 + j];
   int u = (g % 2) ? (byte >> 4) : (byte & 0x0F);
   constexpr int W = Fmt<FMT>::VB - 4;
@@ -185,6 +193,14 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
     u |= ((blk[256 + 64 * (g / P) + lane * 4 + j] >> (W * (g % P))) & ((1 << W) - 1)) << 4;
   }
   return Fmt<FMT>::GRID ? kIq4Grid[u] : u;
+}
+
+// The offset term's input factor for row r, block b, sub-block i2 of the block: s * sum a over
+// the sub-block (quantize_rows' float for sub-blocks of 32; Q2_K's 16: s times the exact sum in zs).
+template <int FMT> inline float offset_input(const float* s, const float* ss, const int32_t* zs, int64_t r,
+                                             int64_t nb, int64_t n16, int64_t b, int i2) {
+  if constexpr (Fmt<FMT>::SUB == 16) return s[r * nb + b] * static_cast<float>(zs[r * n16 + 2 * b + i2]);
+  else return ss[r * nb + b];
 }
 
 // The portable loop: per row and lane, per block and sub-block, the exact integer sum and the
@@ -210,7 +226,7 @@ void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, c
             const float scale = sub_scale<FMT>(chunk, lane, i) * s[r * nb + b];
             if (F::OFFSET) {
               acc = std::fma(static_cast<float>(isum), scale, acc);
-              acc = std::fma(sub_offset<FMT>(chunk, lane, i), ss[r * nb + b], acc);
+              acc = std::fma(sub_offset<FMT>(chunk, lane, i), offset_input<FMT>(s, ss, zs, r, nb, n16, b, i2), acc);
             } else {
               isum += zs[r * n16 + 2 * b + i2];
               acc = std::fma(static_cast<float>(isum), scale, acc);
@@ -236,6 +252,8 @@ template <int F, int W> inline __m256i field_to4(__m256i v) {
 
 // Group G (k = 4G .. 4G + 3) of one half's 8 lanes: values as bytes.
 template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i* hi) {
+  // 2-bit fields: a 16-bit shift moves only bits above the two kept into each byte's low two.
+  if constexpr (VB == 2) return _mm256_and_si256(_mm256_srli_epi16(nib, 2 * (G % 4)), _mm256_set1_epi8(3));
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   __m256i v = (G % 2) ? _mm256_and_si256(_mm256_srli_epi16(nib, 4), low4) : _mm256_and_si256(nib, low4);
   constexpr int W = VB - 4, P = W > 0 ? 8 / W : 1;
@@ -251,7 +269,7 @@ template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i*
 template <int FMT, int MR, int NH> struct TileAvx2 {
   using F = Fmt<FMT>; using L = Lay<FMT>;
   // Groups of 4 between widening int16 pair sums to int32 (see the top), within a sub-block.
-  static constexpr int FLUSH = F::GRID ? 1 : std::min(F::SUB / 4, F::VB == 4 ? 8 : F::VB == 5 ? 4 : 2);
+  static constexpr int FLUSH = F::GRID ? 1 : std::min(F::SUB / 4, F::VB <= 4 ? 8 : F::VB == 5 ? 4 : 2);
   // Plain AVX2 sums the grid formats' signed values (see the top): no zero-point correction.
   static constexpr bool kSigned = F::GRID && !SLUICE_KQ_VNNI256;
 
@@ -259,7 +277,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
   __m256i p16[MR], isum[MR][L::PER];
 
   template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, const int8_t* ab) {
-    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / 2) + 32 * h));
+    const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / L::GPR) + 32 * h));
     __m256i v = group_values<F::VB, G>(nib, hi);
 #if SLUICE_KQ_VNNI256
     if constexpr (F::GRID) v = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128(
@@ -338,7 +356,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
         const int64_t nbr = r * nb + b;
         __m256& ar = acc[r * stride_acc];
         ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i2]), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
-        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[nbr]), ar);
+        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(offset_input<FMT>(s, ss, zs, r, nb, n16, b, i2)), ar);
       }
     }
   }
@@ -397,6 +415,7 @@ template <int F, int W> inline __m512i field_to4_512(__m512i v) {
 
 // Group G (k = 4G .. 4G + 3) of all 16 lanes: values as bytes, lane r in 32-bit lane r.
 template <int VB, int G, int GRID> inline __m512i group_values512(__m512i nib, const __m512i* hi) {
+  if constexpr (VB == 2) return _mm512_and_si512(_mm512_srli_epi16(nib, 2 * (G % 4)), _mm512_set1_epi8(3));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512i v = (G % 2) ? _mm512_and_si512(_mm512_srli_epi16(nib, 4), low4) : _mm512_and_si512(nib, low4);
   constexpr int W = VB - 4, P = W > 0 ? 8 / W : 1;
@@ -418,7 +437,7 @@ template <int FMT, int MR> struct TileVnni {
   __m512i isum[MR][L::PER];
 
   template <int G> inline void group(const uint8_t* body, const __m512i* hi, const int8_t* ab) {
-    const __m512i nib = _mm512_loadu_si512(body + 64 * (G / 2));
+    const __m512i nib = _mm512_loadu_si512(body + 64 * (G / L::GPR));
     const __m512i v = group_values512<F::VB, G, F::GRID>(nib, hi);
     constexpr int i2 = (4 * G) / F::SUB;
 #pragma GCC unroll 16
@@ -461,7 +480,7 @@ template <int FMT, int MR> struct TileVnni {
       for (int r = 0; r < MR; ++r) {
         const int64_t nbr = r * nb + b;
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i2]), _mm512_mul_ps(dsub, _mm512_set1_ps(s[nbr])), acc[r]);
-        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(ss[nbr]), acc[r]);
+        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(offset_input<FMT>(s, ss, zs, r, nb, n16, b, i2)), acc[r]);
       }
     }
   }
@@ -502,6 +521,7 @@ template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
     case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
     case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
+    case kQ2_K: return fn(std::integral_constant<int, kQ2_K>{});
     case kQ3_K: return fn(std::integral_constant<int, kQ3_K>{});
     case kQ4_K: return fn(std::integral_constant<int, kQ4_K>{});
     case kQ5_K: return fn(std::integral_constant<int, kQ5_K>{});
@@ -510,7 +530,7 @@ template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
     case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
     default:
       TORCH_CHECK(false, "kquant: unknown format ", fmt,
-                  " (GGML type ids: Q5_0 6, Q5_1 7, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
+                  " (GGML type ids: Q5_0 6, Q5_1 7, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
   }
   return fn(std::integral_constant<int, kQ4_K>{});   // not reached
 }
@@ -623,10 +643,11 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   // Zero-point formats (Q6_K, Q5_0): each sub-block's integer sum starts at -z * (sum of a over
   // it), at [row][2 b + i] for sub-block i of block b (i = 0 only for sub-blocks of 32). The
   // loops load it as their accumulator's first value: the same exact sum, one subtraction fewer
-  // per row and sub-block.
+  // per row and sub-block. Q2_K (an offset per 16) reads the sums themselves (z = -1) for its
+  // offset term (offset_input).
   const auto [z, per] = with_format(fmt, [](auto f) {
     using F = Fmt<decltype(f)::value>;
-    return std::pair<int32_t, int64_t>{F::OFFSET ? 0 : F::ZERO, F::SUB};
+    return std::pair<int32_t, int64_t>{F::OFFSET ? (F::SUB == 16 ? -1 : 0) : F::ZERO, F::SUB};
   });
   auto zs = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));   // unread without a zero point
   int32_t* zsp = zs.data_ptr<int32_t>();
@@ -679,13 +700,22 @@ inline void put_lane(uint8_t* chunk, int64_t lane, const uint8_t* ur, uint16_t d
   for (int blk = 0; blk < L::NBLK; ++blk) {
     uint8_t* body = chunk + L::BODY + blk * L::BLK;
     const uint8_t* ub = ur + blk * kBlock;
+    if constexpr (F::VB == 2) {   // element 4 (4p + m) + j: bits 2m of byte j of the lane's 4 in row p
+      for (int p = 0; p < 2; ++p)
+        for (int j = 0; j < 4; ++j) {
+          unsigned bits = 0;
+          for (int m = 0; m < 4; ++m) bits |= (ub[4 * (4 * p + m) + j] & 3u) << (2 * m);
+          body[64 * p + lane * 4 + j] = static_cast<uint8_t>(bits);
+        }
+      continue;
+    }
     // Element 4 g + j: its low nibble in byte j of the lane's 4 in row 64 (g / 2), low half for
     // even g.
     for (int p = 0; p < 4; ++p)
       for (int j = 0; j < 4; ++j)
         body[64 * p + lane * 4 + j] = static_cast<uint8_t>((ub[8 * p + j] & 0x0F) | ((ub[8 * p + 4 + j] & 0x0F) << 4));
     // The high bits of element 4 g + j: bits W (g % P) .. of byte j of plane g / P (see the top).
-    constexpr int W = F::VB - 4, P = W > 0 ? 8 / W : 1;
+    constexpr int W = std::max(F::VB - 4, 0), P = W > 0 ? 8 / W : 1;
     for (int p = 0; p < W; ++p)
       for (int j = 0; j < 4; ++j) {
         unsigned bits = 0;
@@ -715,7 +745,7 @@ void for_each_lane(int64_t n, int64_t k, uint8_t* out, const Lane& lane_fn) {
 }
 
 // The parts (kernels/cpu_kquant.py's doc: u [N, K] values, d / dm [N, K/SBK] float16 bits,
-// sc [N, K/SUB] and mn [N, K/32] bytes) of rows [0, n) -> the layout above.
+// sc and mn [N, K/SUB] bytes) of rows [0, n) -> the layout above.
 template <int FMT>
 void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const uint8_t* sc, const uint8_t* mn,
                 int64_t n, int64_t k, uint8_t* out) {
@@ -725,14 +755,14 @@ void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const u
   for_each_lane<FMT, None>(n, k, out, [&](uint8_t* chunk, int64_t row, int64_t lane, int64_t sb, None&) {
     put_lane<FMT>(chunk, lane, u + row * k + sb * F::SBK, d[row * nsb + sb], F::OFFSET ? dm[row * nsb + sb] : 0,
                   F::SUBSCALE ? sc + row * nsub + sb * L::NSUB : nullptr,
-                  F::SUBSCALE && F::OFFSET ? mn + row * (k / 32) + sb * L::NSUB : nullptr);
+                  F::SUBSCALE && F::OFFSET ? mn + row * nsub + sb * L::NSUB : nullptr);
   });
 }
 
 // GGML's bytes per block of each format (one block per super-block of this layout).
 constexpr int64_t gguf_block_bytes(int64_t fmt) {
   return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : fmt == kIQ4_NL ? 18
-       : fmt == kIQ4_XS ? 136 : fmt == kQ3_K ? 110 : 210;
+       : fmt == kIQ4_XS ? 136 : fmt == kQ3_K ? 110 : fmt == kQ2_K ? 84 : 210;
 }
 
 // One GGUF block -> its values u [SBK], d / dm bits and sub-block scales sc / minimums mn, as
@@ -782,6 +812,17 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
       const int h = e / 128, sh = (e % 128) / 32, l = e % 32;
       u[e] = static_cast<uint8_t>(((qs[32 * h + l] >> (2 * sh)) & 3) | (((hm[l] >> (e / 32)) & 1) << 2));
     }
+  } else if constexpr (FMT == kQ2_K) {
+    // 16 scale bytes (sc the low nibble, mn the high one), qs [64], d, dmin. Element
+    // e = 128 h + 32 s + l: bits 2 s of qs[32 h + l]; sub-block e / 16.
+    const uint8_t* qs = b + 16;
+    std::memcpy(&d, b + 80, 2);
+    std::memcpy(&dm, b + 82, 2);
+    for (int i = 0; i < 16; ++i) {
+      sc[i] = b[i] & 15;
+      mn[i] = b[i] >> 4;
+    }
+    for (int e = 0; e < 256; ++e) u[e] = static_cast<uint8_t>((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3);
   } else if constexpr (FMT == kQ6_K) {
     const uint8_t *ql = b, *qh = b + 128;
     std::memcpy(&d, b + 208, 2);
@@ -821,7 +862,7 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
 template <int FMT>
 void pack_gguf_tiles(const uint8_t* blocks, int64_t n, int64_t k, uint8_t* out) {
   const int64_t nsb = k / Fmt<FMT>::SBK, bb = gguf_block_bytes(FMT);
-  struct Block { uint8_t u[256], sc[16], mn[8]; };
+  struct Block { uint8_t u[256], sc[16], mn[16]; };
   for_each_lane<FMT, Block>(n, k, out, [&](uint8_t* chunk, int64_t row, int64_t lane, int64_t sb, Block& b) {
     uint16_t d, dm;
     gguf_block<FMT>(blocks + (row * nsb + sb) * bb, b.u, d, dm, b.sc, b.mn);

@@ -1,19 +1,20 @@
-"""GGUF K-quants (Q3_K, Q4_K, Q5_K, Q6_K), 5-bit blocks (Q5_0, Q5_1) and the 4-bit grid formats
+"""GGUF K-quants (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), 5-bit blocks (Q5_0, Q5_1) and the 4-bit grid formats
 (IQ4_NL, IQ4_XS) as CPU linear layers (``cpu_kquant.cpp``): the file's values and scales,
 integer dot products.
 
 A weight is given as its parts, the form every one of these formats shares (``cpu_kquant.cpp``
 says how each maps onto it):
 
-* ``u`` [N, K] uint8: the unsigned values (3, 4, 5 or 6 bits); for IQ4_NL / IQ4_XS the 4-bit
+* ``u`` [N, K] uint8: the unsigned values (2, 3, 4, 5 or 6 bits); for IQ4_NL / IQ4_XS the 4-bit
   index into ``IQ4_GRID``, the value each index stands for;
 * ``d`` [N, K/S] float16: the super-block scale (S = 256 for K-quants, 32 for Q5_0 / Q5_1);
-* ``dm`` [N, K/S] float16: the super-block minimum scale (Q4_K, Q5_K) or the offset m (Q5_1);
+* ``dm`` [N, K/S] float16: the super-block minimum scale (Q2_K, Q4_K, Q5_K) or the offset m (Q5_1);
   None for the formats with a zero point (Q6_K 32, Q5_0 16);
 * ``sc`` [N, K/SUB] uint8: the sub-block scales (6-bit for Q4_K / Q5_K per 32, Q6_K's int8 per
-  16, Q3_K's 6-bit minus 32 per 16 and IQ4_XS's per 32 as their bytes); None for Q5_0 / Q5_1 /
-  IQ4_NL;
-* ``mn`` [N, K/32] uint8: Q4_K's and Q5_K's 6-bit sub-block minimums; None otherwise.
+  16, Q3_K's 6-bit minus 32 per 16 and IQ4_XS's per 32 as their bytes, Q2_K's 4-bit per 16);
+  None for Q5_0 / Q5_1 / IQ4_NL;
+* ``mn`` [N, K/SUB] uint8: Q4_K's and Q5_K's 6-bit sub-block minimums (per 32), Q2_K's 4-bit
+  ones (per 16); None otherwise.
 
 They are repacked at load into the kernel's layout (``pack``, in C++; ``pack_ref`` is the same
 in torch ops), which keeps the file's float16 scales and its 6-bit sub-block scales as bytes
@@ -79,6 +80,7 @@ FORMATS = {
     "Q6_K": Spec(14, 6, 256, 16, False, 32, True, signed_scales=True),
     "IQ4_NL": Spec(20, 4, 32, 32, False, 0, False, grid=IQ4_GRID),
     "Q3_K": Spec(11, 4, 256, 16, False, 4, True, signed_scales=True, value_bits=3),   # in 4-bit fields
+    "Q2_K": Spec(10, 2, 256, 16, True, 0, True),
     "IQ4_XS": Spec(23, 4, 256, 32, False, 0, True, signed_scales=True, grid=IQ4_GRID),
 }
 Parts = tuple  # (u, d, dm | None, sc | None, mn | None)
@@ -97,7 +99,7 @@ def _check_parts(fmt: str, u, d, dm, sc, mn) -> tuple[int, int]:
     want = {"d": (d, (n, k // spec.super_block), torch.float16),
             "dm": (dm, (n, k // spec.super_block) if spec.offset else None, torch.float16),
             "sc": (sc, (n, k // spec.sub) if spec.sub_scales else None, torch.uint8),
-            "mn": (mn, (n, k // 32) if spec.sub_scales and spec.offset else None, torch.uint8)}
+            "mn": (mn, (n, k // spec.sub) if spec.sub_scales and spec.offset else None, torch.uint8)}
     for name, (t, shape, dtype) in want.items():
         if shape is None:
             if t is not None:
@@ -183,6 +185,10 @@ def _pack_rows(fmt: str, u, d, dm, sc, mn) -> torch.Tensor:
     # Bytes are formed in each row's own order (contiguous, fast), then moved into tiles once.
     q = _pad_rows(u).view(-1, k // 32, 8, 4)                                         # [N, blocks, g, j]
     tiles = q.shape[0] // TILE
+    if spec.bits == 2:                          # 2 rows of 64 bytes, group 4p + m at bits 2m of row p
+        rows = q[:, :, 0::4] | (q[:, :, 1::4] << 2) | (q[:, :, 2::4] << 4) | (q[:, :, 3::4] << 6)   # [N, blocks, p, j]
+        body = rows.view(tiles, TILE, nsb, blocks, 2, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, nsb, -1)
+        return torch.cat([*header, body], -1).reshape(-1).contiguous()
     lo = q & 15
     nib = lo[:, :, 0::2] | (lo[:, :, 1::2] << 4)                                      # [N, blocks, p, j]
     body = [nib.view(tiles, TILE, nsb, blocks, 4, 4).permute(0, 2, 3, 4, 1, 5).reshape(tiles, nsb, blocks, 256)]
@@ -221,6 +227,11 @@ def unpack(fmt: str, packed: torch.Tensor, n: int, k: int) -> Parts:
     dm = halves() if spec.offset else None
     sc = take(spec.sub_blocks).contiguous() if spec.sub_scales else None
     mn = take(spec.sub_blocks).contiguous() if spec.sub_scales and spec.offset else None
+    if spec.bits == 2:
+        rows = chunk[:, :, at:].reshape(tiles, nsb, blocks, 2, TILE, 4)                  # [t, sb, b, p, r, j]
+        fields = torch.stack([(rows >> (2 * m)) & 3 for m in range(4)], dim=4)        # [t, sb, b, p, m, r, j]
+        u = fields.permute(0, 5, 1, 2, 3, 4, 6).reshape(tiles * TILE, k)[:n].contiguous()
+        return u, d, dm, sc, mn
     body = chunk[:, :, at:].reshape(tiles, nsb, blocks, 256 + 64 * (spec.bits - 4))
     nib = body[..., :256].reshape(tiles, nsb, blocks, 4, TILE, 4)                     # [t, sb, b, p, r, j]
     lo = torch.stack((nib & 15, nib >> 4), dim=4)                                     # [t, sb, b, p, h, r, j]
@@ -290,7 +301,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int) -> torch.Ten
 
 def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
     """The kernel's product in float64: the input rounded as the kernel rounds it, each sub-block's
-    exact integer sum times D s, plus M s (sum a) per block of 32."""
+    exact integer sum times D s, plus M s (sum a) per sub-block."""
     spec = FORMATS[fmt]
     u, d, dm, sc, mn = parts
     n, k = u.shape
@@ -302,6 +313,6 @@ def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
     s_sub = s.double().repeat_interleave(32 // spec.sub, dim=1)                      # [M, K/SUB]
     out = (dots * big_d.double()[None] * s_sub[:, None]).sum(-1)
     if spec.offset:
-        sums = a.double().view(rows, -1, 32).sum(-1)                                 # [M, K/32]
-        out = out + (big_m.double()[None] * (s.double() * sums)[:, None]).sum(-1)
+        sums = a.double().view(rows, -1, spec.sub).sum(-1)                           # [M, K/SUB]
+        out = out + (big_m.double()[None] * (s_sub * sums)[:, None]).sum(-1)
     return out.float()

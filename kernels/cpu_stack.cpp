@@ -53,7 +53,7 @@ struct Part {
 };
 
 bool known_kind(int64_t kind) {
-  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 111 && kind <= 114) ||
+  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 110 && kind <= 114) ||
          kind == 120 || kind == 123;
 }
 

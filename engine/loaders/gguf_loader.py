@@ -397,7 +397,7 @@ def _dequantized(tensor, arch: ModelArchConfig, path: Path) -> np.ndarray:
 
 
 # GGUF block types that models.quant and models.kquant read as stored (no float32 round trip).
-RAW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K")
+RAW_BLOCK_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K")
 
 
 def _raw_blocks(tensor, arch: ModelArchConfig) -> torch.Tensor:

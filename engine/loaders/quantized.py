@@ -2,12 +2,12 @@
 
 GGUF Q4_0 / Q4_1 / Q8_0 projections go straight from their blocks into the w4a8 / w8a8 / int4
 layouts, and a Q8_0 embedding is kept as stored. In w8a8 the K-quants (Q4_K, Q5_K, Q6_K) and
-5-bit blocks (Q5_0, Q5_1), the 4-bit grid types (IQ4_NL, IQ4_XS) and Q3_K (its values in 4-bit
-fields) are kept as stored too (``models.kquant``), projections, LM head and embedding alike,
+5-bit blocks (Q5_0, Q5_1), the 4-bit grid types (IQ4_NL, IQ4_XS), Q3_K (its values in 4-bit
+fields) and Q2_K are kept as stored too (``models.kquant``), projections, LM head and embedding alike,
 tensor by tensor in a file that mixes them (a fused q/k/v or gate/up whose parts differ in type
-is a ``kquant.StackedLinear``); w4a8 keeps Q3_K, Q4_K, IQ4_NL and IQ4_XS as stored. Every other tensor is
+is a ``kquant.StackedLinear``); w4a8 keeps Q2_K, Q3_K, Q4_K, IQ4_NL and IQ4_XS as stored. Every other tensor is
 read one at a time as float32 (dequantized by gguf, or from safetensors) and quantized, so the
-load never holds a float32 copy of the model: in w8a8 that is how Q2_K, the other IQ types,
+load never holds a float32 copy of the model: in w8a8 that is how the other IQ types,
 TQ1_0 / TQ2_0, MXFP4 and NVFP4 are held (``_ROUNDED_TYPES``: 8-bit blocks of 32, Q8_0's rule),
 an untied table of these types as int8 blocks, and a tied one as its LM head's blocks.
 
@@ -17,13 +17,13 @@ has, judged by the types of its projection weights:
 * not on CPU: ``none`` (these formats have CPU kernels only);
 * with sluice's C++ kernels built (``kernels.cpu_ext``) and vectorized for this CPU (AVX512-VNNI
   or AVX2; ``cpu_blockq.isa()``): every projection Q4_0 / Q4_1: ``w4a8``,
-  every projection Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL / IQ4_XS
-  (any mix: the files llama.cpp's ``_K_M`` / ``_K_S`` / ``IQ4_XS`` presets write): ``w8a8``. Both keep the file's blocks as stored
+  every projection Q4_0 / Q4_1 / Q8_0 / Q5_0 / Q5_1 / Q2_K / Q3_K / Q4_K / Q5_K / Q6_K / IQ4_NL /
+  IQ4_XS (any mix: the files llama.cpp's ``_K_M`` / ``_K_S`` / ``Q2_K`` / ``IQ4_XS`` presets write): ``w8a8``. Both keep the file's blocks as stored
   (values and float16 scales), the LM head's too, and round activations to int8 per block of 32
   (llama.cpp rounds them per 32 for these, and per 256, Q8_K, for K-quants: ours is finer;
   perplexity +0.2-0.3% on SmolLM2, bench/README.md); they are 4-7x float32's decode rate here;
-* with those kernels, every projection one of the above or one of ``_ROUNDED_TYPES`` (Q2_K,
-  the IQ types but IQ4_NL / IQ4_XS, TQ1_0 / TQ2_0, MXFP4, NVFP4: llama.cpp's Q2_K / IQ3_XXS...
+* with those kernels, every projection one of the above or one of ``_ROUNDED_TYPES`` (the IQ
+  types but IQ4_NL / IQ4_XS, TQ1_0 / TQ2_0, MXFP4, NVFP4: llama.cpp's IQ3_XXS / IQ2_XXS...
   presets, which mix them with the types above): ``w8a8``, the types above as stored and these
   rounded to 8-bit blocks of 32. They hold 2-4 bits of precision a value, and the rounding is
   far below the file's own error: on SmolLM2 re-quantized from its Q4_1 file by llama-quantize,
@@ -69,10 +69,10 @@ _BLOCK_TYPES = frozenset({"Q4_0", "Q4_1", "Q8_0", *kquant.KQUANT_TYPES})
 # file it was quantized from, median 0-4%: bench/README.md, "Other GGUF block types through
 # w8a8"). Listed by name, not by bits per weight: a type gguf learns later stays float32 until
 # measured.
-_ROUNDED_TYPES = frozenset({"Q2_K", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
+_ROUNDED_TYPES = frozenset({"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS",
                             "IQ3_S", "TQ1_0", "TQ2_0", "MXFP4", "NVFP4"})
 # The kquant types w4a8 keeps as stored too (4-bit values); it rounds the others to 4-bit blocks.
-_FOUR_BIT_KQUANT = frozenset({"Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS"})
+_FOUR_BIT_KQUANT = frozenset({"Q2_K", "Q3_K", "Q4_K", "IQ4_NL", "IQ4_XS"})
 _PROJECTIONS = ("_proj.weight",)
 
 
@@ -168,7 +168,7 @@ class Quantizer:
             return quant.TiedBlockEmbedding(quant.BlockQLinear.from_gguf([_raw(weights, name, shape)], 4, shape[1]),
                                             owned=True)
         if kind in _ROUNDED_TYPES and block:
-            # llama.cpp's low-bit presets write an untied table in such a type (IQ2_XXS: Q2_K): as float32 rows it would be ~9x its file bytes (2 GiB for a
+            # an untied table in one of these types: as float32 rows it would be ~9x its file bytes (2 GiB for a
             # 128k x 4096 table), as int8 blocks of 32 ~2.6x.
             return quant.embedding_from_float(_float(weights, name, shape))
         return None

@@ -1,7 +1,7 @@
 """GGUF's K-quants and 5-bit blocks held as stored (``quantization=gguf``), and projections whose
 parts the file stores in different types.
 
-* ``KQuantLinear``: a Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS weight in the layout of
+* ``KQuantLinear``: a Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL or IQ4_XS weight in the layout of
   ``kernels/cpu_kquant.cpp`` (the file's values, float16 scales and 6-/8-bit sub-block scales;
   ``kernels/cpu_kquant.py`` says why that layout), multiplied with the input rounded to int8 per
   block of 32 and exact integer sums, like ``quant.BlockQLinear`` for Q4_0 / Q4_1 / Q8_0.
@@ -22,12 +22,12 @@ import torch
 
 from sluice.engine.models.quant import BlockQLinear, _check, _rows
 
-KQUANT_TYPES = ("Q5_0", "Q5_1", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+KQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 KIND_OFFSET = 100
 _EMPTY = torch.empty(0)
 # elements and bytes per GGUF block
 _BLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q3_K": (256, 110)}
+          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q3_K": (256, 110), "Q2_K": (256, 84)}
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -88,6 +88,12 @@ def gguf_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]):
         u = _bits(qs.reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, -1, 256)
         u = u | (_bits(hm, list(range(8)), 1).reshape(n, -1, 256) << 2)
         return u.reshape(n, k), _f16(b[..., 108:110]), None, sc.to(torch.int8).view(torch.uint8).reshape(n, -1), None
+    if kind == "Q2_K":
+        # 16 scale bytes (sc the low nibble, mn the high one), qs [64], d, dmin; element
+        # 128 h + 32 s + l: bits 2 s of qs[32 h + l]
+        s = b[..., 0:16]
+        u = _bits(b[..., 16:80].reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, k)
+        return u, _f16(b[..., 80:82]), _f16(b[..., 82:84]), (s & 15).reshape(n, -1), (s >> 4).reshape(n, -1)
     if kind == "IQ4_NL":
         return _low_nibbles(b[..., 2:], 1).reshape(n, k), _f16(b[..., 0:2]), None, None, None
     if kind == "IQ4_XS":

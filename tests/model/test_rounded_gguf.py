@@ -1,20 +1,21 @@
-"""GGUF types sluice has no kernel for (Q2_K, the IQ types below IQ4...: ``quantized._ROUNDED_TYPES``)
+"""GGUF types sluice has no kernel for (the IQ types below IQ4...: ``quantized._ROUNDED_TYPES``)
 go to w8a8 under ``auto``, rounded to 8-bit blocks of 32 one tensor at a time, while the types it
-keeps as stored stay so in the same file (llama.cpp's Q2_K / IQ3_XXS presets mix those with
-Q3_K / Q4_K / Q6_K / IQ4_NL / IQ4_XS).
+keeps as stored stay so in the same file (llama.cpp's IQ3_XXS / IQ2_XXS presets mix those with
+Q2_K / Q3_K / Q4_K / Q6_K / IQ4_NL / IQ4_XS).
 
 Tiny random-weight Llamas written here: the rounded types' blocks are random bytes with their
 float16 scales set so that the weights have a trained model's size (gguf dequantizes them, so
-``quantization=none`` is the float32 reference), and so are the kept IQ4_NL / IQ4_XS ones; Q4_K /
-Q6_K from tests/helpers/kquant_encode.py.
+``quantization=none`` is the float32 reference), and so are the kept Q2_K / Q3_K / IQ4_NL /
+IQ4_XS ones; Q4_K / Q6_K from tests/helpers/kquant_encode.py.
 
 * Each rounded weight is within half a step of the 8-bit rounding (d / 2, d = its 32-block's
   largest |w| / 127 as float16) of gguf's float32, an exact bound of Q8_0's rule; the kept types
   are the file's values bit for bit.
 * Logits against ``none``: test_quantization's w8a8 bounds (most of w8a8's change is its int8
   rounding of activations, which every block type has).
-* The token embedding: a tied Q2_K table is held once, by the 8-bit LM head; an untied IQ3_S
-  table as int8 blocks (Q8_0's rule), beside a Q6_K output kept as stored.
+* The token embedding: a tied IQ3_XXS table is held once, by the 8-bit LM head; an untied IQ3_S
+  table as int8 blocks (Q8_0's rule), beside a Q6_K output kept as stored; a tied Q2_K table is
+  the head's Q2_K blocks, in w8a8 and w4a8.
 """
 from __future__ import annotations
 
@@ -40,15 +41,15 @@ TOKENS = ["<unk>", "<s>", "</s>", *"abcdefgh", "ab", "cd", *[f"z{i}" for i in ra
 SHAPES = {"attn_q": (H, H), "attn_k": (KV_HEADS * D, H), "attn_v": (KV_HEADS * D, H), "attn_output": (H, H),
           "ffn_gate": (INTER, H), "ffn_up": (INTER, H), "ffn_down": (H, INTER)}
 # Layer 0: a fused q/k/v of three types, a gate/up of one rounded type; layer 1: IQ types, rounded
-# (IQ3_S) and kept (IQ4_XS, IQ4_NL); Q3_K kept in both.
+# (IQ3_S) and kept (IQ4_XS, IQ4_NL), and Q2_K kept; Q3_K kept in both.
 MIXED = [{"attn_q": "IQ3_S", "attn_k": "Q4_K", "attn_v": "Q6_K", "attn_output": "IQ4_NL",
           "ffn_gate": "IQ3_S", "ffn_up": "IQ3_S", "ffn_down": "Q3_K"},
          {"attn_q": "IQ3_S", "attn_k": "IQ3_S", "attn_v": "IQ4_XS", "attn_output": "Q3_K",
           "ffn_gate": "IQ4_XS", "ffn_up": "Q2_K", "ffn_down": "IQ3_S"}]
 MAX_LOGIT_CHANGE, MEAN_LOGIT_CHANGE, AGREEMENT = 2.5, 0.23, 0.9   # test_quantization's w8a8 bounds
 # Byte offsets of the float16 scales in one block (llama.cpp's block_q3_K: hmask, qs, scales, d;
-# block_q2_K: scales, qs, d, dmin; block_iq3_s / block_iq4_nl / block_iq4_xs: d first).
-_SCALE_OFFSETS = {"Q3_K": (108,), "Q2_K": (80, 82), "IQ3_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+# block_q2_K: scales, qs, d, dmin; block_iq3_xxs / block_iq3_s / block_iq4_nl / block_iq4_xs: d first).
+_SCALE_OFFSETS = {"Q3_K": (108,), "Q2_K": (80, 82), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
 def random_blocks(rng, kind: str, shape: tuple[int, int], std: float) -> np.ndarray:
@@ -105,9 +106,9 @@ def write_gguf(path, types: list[dict[str, str]], table: str, output: str | None
 
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
-    """(auto's model, the tensors it read as float32 with their types, the float32 model), tied Q2_K table."""
+    """(auto's model, the tensors it read as float32 with their types, the float32 model), tied IQ3_XXS table."""
     path = tmp_path_factory.mktemp("rounded") / "mixed.gguf"
-    write_gguf(path, MIXED, table="Q2_K")
+    write_gguf(path, MIXED, table="IQ3_XXS")
     auto, read = load_recording_float_reads(path)
     return auto, read, load_model(path, dtype="float32", quantization="none")
 
@@ -124,8 +125,8 @@ def _describe(part) -> str:
 def test_auto_rounds_only_the_types_it_has_no_kernel_for(mixed):
     auto, read, _floats = mixed
     assert auto.quantization == "w8a8"
-    # Only the rounded types (and the float norms) were read as float32: Q3_K / Q4_K / Q6_K / IQ4 as blocks.
-    assert {kind for _name, kind in read} == {"F32", "Q2_K", "IQ3_S"}
+    # Only the rounded types (and the float norms) were read as float32: Q2_K / Q3_K / Q4_K / Q6_K / IQ4 as blocks.
+    assert {kind for _name, kind in read} == {"F32", "IQ3_XXS", "IQ3_S"}
     layer0, layer1 = auto.model.layers
     assert [_describe(p) for p in _parts(layer0.self_attn.qkv_proj)] == ["8-bit blocks", "Q4_K", "Q6_K"]
     assert [_describe(p) for p in _parts(layer0.self_attn.o_proj)] == ["IQ4_NL"]
@@ -133,7 +134,7 @@ def test_auto_rounds_only_the_types_it_has_no_kernel_for(mixed):
     assert [_describe(p) for p in _parts(layer0.mlp.down_proj)] == ["Q3_K"]
     assert [_describe(p) for p in _parts(layer1.self_attn.o_proj)] == ["Q3_K"]
     assert [_describe(p) for p in _parts(layer1.self_attn.qkv_proj)] == ["8-bit blocks", "IQ4_XS"]   # IQ3_S, IQ3_S | IQ4_XS
-    assert [_describe(p) for p in _parts(layer1.mlp.gate_up_proj)] == ["IQ4_XS", "8-bit blocks"]
+    assert [_describe(p) for p in _parts(layer1.mlp.gate_up_proj)] == ["IQ4_XS", "Q2_K"]
     assert auto.model._cpu_decoder() is not None                                              # the C++ layer stack
 
 
@@ -165,7 +166,7 @@ def test_weights_are_the_files_values_or_their_8_bit_rounding(mixed):
                 start += n
 
 
-def test_a_tied_q2_k_table_is_held_once_by_the_8_bit_head(mixed):
+def test_a_tied_iq3_xxs_table_is_held_once_by_the_8_bit_head(mixed):
     auto, _read, floats = mixed
     model = auto.model
     assert isinstance(model.quant_lm_head, quant.BlockQLinear) and model.quant_lm_head.bits == 8
@@ -212,13 +213,13 @@ def test_an_untied_iq3_s_table_is_held_as_int8_blocks(tmp_path):
 
 
 def test_a_float16_projection_keeps_float32_and_cuda_keeps_none(tmp_path):
-    """The rule judges every projection: one float16 among Q2_K ones would be rounded below the
+    """The rule judges every projection: one float16 among block ones would be rounded below the
     file's precision, so the file stays float32; off CPU every file does."""
     from sluice.engine.loaders.gguf_loader import load_gguf
     from sluice.engine.loaders.quantized import resolve_quantization
 
     for name, down, cpu in (("q2_k.gguf", "Q2_K", "w8a8"), ("f16-down.gguf", "F16", "none")):
-        write_gguf(tmp_path / name, [{**MIXED[0], "ffn_down": down}], table="Q2_K")
+        write_gguf(tmp_path / name, [{**MIXED[0], "ffn_down": down}], table="IQ3_XXS")
         _arch, weights, _reader = load_gguf(tmp_path / name)
         assert weights.tensor_type("model.layers.0.mlp.down_proj.weight") == down
         assert resolve_quantization("auto", weights, torch.device("cpu")) == cpu
@@ -236,3 +237,25 @@ def test_a_tied_q4_0_table_is_read_from_the_head_exactly(tmp_path):
     assert model.quant_embedding.head is model.quant_lm_head and model.embed_tokens.weight is None
     ids = torch.tensor([3, 0, 255, 3])
     assert torch.equal(model.embed(ids), floats.embed_tokens.weight[ids])
+
+
+def test_a_q2_k_model_keeps_its_blocks_in_w8a8_and_w4a8(tmp_path):
+    """Every projection and a tied table Q2_K (llama-quantize --pure Q2_K): kept as stored in both
+    block formats, the head's blocks read by lookups; tokens as float32's within the bounds."""
+    path = tmp_path / "q2_k.gguf"
+    write_gguf(path, [{name: "Q2_K" for name in SHAPES}], table="Q2_K")
+    floats = load_model(path, dtype="float32", quantization="none").model
+    for fmt in ("auto", "w4a8"):
+        held = load_model(path, dtype="float32", quantization=fmt)
+        assert held.quantization == ("w8a8" if fmt == "auto" else "w4a8")
+        model = held.model
+        layer = model.layers[0]
+        assert all(_describe(p) == "Q2_K" for m in (layer.self_attn.qkv_proj, layer.mlp.down_proj) for p in _parts(m))
+        assert isinstance(model.quant_lm_head, kquant.KQuantLinear) and model.quant_lm_head.fmt == "Q2_K"
+        assert model.quant_embedding.head is model.quant_lm_head and model.embed_tokens.weight is None
+        ids = torch.tensor([3, 0, 255, 3])
+        assert torch.equal(model.embed(ids), floats.embed_tokens.weight[ids])
+        assert torch.equal(layer.mlp.gate_up_proj.dense_weight(), floats.layers[0].mlp.gate_up_proj.dense_weight())
+        ref = _prefill_logits(floats, [1, *range(3, 40)])
+        ours = _prefill_logits(model, [1, *range(3, 40)])
+        assert (ours - ref).abs().max() <= MAX_LOGIT_CHANGE and (ours - ref).abs().mean() <= MEAN_LOGIT_CHANGE

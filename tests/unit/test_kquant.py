@@ -26,7 +26,7 @@ from tests.helpers.kquant_encode import encode
 
 FORMATS = kquant.KQUANT_TYPES
 # byte offsets of each block's float16 scales
-_HALVES = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108]}
+_HALVES = {"Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0], "Q3_K": [108], "Q2_K": [80, 82]}
 
 
 @pytest.fixture(scope="module")
@@ -200,10 +200,14 @@ def test_bad_parts_and_inputs_are_refused_by_name(ops):
         kquant.KQuantLinear("Q6_K", u, d, dm, None, None)
     with pytest.raises(ValueError, match="Q3_K: values must be uint8 in 0..7"):
         kquant.KQuantLinear("Q3_K", u | 8, d, None, torch.zeros(16, 16, dtype=torch.uint8), None)
-    with pytest.raises(ValueError, match="no K-quant format 'Q2_K'"):
-        kquant.KQuantLinear("Q2_K", u, d, dm, sc, mn)
-    with pytest.raises(RuntimeError, match="kquant: unknown format 10"):
-        ops.kquant_linear(torch.randn(1, 256), w.packed, 10, 16)
+    with pytest.raises(ValueError, match="Q2_K: values must be uint8 in 0..3"):
+        kquant.KQuantLinear("Q2_K", u, d, dm, torch.zeros(16, 16, dtype=torch.uint8), torch.zeros(16, 16, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="Q2_K: mn must be torch.uint8 \\(16, 16\\)"):
+        kquant.KQuantLinear("Q2_K", u & 3, d, dm, torch.zeros(16, 16, dtype=torch.uint8), mn)
+    with pytest.raises(ValueError, match="no K-quant format 'IQ3_S'"):
+        kquant.KQuantLinear("IQ3_S", u, d, dm, sc, mn)
+    with pytest.raises(RuntimeError, match="kquant: unknown format 21"):
+        ops.kquant_linear(torch.randn(1, 256), w.packed, 21, 16)
     with pytest.raises(RuntimeError, match="kquant: packed weight does not match N = 32"):
         ops.kquant_linear(torch.randn(1, 256), w.packed, 12, 32)
     with pytest.raises(RuntimeError, match="kquant rows: id 16 is outside 0..15"):

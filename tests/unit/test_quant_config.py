@@ -99,8 +99,9 @@ class _Typed(dict):
     ({"a.q_proj.weight": "Q4_K", "a.v_proj.weight": "Q6_K", "a.up_proj.weight": "Q5_0",
       "a.o_proj.weight": "Q5_K", "a.down_proj.weight": "Q8_0", "b.q_proj.weight": "Q5_1"}, "w8a8", "none"),
     ({"a.q_proj.weight": "Q8_0", "a.down_proj.weight": "Q8_0"}, "w8a8", "none"),
-    # Types without a kernel of their own (2-4 bits a value) are rounded to 8-bit blocks, beside
-    # the stored ones (llama.cpp's Q3_K_M, IQ3_XXS, Q2_K presets), never to w4a8's 4 bits.
+    # Q2_K / Q3_K kept as stored (llama.cpp's Q3_K_M, Q2_K presets); types without a kernel of
+    # their own (2-4 bits a value) are rounded to 8-bit blocks beside them (IQ3_XXS...), never to
+    # w4a8's 4 bits.
     ({"a.q_proj.weight": "Q4_K", "a.down_proj.weight": "Q3_K"}, "w8a8", "none"),
     ({"a.q_proj.weight": "Q4_0", "a.up_proj.weight": "Q2_K", "a.down_proj.weight": "Q3_K"}, "w8a8", "none"),
     ({"a.q_proj.weight": "IQ4_NL", "a.down_proj.weight": "IQ4_XS"}, "w8a8", "none"),
