@@ -64,6 +64,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -196,10 +197,11 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
 }
 
 // The offset term's input factor for row r, block b, sub-block i2 of the block: s * sum a over
-// the sub-block (quantize_rows' float for sub-blocks of 32; Q2_K's 16: s times the exact sum in zs).
-template <int FMT> inline float offset_input(const float* s, const float* ss, const int32_t* zs, int64_t r,
-                                             int64_t nb, int64_t n16, int64_t b, int i2) {
-  if constexpr (Fmt<FMT>::SUB == 16) return s[r * nb + b] * static_cast<float>(zs[r * n16 + 2 * b + i2]);
+// the sub-block, [row][block] (quantize_rows' float) for sub-blocks of 32, [row][2 b + i2] for
+// Q2_K's 16 (kquant_linear forms them once per call, as s times the exact sum).
+template <int FMT> constexpr bool kOffset16 = Fmt<FMT>::OFFSET && Fmt<FMT>::SUB == 16;
+template <int FMT> inline float offset_input(const float* ss, int64_t r, int64_t nb, int64_t n16, int64_t b, int i2) {
+  if constexpr (kOffset16<FMT>) return ss[r * n16 + 2 * b + i2];
   else return ss[r * nb + b];
 }
 
@@ -226,7 +228,7 @@ void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, c
             const float scale = sub_scale<FMT>(chunk, lane, i) * s[r * nb + b];
             if (F::OFFSET) {
               acc = std::fma(static_cast<float>(isum), scale, acc);
-              acc = std::fma(sub_offset<FMT>(chunk, lane, i), offset_input<FMT>(s, ss, zs, r, nb, n16, b, i2), acc);
+              acc = std::fma(sub_offset<FMT>(chunk, lane, i), offset_input<FMT>(ss, r, nb, n16, b, i2), acc);
             } else {
               isum += zs[r * n16 + 2 * b + i2];
               acc = std::fma(static_cast<float>(isum), scale, acc);
@@ -356,7 +358,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
         const int64_t nbr = r * nb + b;
         __m256& ar = acc[r * stride_acc];
         ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i2]), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
-        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(offset_input<FMT>(s, ss, zs, r, nb, n16, b, i2)), ar);
+        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(offset_input<FMT>(ss, r, nb, n16, b, i2)), ar);
       }
     }
   }
@@ -480,7 +482,7 @@ template <int FMT, int MR> struct TileVnni {
       for (int r = 0; r < MR; ++r) {
         const int64_t nbr = r * nb + b;
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i2]), _mm512_mul_ps(dsub, _mm512_set1_ps(s[nbr])), acc[r]);
-        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(offset_input<FMT>(s, ss, zs, r, nb, n16, b, i2)), acc[r]);
+        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(offset_input<FMT>(ss, r, nb, n16, b, i2)), acc[r]);
       }
     }
   }
@@ -556,7 +558,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
                const float* ssp, const int32_t* zsp, float* op) {
   using L = Lay<FMT>;
   const int64_t nb = k / kBlock, n16 = k / 16, nsb = k / Fmt<FMT>::SBK;
-  const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK;
+  const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK, nss = kOffset16<FMT> ? n16 : nb;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
       const int64_t p1 = std::min(rows, p0 + kPanel);
@@ -568,7 +570,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
         static_assert(kRows >= 1 && kRows <= 12, "SLUICE_KQ_ROWS: 1 to 12 rows per pass");
         for (int64_t r0 = p0; r0 < p1; r0 += kRows)
           run_vnni<FMT, kRows>(std::min<int64_t>(kRows, p1 - r0), ap + r0 * k, k, wt, nsb, sp + r0 * nb,
-                               ssp + r0 * nb, zsp + r0 * n16, op + r0 * n + t * kTile, n, lanes);
+                               ssp + r0 * nss, zsp + r0 * n16, op + r0 * n + t * kTile, n, lanes);
 #elif SLUICE_KQ_AVX2
         constexpr int64_t kRows = rows_avx2<Fmt<FMT>::VB>();
         static_assert(kRows >= 1 && kRows <= 6, "SLUICE_KQ_ROWS: 1 to 6 rows per pass");
@@ -576,7 +578,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
           const int64_t mr = std::min<int64_t>(kRows, p1 - r0);
           float* o = op + r0 * n + t * kTile;
           const int8_t* ar = ap + r0 * k;
-          const float *sr = sp + r0 * nb, *ssr = ssp + r0 * nb;
+          const float *sr = sp + r0 * nb, *ssr = ssp + r0 * nss;
           const int32_t* zsr = zsp + r0 * n16;
           switch (mr) {
             case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
@@ -588,7 +590,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
           }
         }
 #else
-        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * nb, ssp + p0 * nb, zsp + p0 * n16, k,
+        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * nb, ssp + p0 * nss, zsp + p0 * n16, k,
                          op + p0 * n + t * kTile, n, lanes);
 #endif
       }
@@ -643,11 +645,11 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   // Zero-point formats (Q6_K, Q5_0): each sub-block's integer sum starts at -z * (sum of a over
   // it), at [row][2 b + i] for sub-block i of block b (i = 0 only for sub-blocks of 32). The
   // loops load it as their accumulator's first value: the same exact sum, one subtraction fewer
-  // per row and sub-block. Q2_K (an offset per 16) reads the sums themselves (z = -1) for its
-  // offset term (offset_input).
-  const auto [z, per] = with_format(fmt, [](auto f) {
+  // per row and sub-block. Q2_K (an offset per 16) takes s times each sub-block's sum instead, as
+  // its offset term's input (offset_input), in place of quantize_rows' per 32.
+  const auto [z, per, offset16] = with_format(fmt, [](auto f) {
     using F = Fmt<decltype(f)::value>;
-    return std::pair<int32_t, int64_t>{F::OFFSET ? (F::SUB == 16 ? -1 : 0) : F::ZERO, F::SUB};
+    return std::tuple<int32_t, int64_t, bool>{F::OFFSET ? 0 : F::ZERO, F::SUB, kOffset16<decltype(f)::value>};
   });
   auto zs = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));   // unread without a zero point
   int32_t* zsp = zs.data_ptr<int32_t>();
@@ -659,8 +661,20 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
       zsp[i] = -z * t;
     }
   }
+  const float* sp = s.data_ptr<float>();
+  const float* ssp = ss.data_ptr<float>();
+  torch::Tensor ss16;
+  if (offset16) {
+    ss16 = torch::empty({rows, n16}, x.options());
+    float* p = ss16.data_ptr<float>();
+    for (int64_t i = 0; i < rows * n16; ++i) {
+      int32_t t = 0;
+      for (int64_t j = 0; j < 16; ++j) t += ap[16 * i + j];
+      p[i] = sp[i / 2] * static_cast<float>(t);
+    }
+    ssp = p;
+  }
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float *sp = s.data_ptr<float>(), *ssp = ss.data_ptr<float>();
   float* op = out.data_ptr<float>();
   with_format(fmt, [&](auto f) { run_tiles<decltype(f)::value>(wp, rows, n, k, ap, sp, ssp, zsp, op); });
   return out;
