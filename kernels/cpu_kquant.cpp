@@ -111,16 +111,16 @@ alignas(16) constexpr uint8_t kIq4Grid[16] = {1, 24, 45, 63, 79, 93, 106, 118, 1
 template <int FMT> struct Fmt;
 // VB value bits, SBK super-block length, SUB sub-block length, OFFSET float offset (else ZERO),
 // SUBSCALE per-sub-block integer scales, SIGNED those scales are int8, GRID the stored 4-bit
-// value indexes kIq4Grid.
-template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
-template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0, GRID = 0; };
-template <> struct Fmt<kQ2_K> { static constexpr int VB = 2, SBK = 256, SUB = 16, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
-template <> struct Fmt<kQ3_K> { static constexpr int VB = 4, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 4, SUBSCALE = 1, SIGNED = 1, GRID = 0; };
-template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
-template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0; };
-template <> struct Fmt<kQ6_K> { static constexpr int VB = 6, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 32, SUBSCALE = 1, SIGNED = 1, GRID = 0; };
-template <> struct Fmt<kIQ4_NL> { static constexpr int VB = 4, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 128, SUBSCALE = 0, SIGNED = 0, GRID = 1; };
-template <> struct Fmt<kIQ4_XS> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 0, ZERO = 128, SUBSCALE = 1, SIGNED = 1, GRID = 1; };
+// value indexes kIq4Grid; BYTES of one GGML block (one super-block of this layout).
+template <> struct Fmt<kQ5_0> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 16, SUBSCALE = 0, SIGNED = 0, GRID = 0, BYTES = 22; };
+template <> struct Fmt<kQ5_1> { static constexpr int VB = 5, SBK = 32, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 0, SIGNED = 0, GRID = 0, BYTES = 24; };
+template <> struct Fmt<kQ2_K> { static constexpr int VB = 2, SBK = 256, SUB = 16, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0, BYTES = 84; };
+template <> struct Fmt<kQ3_K> { static constexpr int VB = 4, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 4, SUBSCALE = 1, SIGNED = 1, GRID = 0, BYTES = 110; };
+template <> struct Fmt<kQ4_K> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0, BYTES = 144; };
+template <> struct Fmt<kQ5_K> { static constexpr int VB = 5, SBK = 256, SUB = 32, OFFSET = 1, ZERO = 0, SUBSCALE = 1, SIGNED = 0, GRID = 0, BYTES = 176; };
+template <> struct Fmt<kQ6_K> { static constexpr int VB = 6, SBK = 256, SUB = 16, OFFSET = 0, ZERO = 32, SUBSCALE = 1, SIGNED = 1, GRID = 0, BYTES = 210; };
+template <> struct Fmt<kIQ4_NL> { static constexpr int VB = 4, SBK = 32, SUB = 32, OFFSET = 0, ZERO = 128, SUBSCALE = 0, SIGNED = 0, GRID = 1, BYTES = 18; };
+template <> struct Fmt<kIQ4_XS> { static constexpr int VB = 4, SBK = 256, SUB = 32, OFFSET = 0, ZERO = 128, SUBSCALE = 1, SIGNED = 1, GRID = 1, BYTES = 136; };
 
 // Byte offsets within one (tile, super-block) chunk.
 template <int FMT> struct Lay {
@@ -517,9 +517,9 @@ template <int FMT, int MR> inline void run_vnni(int64_t mr, const int8_t* a, int
 }
 #endif
 
-// fn(std::integral_constant<int, FMT>) for the format with GGML type id `fmt`: the one switch
-// every entry point goes through.
-template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
+// fn(std::integral_constant<int, FMT>) for the format with GGML type id `fmt`, otherwise() for
+// any other id: the one list of formats, which every entry point goes through.
+template <typename Fn, typename Else> auto with_format_or(int64_t fmt, Fn&& fn, Else&& otherwise) {
   switch (fmt) {
     case kQ5_0: return fn(std::integral_constant<int, kQ5_0>{});
     case kQ5_1: return fn(std::integral_constant<int, kQ5_1>{});
@@ -530,11 +530,15 @@ template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
     case kQ6_K: return fn(std::integral_constant<int, kQ6_K>{});
     case kIQ4_NL: return fn(std::integral_constant<int, kIQ4_NL>{});
     case kIQ4_XS: return fn(std::integral_constant<int, kIQ4_XS>{});
-    default:
-      TORCH_CHECK(false, "kquant: unknown format ", fmt,
-                  " (GGML type ids: Q5_0 6, Q5_1 7, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
+    default: return otherwise();
   }
-  return fn(std::integral_constant<int, kQ4_K>{});   // not reached
+}
+
+template <typename Fn> auto with_format(int64_t fmt, Fn&& fn) {
+  return with_format_or(fmt, fn, [&]() -> decltype(fn(std::integral_constant<int, kQ4_K>{})) {
+    TORCH_CHECK(false, "kquant: unknown format ", fmt,
+                " (GGML type ids: Q5_0 6, Q5_1 7, Q2_K 10, Q3_K 11, Q4_K 12, Q5_K 13, Q6_K 14, IQ4_NL 20, IQ4_XS 23)");
+  });
 }
 
 int64_t chunk_bytes(int64_t fmt) {
@@ -651,15 +655,16 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
     using F = Fmt<decltype(f)::value>;
     return std::tuple<int32_t, int64_t, bool>{F::OFFSET ? 0 : F::ZERO, F::SUB, kOffset16<decltype(f)::value>};
   });
+  // The sum of a over the `per` inputs from 16 i on.
+  const auto input_sum = [ap](int64_t i, int64_t per) {
+    int32_t t = 0;
+    for (int64_t j = 0; j < per; ++j) t += ap[16 * i + j];
+    return t;
+  };
   auto zs = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));   // unread without a zero point
   int32_t* zsp = zs.data_ptr<int32_t>();
   if (z) {
-    for (int64_t i = 0; i < rows * n16; ++i) {
-      if (per == 32 && i % 2) { zsp[i] = 0; continue; }
-      int32_t t = 0;
-      for (int64_t j = 0; j < per; ++j) t += ap[16 * i + j];
-      zsp[i] = -z * t;
-    }
+    for (int64_t i = 0; i < rows * n16; ++i) zsp[i] = per == 32 && i % 2 ? 0 : -z * input_sum(i, per);
   }
   const float* sp = s.data_ptr<float>();
   const float* ssp = ss.data_ptr<float>();
@@ -667,11 +672,7 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   if (offset16) {
     ss16 = torch::empty({rows, n16}, x.options());
     float* p = ss16.data_ptr<float>();
-    for (int64_t i = 0; i < rows * n16; ++i) {
-      int32_t t = 0;
-      for (int64_t j = 0; j < 16; ++j) t += ap[16 * i + j];
-      p[i] = sp[i / 2] * static_cast<float>(t);
-    }
+    for (int64_t i = 0; i < rows * n16; ++i) p[i] = sp[i / 2] * static_cast<float>(input_sum(i, 16));
     ssp = p;
   }
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -773,10 +774,10 @@ void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const u
   });
 }
 
-// GGML's bytes per block of each format (one block per super-block of this layout).
-constexpr int64_t gguf_block_bytes(int64_t fmt) {
-  return fmt == kQ5_0 ? 22 : fmt == kQ5_1 ? 24 : fmt == kQ4_K ? 144 : fmt == kQ5_K ? 176 : fmt == kIQ4_NL ? 18
-       : fmt == kIQ4_XS ? 136 : fmt == kQ3_K ? 110 : fmt == kQ2_K ? 84 : 210;
+// Element e (< 256) of GGML's 2-bit planes (Q2_K's and Q3_K's low bits, Q6_K's high ones): bits
+// 2 s of byte 32 h + l, for e = 128 h + 32 s + l.
+inline uint8_t two_bits(const uint8_t* q, int e) {
+  return static_cast<uint8_t>((q[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3);
 }
 
 // One GGUF block -> its values u [SBK], d / dm bits and sub-block scales sc / minimums mn, as
@@ -822,10 +823,7 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
       const int lo = (s[i % 8] >> (4 * (i / 8))) & 15, top = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
       sc[i] = static_cast<uint8_t>(static_cast<int8_t>((lo | (top << 4)) - 32));
     }
-    for (int e = 0; e < 256; ++e) {
-      const int h = e / 128, sh = (e % 128) / 32, l = e % 32;
-      u[e] = static_cast<uint8_t>(((qs[32 * h + l] >> (2 * sh)) & 3) | (((hm[l] >> (e / 32)) & 1) << 2));
-    }
+    for (int e = 0; e < 256; ++e) u[e] = static_cast<uint8_t>(two_bits(qs, e) | (((hm[e % 32] >> (e / 32)) & 1) << 2));
   } else if constexpr (FMT == kQ2_K) {
     // 16 scale bytes (sc the low nibble, mn the high one), qs [64], d, dmin. Element
     // e = 128 h + 32 s + l: bits 2 s of qs[32 h + l]; sub-block e / 16.
@@ -836,7 +834,7 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
       sc[i] = b[i] & 15;
       mn[i] = b[i] >> 4;
     }
-    for (int e = 0; e < 256; ++e) u[e] = static_cast<uint8_t>((qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3);
+    for (int e = 0; e < 256; ++e) u[e] = two_bits(qs, e);
   } else if constexpr (FMT == kQ6_K) {
     const uint8_t *ql = b, *qh = b + 128;
     std::memcpy(&d, b + 208, 2);
@@ -845,9 +843,7 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
         u[128 * h + i] = ql[64 * h + i] & 15;
         u[128 * h + 64 + i] = ql[64 * h + i] >> 4;
       }
-    for (int h = 0; h < 2; ++h)
-      for (int s = 0; s < 4; ++s)
-        for (int i = 0; i < 32; ++i) u[128 * h + 32 * s + i] |= static_cast<uint8_t>(((qh[32 * h + i] >> (2 * s)) & 3) << 4);
+    for (int e = 0; e < 256; ++e) u[e] |= static_cast<uint8_t>(two_bits(qh, e) << 4);
     std::memcpy(sc, b + 192, 16);
   } else {   // Q4_K, Q5_K
     std::memcpy(&dm, b + 2, 2);
@@ -875,7 +871,7 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
 // A GGUF tensor's blocks [n, K / SBK blocks] -> the layout above, without the parts in between.
 template <int FMT>
 void pack_gguf_tiles(const uint8_t* blocks, int64_t n, int64_t k, uint8_t* out) {
-  const int64_t nsb = k / Fmt<FMT>::SBK, bb = gguf_block_bytes(FMT);
+  const int64_t nsb = k / Fmt<FMT>::SBK, bb = Fmt<FMT>::BYTES;
   struct Block { uint8_t u[256], sc[16], mn[16]; };
   for_each_lane<FMT, Block>(n, k, out, [&](uint8_t* chunk, int64_t row, int64_t lane, int64_t sb, Block& b) {
     uint16_t d, dm;
@@ -911,7 +907,7 @@ torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, to
 torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int64_t k) {
   const int64_t chunk = chunk_bytes(fmt), sbk = super_block(fmt);
   TORCH_CHECK(n > 0 && k > 0 && k % sbk == 0, "kquant pack: K must be a positive multiple of ", sbk, ", got ", k);
-  const int64_t bb = gguf_block_bytes(fmt);
+  const int64_t bb = with_format(fmt, [](auto f) -> int64_t { return Fmt<decltype(f)::value>::BYTES; });
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.numel() == n * (k / sbk) * bb,
               "kquant pack: ", blocks.numel(), " bytes of GGML type ", fmt, " do not hold a [", n, ", ", k, "] tensor");
   auto out = torch::empty({(n + kTile - 1) / kTile * (k / sbk) * chunk}, blocks.options());
@@ -923,6 +919,11 @@ torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int
 
 // Bytes of one (tile, super-block) chunk of format `fmt` (for the packing code's checks).
 int64_t kquant_chunk_bytes(int64_t fmt) { return chunk_bytes(fmt); }
+
+// Whether `fmt` (a GGML type id) is one of these formats (kernels/cpu_stack.cpp checks its parts' kinds).
+bool kquant_known(int64_t fmt) {
+  return with_format_or(fmt, [](auto) { return true; }, [] { return false; });
+}
 
 // The integer path compiled in: "avx2" (also on AVX-512 hosts) or "portable".
 std::string kquant_isa() {

@@ -35,6 +35,7 @@ torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, con
 // cpu_blockq.cpp, cpu_kquant.cpp
 torch::Tensor blockq_linear(torch::Tensor x, torch::Tensor w, torch::Tensor d, torch::Tensor m, int64_t bits, int64_t n);
 torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t n);
+bool kquant_known(int64_t fmt);
 
 namespace {
 
@@ -53,8 +54,7 @@ struct Part {
 };
 
 bool known_kind(int64_t kind) {
-  return kind == 4 || kind == 8 || kind == 32 || kind == 106 || kind == 107 || (kind >= 110 && kind <= 114) ||
-         kind == 120 || kind == 123;
+  return kind == 4 || kind == 8 || kind == 32 || (kind >= 100 && kquant_known(kind - 100));
 }
 
 // A projection: its parts' products side by side (a fused q/k/v or gate/up whose parts the

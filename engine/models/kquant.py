@@ -19,15 +19,15 @@ type id for these formats.
 from __future__ import annotations
 
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from sluice.engine.models.quant import BlockQLinear, _check, _rows
 
 KQUANT_TYPES = ("Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 KIND_OFFSET = 100
 _EMPTY = torch.empty(0)
-# elements and bytes per GGUF block
-_BLOCK = {"Q5_0": (32, 22), "Q5_1": (32, 24), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-          "IQ4_NL": (32, 18), "IQ4_XS": (256, 136), "Q3_K": (256, 110), "Q2_K": (256, 84)}
+# elements and bytes per GGUF block (gguf's table)
+_BLOCK = {kind: GGML_QUANT_SIZES[GGMLQuantizationType[kind]] for kind in KQUANT_TYPES}
 
 
 def _f16(raw: torch.Tensor) -> torch.Tensor:
@@ -49,6 +49,12 @@ def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat((lo_sc & 63, (mixed & 15) | ((lo_sc >> 6) << 4)), -1)
     mn = torch.cat((lo_mn & 63, (mixed >> 4) | ((lo_mn >> 6) << 4)), -1)
     return sc, mn
+
+
+def _two_bit_planes(q: torch.Tensor) -> torch.Tensor:
+    """[..., 64 * h] bytes -> [..., 256 * h] 2-bit values, GGML's order for Q2_K's and Q3_K's low
+    bits and Q6_K's high ones: element 128 h + 32 s + l is bits 2 s of byte 32 h + l."""
+    return _bits(q.reshape(*q.shape[:-1], -1, 32), [0, 2, 4, 6], 2).reshape(*q.shape[:-1], -1)
 
 
 def _low_nibbles(qs: torch.Tensor, runs: int) -> torch.Tensor:
@@ -85,14 +91,13 @@ def gguf_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]):
         hm, qs, s = b[..., 0:32], b[..., 32:96], b[..., 96:108]
         low_sc = torch.cat((s[..., 0:8] & 15, s[..., 0:8] >> 4), -1)
         sc = (low_sc | (_bits(s[..., 8:12], [0, 2, 4, 6], 2).reshape(n, -1, 16) << 4)).to(torch.int16) - 32
-        u = _bits(qs.reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, -1, 256)
-        u = u | (_bits(hm, list(range(8)), 1).reshape(n, -1, 256) << 2)
+        u = _two_bit_planes(qs) | (_bits(hm, list(range(8)), 1).reshape(n, -1, 256) << 2)
         return u.reshape(n, k), _f16(b[..., 108:110]), None, sc.to(torch.int8).view(torch.uint8).reshape(n, -1), None
     if kind == "Q2_K":
         # 16 scale bytes (sc the low nibble, mn the high one), qs [64], d, dmin; element
         # 128 h + 32 s + l: bits 2 s of qs[32 h + l]
         s = b[..., 0:16]
-        u = _bits(b[..., 16:80].reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, k)
+        u = _two_bit_planes(b[..., 16:80]).reshape(n, k)
         return u, _f16(b[..., 80:82]), _f16(b[..., 82:84]), (s & 15).reshape(n, -1), (s >> 4).reshape(n, -1)
     if kind == "IQ4_NL":
         return _low_nibbles(b[..., 2:], 1).reshape(n, k), _f16(b[..., 0:2]), None, None, None
@@ -107,7 +112,7 @@ def gguf_parts(kind: str, blocks: torch.Tensor, shape: tuple[int, int]):
         return u.reshape(n, k), _f16(b[..., 0:2]), None, sc.to(torch.int8).view(torch.uint8).reshape(n, -1), None
     if kind == "Q6_K":
         lo = _low_nibbles(b[..., 0:128], 2)                                             # [n, nsb, 256]
-        hi = _bits(b[..., 128:192].reshape(n, -1, 2, 32), [0, 2, 4, 6], 2).reshape(n, -1, 256)
+        hi = _two_bit_planes(b[..., 128:192])
         return (lo | (hi << 4)).reshape(n, k), _f16(b[..., 208:210]), None, b[..., 192:208].reshape(n, -1), None
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _k_scales(b[..., 4:16])

@@ -241,7 +241,7 @@ def test_a_tied_q4_0_table_is_read_from_the_head_exactly(tmp_path):
 
 def test_a_q2_k_model_keeps_its_blocks_in_w8a8_and_w4a8(tmp_path):
     """Every projection and a tied table Q2_K (llama-quantize --pure Q2_K): kept as stored in both
-    block formats, the head's blocks read by lookups; tokens as float32's within the bounds."""
+    block formats, the head's blocks read by lookups; logits within the w8a8 bounds of float32's."""
     path = tmp_path / "q2_k.gguf"
     write_gguf(path, [{name: "Q2_K" for name in SHAPES}], table="Q2_K")
     floats = load_model(path, dtype="float32", quantization="none").model
