@@ -405,45 +405,120 @@ inline void cap_scores(float* s, int64_t n, float cap) {
   for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / cap) * cap;
 }
 
-// One chunk's kernel (chunk_fixed's specialisations; nullptr: chunk_any).
+// Per-thread work areas of a chunk kernel: the scores [G, padded length] and each token's element
+// offset in the caches (K and V share a layout, so one offset serves both).
+struct ChunkScratch {
+  std::vector<float> scores;
+  std::vector<int64_t> at;
+};
+
+// One chunk's kernel (chunk_tiled's specialisations; nullptr: chunk_any).
 template <typename T>
-using ChunkFn = void (*)(const float*, Partial, const T*, const T*, int64_t, int64_t,
-                         const RowKeys&, int64_t, int64_t, int64_t, float, float, std::vector<float>&);
+using ChunkFn = void (*)(const float*, Partial, int64_t, const T*, const T*, int64_t, int64_t,
+                         const RowKeys&, int64_t, int64_t, int64_t, float, float, ChunkScratch&);
 
 #if SLUICE_V16
-// One chunk for G query heads per KV head and a head size of 16 * CH, everything in registers.
-// The per-row arithmetic is fixed by (G, CH): every row of every step takes this same path.
-// 16 cache elements are read as float32 (v_load): float16 widens exactly (vcvtph2ps), so a
-// float16 cache gives the results of a float32 cache holding the same values, bit for bit.
+// Tokens per score tile: the query's products with 16 tokens' keys are summed across their lanes
+// together (v_sum16), a few shuffles per token instead of a whole horizontal sum each.
+constexpr int64_t kTileTokens = 16;
 
-template <int G, int CH, typename T>
-void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t kv_heads,
-                 int64_t kvh, const RowKeys& keys, int64_t block_size, int64_t t0, int64_t t1, float scale,
-                 float softcap, std::vector<float>& scores) {
-  constexpr int64_t dim = 16 * CH;
-  const int64_t len = t1 - t0;
-  scores.resize(static_cast<size_t>(G * len));
-  float* sc = scores.data();
-  const int64_t row = kv_heads * dim;
-  v16 qv[G][CH];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) qv[g][c] = v_load(q + g * dim + 16 * c);
-  each_token(kc, keys, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* kt) {
-    v16 kv[CH];
-    for (int c = 0; c < CH; ++c) kv[c] = v_load(kt + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      v16 a0 = v_mul(qv[g][0], kv[0]);
-      v16 a1 = v_mul(qv[g][1], kv[1]);
-      for (int c = 2; c + 1 < CH; c += 2) {
-        a0 = v_fmadd(qv[g][c], kv[c], a0);
-        a1 = v_fmadd(qv[g][c + 1], kv[c + 1], a1);
-      }
-      sc[g * len + (t - t0)] = v_sum(v_add(a0, a1)) * scale;
+// Lane i of the result is the sum of v[i]'s 16 lanes. Every v[i] passes the same tree of adds
+// (pairs of elements, then of 4-lane groups, then of halves), whatever the other 15 hold, so a
+// token's score does not depend on its neighbours in the tile.
+#if defined(__AVX512F__)
+inline v16 v_sum16(const v16* v) {
+  __m512 w[8], x[4];
+  for (int i = 0; i < 8; ++i)   // per 128-bit block: [a0 + a2, b0 + b2, a1 + a3, b1 + b3]
+    w[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int j = 0; j < 4; ++j) {  // per block L: the block's sums of v[4j .. 4j + 3]
+    const __m512d a = _mm512_castps_pd(w[2 * j]), b = _mm512_castps_pd(w[2 * j + 1]);
+    x[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // Blocks (0 + 1, 2 + 3) of two vectors side by side, then the two halves: block j = x[j]'s total.
+  const __m512 y0 = _mm512_add_ps(_mm512_shuffle_f32x4(x[0], x[1], 0x88), _mm512_shuffle_f32x4(x[0], x[1], 0xDD));
+  const __m512 y1 = _mm512_add_ps(_mm512_shuffle_f32x4(x[2], x[3], 0x88), _mm512_shuffle_f32x4(x[2], x[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(y0, y1, 0x88), _mm512_shuffle_f32x4(y0, y1, 0xDD));
+}
+#else
+// Eight of them, each first as its two halves' sum: lane i = the sum of s[i]'s 8 lanes.
+inline __m256 sum8(const __m256* s) {
+  const __m256 t0 = _mm256_hadd_ps(s[0], s[1]), t1 = _mm256_hadd_ps(s[2], s[3]);
+  const __m256 t2 = _mm256_hadd_ps(s[4], s[5]), t3 = _mm256_hadd_ps(s[6], s[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+inline v16 v_sum16(const v16* v) {
+  __m256 s[16];
+  for (int i = 0; i < 16; ++i) s[i] = _mm256_add_ps(v[i].lo, v[i].hi);
+  return {sum8(s), sum8(s + 8)};
+}
+#endif
+
+// The weighted sum of values of tokens [t0, t1) for GS query heads at once, added to acc [gs,
+// 16 CH]: their GS x CH accumulators stay in registers while each value row is read once, and each
+// element's sum runs over the tokens in order. Called with the run-time gs <= GS; the fewer-head
+// versions are its tail.
+template <int CH, int GS, typename T>
+void weigh_values(int64_t gs, const float* p, int64_t stride, const T* vc, const int64_t* at, int64_t t0, int64_t t1,
+                  float* acc_io) {
+  if constexpr (GS > 1) {
+    if (gs < GS) return weigh_values<CH, GS - 1, T>(gs, p, stride, vc, at, t0, t1, acc_io);
+  }
+  v16 acc[GS][CH];
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < CH; ++c) acc[g][c] = v_load(acc_io + g * 16 * CH + 16 * c);
+  for (int64_t t = t0; t < t1; ++t) {
+    const T* vt = vc + at[t];
+    v16 vv[CH];
+    for (int c = 0; c < CH; ++c) vv[c] = v_load(vt + 16 * c);
+    for (int g = 0; g < GS; ++g) {
+      const v16 w = v_set1(p[g * stride + t]);
+      for (int c = 0; c < CH; ++c) acc[g][c] = v_fmadd(w, vv[c], acc[g][c]);
     }
-  });
-  cap_scores(sc, G * len, softcap);
-  for (int g = 0; g < G; ++g) {
-    float* sg = sc + g * len;
+  }
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < CH; ++c) v_store(acc_io + g * 16 * CH + 16 * c, acc[g][c]);
+}
+
+// One chunk for G query heads per KV head (any G) and a head size of 16 * CH. The tokens go in
+// tiles of 16, each tile's keys and values read from memory once and then, from the L1 cache, by
+// every head: the scores of a tile (v_sum16), then each head's softmax pieces, then the values
+// weighed tile by tile for as many heads at once as keep their accumulators in registers. The
+// per-row arithmetic is fixed by (G, CH) and the row's length: every row of that length takes this
+// same path. Cache elements are read as float32 (v_load): float16 widens exactly (vcvtph2ps), so a
+// float16 cache gives the results of a float32 cache holding the same values, bit for bit.
+template <int CH, typename T>
+void chunk_tiled(const float* q, Partial part, int64_t group, const T* kc, const T* vc, int64_t kv_heads,
+                 int64_t kvh, const RowKeys& keys, int64_t block_size, int64_t t0, int64_t t1, float scale,
+                 float softcap, ChunkScratch& scratch) {
+  constexpr int64_t dim = 16 * CH;
+  constexpr int GS = CH >= 16 ? 1 : 16 / CH;
+  const int64_t len = t1 - t0, padded = (len + kTileTokens - 1) / kTileTokens * kTileTokens;
+  scratch.scores.resize(static_cast<size_t>(group * padded));
+  scratch.at.resize(static_cast<size_t>(len));
+  float* sc = scratch.scores.data();
+  int64_t* at = scratch.at.data();
+  each_token(kc, keys, block_size, kv_heads * dim, kvh * dim, t0, t1, [&](int64_t t, const T* kt) { at[t - t0] = kt - kc; });
+  const v16 sv = v_set1(scale);
+  for (int64_t t = 0; t < len; t += kTileTokens) {
+    const int64_t n = std::min(kTileTokens, len - t);
+    for (int64_t g = 0; g < group; ++g) {
+      v16 qv[CH];
+      for (int c = 0; c < CH; ++c) qv[c] = v_load(q + g * dim + 16 * c);
+      v16 prod[kTileTokens];
+      for (int64_t i = 0; i < kTileTokens; ++i) {
+        if (i >= n) { prod[i] = v_zero(); continue; }
+        const T* kt = kc + at[t + i];
+        v16 a = v_mul(qv[0], v_load(kt));
+        for (int c = 1; c < CH; ++c) a = v_fmadd(qv[c], v_load(kt + 16 * c), a);
+        prod[i] = a;
+      }
+      v_store(sc + g * padded + t, v_mul(v_sum16(prod), sv));
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = sc + g * padded;
+    cap_scores(sg, len, softcap);
     float mx = -std::numeric_limits<float>::infinity();
     for (int64_t t = 0; t < len; ++t) mx = std::max(mx, sg[t]);
     exp_shifted(sg, len, mx);
@@ -456,38 +531,25 @@ void chunk_fixed(const float* q, Partial part, const T* kc, const T* vc, int64_t
     part.m[g] = mx;
     part.l[g] = total;
   }
-  v16 acc[G][CH];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) acc[g][c] = v_zero();
-  each_token(vc, keys, block_size, row, kvh * dim, t0, t1, [&](int64_t t, const T* vt) {
-    v16 vv[CH];
-    for (int c = 0; c < CH; ++c) vv[c] = v_load(vt + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      const v16 p = v_set1(sc[g * len + (t - t0)]);
-      for (int c = 0; c < CH; ++c) acc[g][c] = v_fmadd(p, vv[c], acc[g][c]);
-    }
-  });
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < CH; ++c) v_store(part.acc + g * dim + 16 * c, acc[g][c]);
+  std::fill_n(part.acc, group * dim, 0.f);
+  for (int64_t g = 0; g < group; g += GS)
+    weigh_values<CH, GS, T>(std::min<int64_t>(GS, group - g), sc + g * padded, padded, vc, at, 0, len, part.acc + g * dim);
 }
 
-template <int CH, typename T>
-ChunkFn<T> pick_group(int64_t group) {
-  switch (group) {
-    case 1: return chunk_fixed<1, CH, T>;
-    case 2: return chunk_fixed<2, CH, T>;
-    case 3: return chunk_fixed<3, CH, T>;
-    case 4: return chunk_fixed<4, CH, T>;
+// The tiled kernel for head size 16 * CH (32 .. 128, and 256), or nullptr (then chunk_any's general loops).
+template <typename T>
+ChunkFn<T> pick_chunk(int64_t dim) {
+  switch (dim) {
+    case 32: return chunk_tiled<2, T>;
+    case 48: return chunk_tiled<3, T>;
+    case 64: return chunk_tiled<4, T>;
+    case 80: return chunk_tiled<5, T>;
+    case 96: return chunk_tiled<6, T>;
+    case 112: return chunk_tiled<7, T>;
+    case 128: return chunk_tiled<8, T>;
+    case 256: return chunk_tiled<16, T>;
     default: return nullptr;
   }
-}
-
-// The specialised kernel for this shape, or nullptr (then chunk_any's general loops).
-template <typename T>
-ChunkFn<T> pick_chunk(int64_t group, int64_t dim) {
-  if (dim == 64) return pick_group<4, T>(group);
-  if (dim == 128) return pick_group<8, T>(group);
-  return nullptr;
 }
 #endif
 
@@ -504,8 +566,9 @@ inline const float* as_float(const at::Half* row, int64_t n, float* buf) {
 template <typename T>
 void chunk_any(const float* q, Partial part, int64_t group, int64_t dim, const T* kc,
                const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& keys,
-               int64_t block_size, int64_t t0, int64_t t1, float scale, float softcap, std::vector<float>& scores) {
+               int64_t block_size, int64_t t0, int64_t t1, float scale, float softcap, ChunkScratch& scratch) {
   const int64_t len = t1 - t0;
+  std::vector<float>& scores = scratch.scores;
   scores.resize(static_cast<size_t>(group * len));
   std::vector<float> buf(static_cast<size_t>(dim));
   const int64_t row = kv_heads * dim;                    // elements from one token to the next
@@ -567,16 +630,16 @@ void merge_chunks(const Partial* parts, int64_t n, int64_t group, int64_t dim, f
 }
 
 // One chunk [t0, t1) of one row for the G query heads of KV head kvh, finished into out [G, D]
-// when it is the row's only chunk: the fixed-shape kernel where (G, D) has one, else chunk_any.
+// when it is the row's only chunk: the tiled kernel where the head size has one, else chunk_any.
 template <typename T>
-void attend_one_chunk(ChunkFn<T> fixed, const float* q, const Partial& part, int64_t group, int64_t dim,
+void attend_one_chunk(ChunkFn<T> tiled, const float* q, const Partial& part, int64_t group, int64_t dim,
                       const T* kc, const T* vc, int64_t kv_heads, int64_t kvh, const RowKeys& keys,
                       int64_t block_size, int64_t t0, int64_t t1, float scale, float softcap,
-                      std::vector<float>& scores) {
-  if (fixed != nullptr) {
-    fixed(q, part, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, softcap, scores);
+                      ChunkScratch& scratch) {
+  if (tiled != nullptr) {
+    tiled(q, part, group, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, softcap, scratch);
   } else {
-    chunk_any(q, part, group, dim, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, softcap, scores);
+    chunk_any(q, part, group, dim, kc, vc, kv_heads, kvh, keys, block_size, t0, t1, scale, softcap, scratch);
   }
 }
 
@@ -667,19 +730,20 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor kc, torch::Tensor vc,
   auto attend = [&](const auto* kp, const auto* vp) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kp)>>;
 #if SLUICE_V16
-    const ChunkFn<T> fixed = pick_chunk<T>(group, dim);
+    const ChunkFn<T> tiled = pick_chunk<T>(dim);
 #else
-    const ChunkFn<T> fixed = nullptr;
+    const ChunkFn<T> tiled = nullptr;
 #endif
     at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t i0, int64_t i1) {
-      std::vector<float> scores, local(static_cast<size_t>(per_part));
+      ChunkScratch scratch;
+      std::vector<float> local(static_cast<size_t>(per_part));
       for (int64_t i = i0; i < i1; ++i) {
         const int64_t c = i / kv_heads, kvh = i % kv_heads, b = row_of[c];
         const int64_t t0 = row_start(b) + (c - first[b]) * kChunk, t1 = std::min<int64_t>(lens[b], t0 + kChunk);
         const float* qh = qp + (b * heads + kvh * group) * dim;
         const Partial part = part_in(slot[c] < 0 ? local.data() : wp + (slot[c] * kv_heads + kvh) * per_part);
-        attend_one_chunk<T>(fixed, qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
-                            static_cast<float>(scale), static_cast<float>(softcap), scores);
+        attend_one_chunk<T>(tiled, qh, part, group, dim, kp, vp, kv_heads, kvh, row_keys(b), block_size, t0, t1,
+                            static_cast<float>(scale), static_cast<float>(softcap), scratch);
         if (slot[c] < 0) merge_chunks(&part, 1, group, dim, op + (b * heads + kvh * group) * dim);
       }
     });
@@ -749,12 +813,13 @@ torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, con
   torch::Tensor attn = torch::empty({t, heads, dim}, qk.options());
   float* ap = attn.data_ptr<float>();
 #if SLUICE_V16
-  const ChunkFn<float> fixed = pick_chunk<float>(group, dim);
+  const ChunkFn<float> tiled = pick_chunk<float>(dim);
 #else
-  const ChunkFn<float> fixed = nullptr;
+  const ChunkFn<float> tiled = nullptr;
 #endif
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t w0, int64_t w1) {
-    std::vector<float> scores, local(static_cast<size_t>(group * (dim + 2)));
+    ChunkScratch scratch;
+    std::vector<float> local(static_cast<size_t>(group * (dim + 2)));
     const Partial part{local.data(), local.data() + group * dim, local.data() + group * dim + group};
     const int32_t block = 0;
     const RowKeys keys{&block};
@@ -764,8 +829,8 @@ torch::Tensor dense_causal_attention(const torch::Tensor& qk, int64_t heads, con
       for (int64_t r = 0; r < rows[i]; ++r) {
         const int64_t len = before[i] + r + 1, row = first[i] + r;
         const float* q = qkp + row * qk_row + kvh * group * dim;
-        attend_one_chunk<float>(fixed, q, part, group, dim, kc, vc, kv_heads, kvh, keys, cap, 0, len,
-                                static_cast<float>(scale), 0.f, scores);
+        attend_one_chunk<float>(tiled, q, part, group, dim, kc, vc, kv_heads, kvh, keys, cap, 0, len,
+                                static_cast<float>(scale), 0.f, scratch);
         merge_chunks(&part, 1, group, dim, ap + (row * heads + kvh * group) * dim);
       }
     }

@@ -333,10 +333,14 @@ def test_store_kv_matches_torch(ops):
         ops.store_kv(k, v, ours[0], ours[1], torch.tensor([5, 0, 48]))
 
 
-# (KV heads, query heads per KV head, head size): the register kernels for 64 and 128 with 1-4
-# heads per KV head, and the general loops (another head size, a group of 5).
-@pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 2, 128), (1, 4, 64), (2, 1, 64),
-                                                (2, 3, 16), (2, 5, 64)])
+# (KV heads, query heads per KV head, head size): the tiled kernels (head sizes 16 x 2 .. 8 and 256)
+# with one pass of values for the whole group and with several (8 heads at 64: two passes of 4;
+# 5 at 80: 3 and 2; 3 at 128: 2 and 1; 6 at 96), and the general loops (head size 16).
+_SHAPES = [(3, 3, 64), (2, 2, 128), (1, 4, 64), (2, 1, 64), (1, 8, 64), (2, 5, 80), (2, 3, 128),
+           (2, 6, 96), (1, 2, 256), (2, 3, 16)]
+
+
+@pytest.mark.parametrize("kv_heads,group,dim", _SHAPES)
 def test_paged_decode_matches_sdpa_per_sequence(ops, kv_heads, group, dim):
     kc, vc = _cache(blocks=16, block_size=4, kv_heads=kv_heads, dim=dim)
     # Three sequences over scattered blocks.
@@ -399,7 +403,7 @@ def test_a_draft_tree_row_attends_as_the_same_tokens_in_a_plain_sequence(ops, kv
 @pytest.mark.parametrize("kv_heads,group,dim", [(2, 2, 128), (1, 4, 64), (2, 5, 64), (2, 3, 16)])
 def test_soft_capped_scores_match_the_torch_backend(ops, kv_heads, group, dim):
     """Gemma 2's attention soft-cap (scores -> cap * tanh(score / cap) before the softmax), in the
-    register kernels and the general loops, one chunk and several, with and without a window:
+    tiled kernels and the general loops, one chunk and several, with and without a window:
     the torch backend's capped ``_short`` per row, a row's bits the same alone, and not the
     uncapped result."""
     kc, vc = _cache(blocks=120, block_size=4, kv_heads=kv_heads, dim=dim, seed=5)
@@ -447,11 +451,32 @@ def test_long_rows_attend_in_chunks_that_merge_to_sdpa(ops, kv_heads, group, dim
     torch.testing.assert_close(portable.paged_decode(q, kc, vc, tables, lens, dim ** -0.5), got, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kv_heads,group,dim", [(1, 8, 64), (2, 3, 128), (2, 5, 80)])
+def test_the_avx2_build_attends_as_the_native_one(ops, kv_heads, group, dim):
+    """The 256-bit build (what AVX2-only CPUs run) sums a tile's 16 scores with shuffles of its
+    own: SDPA's attention and the native build's, within float32 rounding, on rows of 1 to 300
+    tokens (tiles of 16 with short tails; one chunk and two), over float32 and float16 caches."""
+    if not {"avx2", "fma", "f16c"} <= set(cpu_ext._cpu_flags().decode().split()):
+        pytest.skip("this CPU cannot run the AVX2 build")
+    avx2 = cpu_ext.variant_module("avx2")
+    kc, vc = _cache(blocks=300, block_size=4, kv_heads=kv_heads, dim=dim, seed=4)
+    g = torch.Generator().manual_seed(3)
+    tables = torch.stack([torch.randperm(300, generator=g)[:80] for _ in range(5)]).to(torch.int32)
+    lens = torch.tensor([1, 15, 17, 100, 300], dtype=torch.int32)
+    q = torch.randn(5, kv_heads * group, dim, generator=g)
+    want = TorchAttentionBackend._decode(q, (kc, vc), tables, lens, 300, dim ** -0.5)
+    for k, v in ((kc, vc), (kc.half(), vc.half())):
+        got = avx2.paged_decode(q, k, v, tables, lens, dim ** -0.5)
+        torch.testing.assert_close(got, ops.paged_decode(q, k, v, tables, lens, dim ** -0.5), rtol=1e-5, atol=1e-5)
+        if k.dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_heads,group,dim", [(3, 3, 64), (2, 5, 64), (2, 3, 16)])
 def test_a_float16_cache_stores_as_torch_rounds_and_attends_as_its_float32_values(ops, kv_heads, group, dim):
     """kv_cache_dtype=float16: store_kv rounds as torch's .to(float16) does, and attention over
     the float16 cache equals, bit for bit, attention over a float32 cache of the same values (the
-    values are widened exactly), for the register kernels and the general loops, short and long
+    values are widened exactly), for the tiled kernels and the general loops, short and long
     rows; the portable build agrees."""
     kc32, vc32 = _cache(blocks=300, block_size=4, kv_heads=kv_heads, dim=dim, seed=5)
     kc, vc = kc32.half(), vc32.half()

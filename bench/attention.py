@@ -1,0 +1,88 @@
+"""The C++ CPU paged attention (``kernels/cpu_ops.cpp``'s ``paged_decode``, which the layer stack
+runs for decode rows and prefill rows alike) against the torch backend's decode
+(``TorchAttentionBackend._decode``: the sequences' blocks gathered, then matmuls) on the same
+caches and queries, in one process, at the shapes of models people serve.
+
+    python bench/attention.py                         # the default shapes, float32 and float16 caches
+    python bench/attention.py --shapes 32x32/4x64x96 --threads 2
+
+A shape is BATCHxHEADS/KV_HEADSxHEAD_SIZExLENGTH (every row LENGTH tokens long). Each cell is the
+best time of a --budget loop; "ns / (token, head)" is that time over batch x heads x length, which
+is what a longer context or a bigger group costs. The C++ result is checked against torch's first.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sluice.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from sluice.kernels import cpu_ext  # noqa: E402
+
+# 32 streams of a short chat on a TinyLlama-shaped 1B (32/4 heads of 64) and a Llama 3.2 1B
+# (32/8), a Qwen2.5-7B-shaped group of 7 at 128; one stream at 4k tokens.
+SHAPES = ("32x32/4x64x96", "32x32/8x64x96", "32x28/4x128x96", "32x16/4x128x96", "1x32/4x64x4096",
+          "1x32/8x64x4096")
+
+
+def parse(shape: str) -> tuple[int, int, int, int, int]:
+    batch, heads, rest = shape.split("x", 2)
+    heads, kv = heads.split("/")
+    dim, length = rest.split("x")
+    return int(batch), int(heads), int(kv), int(dim), int(length)
+
+
+def best_s(fn, budget: float) -> float:
+    fn()
+    best, end = float("inf"), time.perf_counter() + budget
+    while True:
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        if time.perf_counter() > end:
+            return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--dtypes", default="float32,float16", help="KV cache element types")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=0.5, help="seconds per cell")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = cpu_ext.module()
+    print(f"{args.threads} threads; µs per call (best of a {args.budget} s loop), ns per (token, head)")
+    print("| shape | cache | C++ µs | ns / (token, head) | torch µs | torch / C++ |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    gen = torch.Generator().manual_seed(0)
+    for shape in args.shapes.split(","):
+        batch, heads, kv, dim, length = parse(shape)
+        bs = args.block_size
+        per_row = -(-length // bs)
+        blocks = batch * per_row
+        tables = torch.randperm(blocks, generator=gen)[: batch * per_row].view(batch, per_row).to(torch.int32)
+        lens = torch.full((batch,), length, dtype=torch.int32)
+        q = torch.randn(batch, heads, dim, generator=gen)
+        scale = dim ** -0.5
+        k32, v32 = torch.randn(blocks, bs, kv, dim, generator=gen), torch.randn(blocks, bs, kv, dim, generator=gen)
+        for name in args.dtypes.split(","):
+            dtype = getattr(torch, name)
+            kc, vc = k32.to(dtype), v32.to(dtype)
+            ours = lambda: ops.paged_decode(q, kc, vc, tables, lens, scale)  # noqa: E731
+            theirs = lambda: TorchAttentionBackend._decode(q.to(dtype), (kc, vc), tables, lens, length, scale)  # noqa: E731
+            torch.testing.assert_close(ours(), theirs().float(), rtol=1e-2 if dtype != torch.float32 else 1e-4,
+                                       atol=1e-2 if dtype != torch.float32 else 1e-4)
+            a, b = best_s(ours, args.budget), best_s(theirs, args.budget)
+            print(f"| {shape} | {name} | {a * 1e6:.0f} | {a * 1e9 / (batch * heads * length):.2f} | {b * 1e6:.0f} "
+                  f"| {b / a:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
