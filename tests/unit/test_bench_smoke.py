@@ -200,6 +200,14 @@ def test_step_bench_splits_a_step_into_phases_that_add_up(tmp_path, tiny_smollm2
     assert "| layers |" in r.stdout and "KV cache torch.float16" in r.stdout
 
 
+def test_attention_bench_checks_and_times_both_cache_types():
+    r = _run(["bench/attention.py", "--shapes", "2x8/2x64x20,1x3/1x16x5", "--budget", "0.01", "--threads", "1"],
+             timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = [line for line in r.stdout.splitlines() if line.startswith("| 2x8") or line.startswith("| 1x3")]
+    assert [row.split("|")[2].strip() for row in rows] == ["float32", "float16"] * 2, r.stdout
+
+
 def test_replicas_bench_compares_routing_policies_and_times_tp_communication(tmp_path, tiny_smollm2):
     out = tmp_path / "replicas.json"
     r = _run(["bench/replicas.py", "--model", str(tiny_smollm2), "--replicas", "1,2", "--groups", "2",
