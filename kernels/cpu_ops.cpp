@@ -454,20 +454,19 @@ inline v16 v_sum16(const v16* v) {
 }
 #endif
 
-// The weighted sum of values of tokens [t0, t1) for GS query heads at once, added to acc [gs,
-// 16 CH]: their GS x CH accumulators stay in registers while each value row is read once, and each
-// element's sum runs over the tokens in order. Called with the run-time gs <= GS; the fewer-head
-// versions are its tail.
+// The weighted sum of values for GS query heads at once, acc [gs, 16 CH] = sum over the tokens
+// in order of p[g][t] v_t: their GS x CH accumulators stay in registers while each value row is
+// read once. Called with the run-time gs <= GS; the fewer-head versions are its tail.
 template <int CH, int GS, typename T>
-void weigh_values(int64_t gs, const float* p, int64_t stride, const T* vc, const int64_t* at, int64_t t0, int64_t t1,
-                  float* acc_io) {
+void weigh_values(int64_t gs, const float* p, int64_t stride, const T* vc, const int64_t* at, int64_t len,
+                  float* acc_out) {
   if constexpr (GS > 1) {
-    if (gs < GS) return weigh_values<CH, GS - 1, T>(gs, p, stride, vc, at, t0, t1, acc_io);
+    if (gs < GS) return weigh_values<CH, GS - 1, T>(gs, p, stride, vc, at, len, acc_out);
   }
   v16 acc[GS][CH];
   for (int g = 0; g < GS; ++g)
-    for (int c = 0; c < CH; ++c) acc[g][c] = v_load(acc_io + g * 16 * CH + 16 * c);
-  for (int64_t t = t0; t < t1; ++t) {
+    for (int c = 0; c < CH; ++c) acc[g][c] = v_zero();
+  for (int64_t t = 0; t < len; ++t) {
     const T* vt = vc + at[t];
     v16 vv[CH];
     for (int c = 0; c < CH; ++c) vv[c] = v_load(vt + 16 * c);
@@ -477,14 +476,13 @@ void weigh_values(int64_t gs, const float* p, int64_t stride, const T* vc, const
     }
   }
   for (int g = 0; g < GS; ++g)
-    for (int c = 0; c < CH; ++c) v_store(acc_io + g * 16 * CH + 16 * c, acc[g][c]);
+    for (int c = 0; c < CH; ++c) v_store(acc_out + g * 16 * CH + 16 * c, acc[g][c]);
 }
 
-// One chunk for G query heads per KV head (any G) and a head size of 16 * CH. The tokens go in
-// tiles of 16, each tile's keys and values read from memory once and then, from the L1 cache, by
-// every head: the scores of a tile (v_sum16), then each head's softmax pieces, then the values
-// weighed tile by tile for as many heads at once as keep their accumulators in registers. The
-// per-row arithmetic is fixed by (G, CH) and the row's length: every row of that length takes this
+// One chunk for G query heads per KV head (any G) and a head size of 16 * CH: the scores in tiles
+// of 16 tokens, each tile's keys read from memory once and then, from the L1 cache, by every head
+// (v_sum16 per head and tile); each head's softmax pieces; then the values weighed for as many
+// heads at once as keep their accumulators in registers (weigh_values). The per-row arithmetic is fixed by (G, CH) and the row's length: every row of that length takes this
 // same path. Cache elements are read as float32 (v_load): float16 widens exactly (vcvtph2ps), so a
 // float16 cache gives the results of a float32 cache holding the same values, bit for bit.
 template <int CH, typename T>
@@ -531,9 +529,8 @@ void chunk_tiled(const float* q, Partial part, int64_t group, const T* kc, const
     part.m[g] = mx;
     part.l[g] = total;
   }
-  std::fill_n(part.acc, group * dim, 0.f);
   for (int64_t g = 0; g < group; g += GS)
-    weigh_values<CH, GS, T>(std::min<int64_t>(GS, group - g), sc + g * padded, padded, vc, at, 0, len, part.acc + g * dim);
+    weigh_values<CH, GS, T>(std::min<int64_t>(GS, group - g), sc + g * padded, padded, vc, at, len, part.acc + g * dim);
 }
 
 // The tiled kernel for head size 16 * CH (32 .. 128, and 256), or nullptr (then chunk_any's general loops).
