@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.timers import best_us  # noqa: E402
 from sluice.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from sluice.kernels import cpu_ext  # noqa: E402
 
@@ -35,17 +35,6 @@ def parse(shape: str) -> tuple[int, int, int, int, int]:
     heads, kv = heads.split("/")
     dim, length = rest.split("x")
     return int(batch), int(heads), int(kv), int(dim), int(length)
-
-
-def best_s(fn, budget: float) -> float:
-    fn()
-    best, end = float("inf"), time.perf_counter() + budget
-    while True:
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-        if time.perf_counter() > end:
-            return best
 
 
 def main() -> None:
@@ -79,8 +68,8 @@ def main() -> None:
             theirs = lambda: TorchAttentionBackend._decode(q.to(dtype), (kc, vc), tables, lens, length, scale)  # noqa: E731
             torch.testing.assert_close(ours(), theirs().float(), rtol=1e-2 if dtype != torch.float32 else 1e-4,
                                        atol=1e-2 if dtype != torch.float32 else 1e-4)
-            a, b = best_s(ours, args.budget), best_s(theirs, args.budget)
-            print(f"| {shape} | {name} | {a * 1e6:.0f} | {a * 1e9 / (batch * heads * length):.2f} | {b * 1e6:.0f} "
+            a, b = best_us(ours, args.budget), best_us(theirs, args.budget)
+            print(f"| {shape} | {name} | {a:.0f} | {a * 1e3 / (batch * heads * length):.2f} | {b:.0f} "
                   f"| {b / a:.2f} |", flush=True)
 
 

@@ -12,24 +12,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timers import best_us  # noqa: E402
 
 # SmolLM2-135M: the fused q/k/v, the fused gate/up, the down projection and the LM head.
 SHAPES = ((960, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
-def best_us(fn, budget_s: float = 0.3) -> float:
-    fn()
-    best, end = float("inf"), time.perf_counter() + budget_s
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > end:
-            return best * 1e6
 
 
 def main() -> None:

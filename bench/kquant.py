@@ -14,25 +14,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.timers import best_us  # noqa: E402,F401 (hugepages.py and kquant_ab.py import it from here)
 
 # TinyLlama-1.1B: fused q/k/v, o, fused gate/up, down, the LM head.
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048))
 KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
 
 
-def best_us(fn, budget_s: float) -> float:
-    fn()
-    best, end = float("inf"), time.perf_counter() + budget_s
-    while True:
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > end:
-            return best * 1e6
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int):

@@ -1,10 +1,23 @@
 """Wall-clock timers for the parts of an engine step, by wrapping live callables (the engine is
 not modified). Shared by ``quant.py``'s per-format step split and ``step.py``'s phases; only
-calls made while ``StepTimers.active`` is set are counted."""
+calls made while ``StepTimers.active`` is set are counted. ``best_us``: a kernel call's best time,
+for the per-call benchmarks (``kquant.py``, ``blockq.py``, ``attention.py``)."""
 from __future__ import annotations
 
 import time
 from collections import defaultdict
+
+
+def best_us(fn, budget_s: float = 0.3) -> float:
+    """The best of repeated ``fn()`` calls over about ``budget_s`` seconds (after one untimed), in µs."""
+    fn()
+    best, end = float("inf"), time.perf_counter() + budget_s
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        if time.perf_counter() > end:
+            return best * 1e6
 
 
 class StepTimers:
