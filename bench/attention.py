@@ -55,8 +55,8 @@ def main() -> None:
         batch, heads, kv, dim, length = parse(shape)
         bs = args.block_size
         per_row = -(-length // bs)
-        blocks = batch * per_row
-        tables = torch.randperm(blocks, generator=gen)[: batch * per_row].view(batch, per_row).to(torch.int32)
+        blocks = batch * per_row   # every row's blocks, scattered over the cache
+        tables = torch.randperm(blocks, generator=gen).view(batch, per_row).to(torch.int32)
         lens = torch.full((batch,), length, dtype=torch.int32)
         q = torch.randn(batch, heads, dim, generator=gen)
         scale = dim ** -0.5

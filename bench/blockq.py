@@ -22,8 +22,6 @@ from bench.timers import best_us  # noqa: E402
 SHAPES = ((960, 576), (3072, 576), (576, 1536), (49152, 576))
 
 
-
-
 def main() -> None:
     import torch
 

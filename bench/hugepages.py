@@ -23,7 +23,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kquant import best_us, random_blocks  # noqa: E402
+from kquant import random_blocks  # noqa: E402
+from timers import best_us  # noqa: E402
 
 KINDS = ("Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 

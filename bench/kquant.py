@@ -18,13 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.timers import best_us  # noqa: E402,F401 (hugepages.py and kquant_ab.py import it from here)
+from bench.timers import best_us  # noqa: E402
 
 # TinyLlama-1.1B: fused q/k/v, o, fused gate/up, down, the LM head.
 SHAPES = ((2560, 2048), (2048, 2048), (11264, 2048), (2048, 5632), (32000, 2048))
 KQUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS")
-
-
 
 
 def random_blocks(kind: str, n: int, k: int, seed: int):

@@ -65,7 +65,8 @@ def _copies(module, raw, type_id: int, n: int, k: int, count: int) -> list:
 def main() -> None:
     import torch
 
-    from kquant import best_us, random_blocks
+    from kquant import random_blocks
+    from timers import best_us
 
     from sluice.kernels.cpu_kquant import FORMATS
 

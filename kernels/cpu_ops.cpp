@@ -482,9 +482,10 @@ void weigh_values(int64_t gs, const float* p, int64_t stride, const T* vc, const
 // One chunk for G query heads per KV head (any G) and a head size of 16 * CH: the scores in tiles
 // of 16 tokens, each tile's keys read from memory once and then, from the L1 cache, by every head
 // (v_sum16 per head and tile); each head's softmax pieces; then the values weighed for as many
-// heads at once as keep their accumulators in registers (weigh_values). The per-row arithmetic is fixed by (G, CH) and the row's length: every row of that length takes this
-// same path. Cache elements are read as float32 (v_load): float16 widens exactly (vcvtph2ps), so a
-// float16 cache gives the results of a float32 cache holding the same values, bit for bit.
+// heads at once as keep their accumulators in registers (weigh_values). The per-row arithmetic is
+// fixed by (G, CH) and the row's length: every row of that length takes this same path. Cache
+// elements are read as float32 (v_load): float16 widens exactly (vcvtph2ps), so a float16 cache
+// gives the results of a float32 cache holding the same values, bit for bit.
 template <int CH, typename T>
 void chunk_tiled(const float* q, Partial part, int64_t group, const T* kc, const T* vc, int64_t kv_heads,
                  int64_t kvh, const RowKeys& keys, int64_t block_size, int64_t t0, int64_t t1, float scale,
