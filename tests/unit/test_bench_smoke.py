@@ -200,10 +200,12 @@ def test_step_bench_splits_a_step_into_phases_that_add_up(tmp_path, tiny_smollm2
     assert "| layers |" in r.stdout and "KV cache torch.float16" in r.stdout
 
 
-def test_attention_bench_checks_and_times_both_cache_types():
-    r = _run(["bench/attention.py", "--shapes", "2x8/2x64x20,1x3/1x16x5", "--budget", "0.01", "--threads", "1"],
-             timeout=300)
+@pytest.mark.parametrize("cold", [[], ["--cold", "--cold-mib", "1"]], ids=["cached", "cold"])
+def test_attention_bench_checks_and_times_both_cache_types(cold):
+    r = _run(["bench/attention.py", "--shapes", "2x8/2x64x20,1x3/1x16x5", "--budget", "0.01", "--threads", "1",
+              *cold], timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert ("caches from memory (1 MiB of copies)" in r.stdout) == bool(cold), r.stdout
     rows = [line for line in r.stdout.splitlines() if line.startswith("| 2x8") or line.startswith("| 1x3")]
     assert [row.split("|")[2].strip() for row in rows] == ["float32", "float16"] * 2, r.stdout
 
