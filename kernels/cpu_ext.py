@@ -43,9 +43,12 @@ def _cpu_flags() -> bytes:
 # Builds of the same sources: the one sluice runs (-march=native) and the ones tests hold it to.
 # "portable": x86-64-v2, no AVX2 (the portable C++ loops); "avx2": x86-64-v3 (AVX2, FMA, F16C, no
 # AVX-512 or VNNI: the path AVX2-only CPUs such as AMD Zen 2/3 run); "avxvnni": this CPU without
-# AVX-512 (the 256-bit AVX-VNNI paths of CPUs that have AVX-VNNI but no AVX-512).
+# AVX-512 (the 256-bit AVX-VNNI paths of CPUs that have AVX-VNNI but no AVX-512); "avxvnni_evex":
+# cpu_kquant.cpp's AVX-VNNI tile built for an AVX-512 VNNI CPU (the EVEX forms of its instructions),
+# so that the hosts without AVX-VNNI, every AVX-512 one, run it too.
 VARIANTS = {"native": ["-march=native"], "portable": ["-march=x86-64-v2"], "avx2": ["-march=x86-64-v3"],
-            "avxvnni": ["-march=native", "-mno-avx512f"]}
+            "avxvnni": ["-march=native", "-mno-avx512f"],
+            "avxvnni_evex": ["-march=native", "-DSLUICE_KQ_VNNI256_EVEX"]}
 
 
 def build_dir(variant: str = "native") -> Path:

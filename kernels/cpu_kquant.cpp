@@ -20,13 +20,19 @@
 // A float16 times an integer of at most 8 bits is exact in float32, so D and M are the file's
 // values exactly (gguf's dequantize forms them the same way).
 //
-// The input is rounded per row and block of 32 to int8 (x ~ s a) by cpu_blockq.cpp's
-// quantize_rows: the same rounding as the Q4_0/Q4_1/Q8_0 products, finer than llama.cpp's Q8_K
-// (one scale per 256) for K-quants. Each sub-block's integer sum I = sum u a (minus z sum a) is
-// exact, and a row accumulates, block after block, in order:
-//   acc = fma(I, D * s, acc)            then, with an offset,  acc = fma(M, s * sum a, acc)
-// (sum a over the sub-block; sub-blocks of 16 share their block's s. For sub-blocks of 32,
-// s * sum a is quantize_rows' float; for Q2_K's of 16 it is s times the exact int32 sum).
+// The input is rounded to int8 per row (x ~ s a), in two ways:
+// - Formats with sub-block scales (Q2_K .. Q6_K, IQ4_XS): one scale s per super-block of 256, as
+//   llama.cpp's Q8_K (round_rows256, with the sums B of a per sub-block). A super-block's
+//   sub-block sums then combine as integers, T = sum_i sc_i (I_i - z B_i) and O = sum_i mn_i B_i
+//   (I_i = sum u a over sub-block i, exact), and a row takes two float operations per super-block:
+//     acc = fma(T, d * s, acc)          then, with an offset,  acc = fma(-O, dmin * s, acc)
+//   (tile_scalar says more). Per 32 this costs 8 vpdpbusd and 2 integer operations per row and
+//   sub-block, where a float scale per sub-block costs 4 float operations.
+// - Q5_0, Q5_1, IQ4_NL: per block of 32, by cpu_blockq.cpp's quantize_rows (the rounding of the
+//   Q4_0/Q4_1/Q8_0 products). Each block's integer sum I = sum u a (minus z sum a) is exact, and
+//   a row accumulates, block after block, in order:
+//     acc = fma(I, d * s, acc)          then, with an offset,  acc = fma(m, s * sum a, acc)
+//   (s * sum a is quantize_rows' float).
 //
 // Layout: output rows in tiles of 16 (one 32-bit lane per row in two 8-lane halves, as
 // cpu_blockq.cpp's 4-bit layout). Per tile and super-block (256 along K; 32 for Q5_0 / Q5_1) one
@@ -74,16 +80,31 @@
 #else
 #define SLUICE_KQ_AVX2 0
 #endif
-#if SLUICE_KQ_AVX2 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// -DSLUICE_KQ_VNNI256_EVEX (a test build, cpu_ext's "avxvnni-evex"): the AVX-VNNI tile below on a
+// host with AVX-512 VNNI and VL, through the EVEX forms of the same 256-bit instructions, so hosts
+// without AVX-VNNI (every AVX-512 one) run that path's code too.
+#if defined(SLUICE_KQ_VNNI256_EVEX) && SLUICE_KQ_AVX2 && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define SLUICE_KQ_EVEX256 1
+#else
+#define SLUICE_KQ_EVEX256 0
+#endif
+#if SLUICE_KQ_AVX2 && !SLUICE_KQ_EVEX256 && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define SLUICE_KQ_VNNI512 1
 #else
 #define SLUICE_KQ_VNNI512 0
 #endif
 // AVX-VNNI without AVX-512 (e.g. Alder Lake, Sierra Forest): the AVX2 tile with vpdpbusd.
-#if SLUICE_KQ_AVX2 && !SLUICE_KQ_VNNI512 && defined(__AVXVNNI__)
+#if SLUICE_KQ_AVX2 && !SLUICE_KQ_VNNI512 && (defined(__AVXVNNI__) || SLUICE_KQ_EVEX256)
 #define SLUICE_KQ_VNNI256 1
 #else
 #define SLUICE_KQ_VNNI256 0
+#endif
+#if SLUICE_KQ_EVEX256
+#define SLUICE_KQ_DPBUSD256 _mm256_dpbusd_epi32
+#define SLUICE_KQ_DPWSSD256 _mm256_dpwssd_epi32
+#else
+#define SLUICE_KQ_DPBUSD256 _mm256_dpbusd_avx_epi32
+#define SLUICE_KQ_DPWSSD256 _mm256_dpwssd_avx_epi32
 #endif
 
 void blockq_quantize_rows(const float* x, int64_t rows, int64_t k, int8_t* a, float* s, float* ss);
@@ -196,27 +217,37 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
   return Fmt<FMT>::GRID ? kIq4Grid[u] : u;
 }
 
-// The offset term's input factor for row r, block b, sub-block i2 of the block: s * sum a over
-// the sub-block, [row][block] (quantize_rows' float) for sub-blocks of 32, [row][2 b + i2] for
-// Q2_K's 16 (kquant_linear forms them once per call, as s times the exact sum).
-template <int FMT> constexpr bool kOffset16 = Fmt<FMT>::OFFSET && Fmt<FMT>::SUB == 16;
-template <int FMT> inline float offset_input(const float* ss, int64_t r, int64_t nb, int64_t n16, int64_t b, int i2) {
-  if constexpr (kOffset16<FMT>) return ss[r * n16 + 2 * b + i2];
-  else return ss[r * nb + b];
+// The formats with sub-block scales (K-quants, IQ4_XS) round the input per row and super-block of
+// 256 (s [row][super-block], kquant_linear's round_rows256) and combine a super-block's sub-block
+// sums as integers before any float operation: per output, super-block after super-block,
+//   T = sum_i sc_i (I_i - z B_i)          O = sum_i mn_i B_i     (B_i = sum a over sub-block i)
+//   acc = fma(T, d s, acc)                then, with an offset,  acc = fma(-O, dmin s, acc)
+// with I_i the exact sum u a over sub-block i, z the zero point (0 with an offset). |T| < 2^28 and
+// |O| < 2^22 for every format and input, so both are exact in int32.
+template <int FMT> constexpr bool kQ8K = Fmt<FMT>::SUBSCALE != 0;
+// log2 of the zero point of the formats with sub-block scales (the vector paths shift by it).
+template <int FMT> constexpr int kZeroShift = Fmt<FMT>::ZERO == 4 ? 2 : Fmt<FMT>::ZERO == 32 ? 5 : Fmt<FMT>::ZERO == 128 ? 7 : 0;
+static_assert(kZeroShift<kQ3_K> == 2 && kZeroShift<kQ6_K> == 5 && kZeroShift<kIQ4_XS> == 7, "zero points");
+
+template <int FMT> inline int32_t sub_int(const uint8_t* chunk, int64_t lane, int i) {
+  const uint8_t b = chunk[Lay<FMT>::SC + kTile * i + lane];
+  return Fmt<FMT>::SIGNED ? static_cast<int32_t>(static_cast<int8_t>(b)) : static_cast<int32_t>(b);
 }
 
 // The portable loop: per row and lane, per block and sub-block, the exact integer sum and the
-// fused multiply-adds of the top comment.
+// fused multiply-adds above (formats with sub-block scales) or of the top comment (the others).
+// bs: [row][sub-block] int16 sums B_i for the formats with sub-block scales.
 template <int FMT>
 void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, const float* s, const float* ss,
-                 const int32_t* zs, int64_t k, float* out, int64_t ldo, int64_t lanes) {
+                 const int32_t* zs, const int16_t* bs, int64_t k, float* out, int64_t ldo, int64_t lanes) {
   using F = Fmt<FMT>; using L = Lay<FMT>;
-  const int64_t nb = k / kBlock, n16 = k / 16;
+  const int64_t nb = k / kBlock, n16 = k / 16, nsub = k / F::SUB;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t lane = 0; lane < lanes; ++lane) {
       float acc = 0.f;
       for (int64_t sb = 0; sb < nsb; ++sb) {
         const uint8_t* chunk = w + sb * L::CHUNK;
+        int32_t t = 0, o = 0;
         for (int blk = 0; blk < L::NBLK; ++blk) {
           const int64_t b = sb * L::NBLK + blk;
           const uint8_t* body = chunk + L::BODY + blk * L::BLK;
@@ -225,15 +256,26 @@ void tile_scalar(int64_t rows, const uint8_t* w, int64_t nsb, const int8_t* a, c
             int32_t isum = 0;
             for (int e = i2 * F::SUB; e < (i2 + 1) * F::SUB; ++e) isum += value<FMT>(body, lane, e) * ab[e];
             const int i = blk * L::PER + i2;
+            if constexpr (kQ8K<FMT>) {
+              const int32_t bi = bs[r * nsub + sb * L::NSUB + i];
+              t += sub_int<FMT>(chunk, lane, i) * (isum - (F::OFFSET ? 0 : F::ZERO) * bi);
+              if (F::OFFSET) o += static_cast<int32_t>(chunk[L::MN + kTile * i + lane]) * bi;
+              continue;
+            }
             const float scale = sub_scale<FMT>(chunk, lane, i) * s[r * nb + b];
             if (F::OFFSET) {
               acc = std::fma(static_cast<float>(isum), scale, acc);
-              acc = std::fma(sub_offset<FMT>(chunk, lane, i), offset_input<FMT>(ss, r, nb, n16, b, i2), acc);
+              acc = std::fma(sub_offset<FMT>(chunk, lane, i), ss[r * nb + b], acc);
             } else {
               isum += zs[r * n16 + 2 * b + i2];
               acc = std::fma(static_cast<float>(isum), scale, acc);
             }
           }
+        }
+        if constexpr (kQ8K<FMT>) {
+          const float sr = s[r * nsb + sb];
+          acc = std::fma(static_cast<float>(t), widen(half_at(chunk + L::D + 2 * lane)) * sr, acc);
+          if (F::OFFSET) acc = std::fma(-static_cast<float>(o), widen(half_at(chunk + L::DM + 2 * lane)) * sr, acc);
         }
       }
       out[r * ldo + lane] = acc;
@@ -263,13 +305,40 @@ template <int VB, int G> inline __m256i group_values(__m256i nib, const __m256i*
   return v;
 }
 
+// 8 bytes of a [lane 16] row (lanes 8 h ..) as int32 lanes.
+template <bool SIGNED> inline __m256i bytes_i32(const uint8_t* p) {
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return SIGNED ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
+}
+
+// Two [lane 16] byte rows' lanes 8 h .. as int16 pairs, (row0, row1) in each 32-bit lane: one
+// vpmaddwd against a row's pair (B_2j, B_2j+1) gives row0 B_2j + row1 B_2j+1.
+template <bool SIGNED> inline __m256i byte_pairs(const uint8_t* row0, const uint8_t* row1) {
+  const __m128i p = _mm_unpacklo_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row0)),
+                                      _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row1)));
+  return SIGNED ? _mm256_cvtepi8_epi16(p) : _mm256_cvtepu8_epi16(p);
+}
+
+inline __m256i pair_dot(__m256i acc, __m256i pairs, __m256i b) {
+#if SLUICE_KQ_VNNI256
+  return SLUICE_KQ_DPWSSD256(acc, pairs, b);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, b));
+#endif
+}
+
 // MR input rows against one tile. NH = 2: both 8-lane halves per block (acc [MR][2]; one pass
 // over the tile's bytes, for one row, where the bytes' stream is the cost); NH = 1: one half per
 // pass over K (acc [MR][1], so more rows fit in the 16 registers and each unpacked weight vector
 // serves more of them, for many rows, where the arithmetic is the cost). Each lane's float
 // operations are the same in the same order either way.
+// With sub-block scales (kQ8K) the AVX2 steps widen the int16 pair sums with vpmaddwd by the
+// sub-block's scale instead of by ones, straight into T; AVX-VNNI multiplies each sub-block's
+// int32 sum by its scale (vpmulld). The zero point's part, z sum_i sc_i B_i, and the offset's
+// sum_i mn_i B_i are pairs of bytes times pairs of int16 sums (vpmaddwd / vpdpwssd) per super-block.
 template <int FMT, int MR, int NH> struct TileAvx2 {
   using F = Fmt<FMT>; using L = Lay<FMT>;
+  static constexpr bool kK = kQ8K<FMT>;
   // Groups of 4 between widening int16 pair sums to int32 (see the top), within a sub-block.
   static constexpr int FLUSH = F::GRID ? 1 : std::min(F::SUB / 4, F::VB <= 4 ? 8 : F::VB == 5 ? 4 : 2);
   // Plain AVX2 sums the grid formats' signed values (see the top): no zero-point correction.
@@ -277,6 +346,8 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 
   const int8_t* a; int64_t k;
   __m256i p16[MR], isum[MR][L::PER];
+  __m256i sc16[L::PER];   // kK, plain AVX2: the block's sub-block scales, each in both halves of a lane
+  __m256i* tk;            // kK: this half's T per row (stride NH)
 
   template <int G> inline void group(const uint8_t* body, int h, const __m256i* hi, const int8_t* ab) {
     const __m256i nib = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 64 * (G / L::GPR) + 32 * h));
@@ -290,7 +361,7 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
     for (int r = 0; r < MR; ++r) {
       int32_t a4;
       std::memcpy(&a4, ab + r * k + 4 * G, 4);
-      isum[r][i2] = _mm256_dpbusd_avx_epi32(isum[r][i2], v, _mm256_set1_epi32(a4));
+      isum[r][i2] = SLUICE_KQ_DPBUSD256(isum[r][i2], v, _mm256_set1_epi32(a4));
     }
 #else
     __m256i sv = v;   // the grid's signed values: the sign goes onto the input, |v| is the unsigned operand
@@ -313,15 +384,20 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
       const __m256i ones = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        const __m256i w32 = _mm256_madd_epi16(p16[r], ones);
-        isum[r][i2] = first && F::OFFSET ? w32 : _mm256_add_epi32(isum[r][i2], w32);
+        if constexpr (kK) {
+          tk[r * NH] = _mm256_add_epi32(tk[r * NH], _mm256_madd_epi16(p16[r], sc16[i2]));
+        } else {
+          const __m256i w32 = _mm256_madd_epi16(p16[r], ones);
+          isum[r][i2] = first && F::OFFSET ? w32 : _mm256_add_epi32(isum[r][i2], w32);
+        }
         p16[r] = _mm256_setzero_si256();
       }
     }
 #endif
   }
 
-  // One block's half h: the integer sums, then per sub-block acc = fma(I, D s, acc) (+ fma(M, s sum a, acc)).
+  // One block's half h: the integer sums, then (kK) into T, else per sub-block acc = fma(I, D s, acc)
+  // (+ fma(M, s sum a, acc)).
   inline void block_half(const uint8_t* chunk, int blk, int64_t b, int h, __m256 dv, __m256 dmv, const float* s,
                          const float* ss, const int32_t* zs, __m256* acc, int stride_acc) {
     const int64_t nb = k / kBlock, n16 = k / 16;
@@ -330,44 +406,83 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
     __m256i hi[2];
     for (int pb = 0; pb < F::VB - 4; ++pb)
       hi[pb] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(body + 256 + 64 * pb + 32 * h));
+    if constexpr (kK && !SLUICE_KQ_VNNI256) {
+      for (int i2 = 0; i2 < L::PER; ++i2) {
+        const __m256i v = bytes_i32<F::SIGNED>(chunk + L::SC + kTile * (blk * L::PER + i2) + 8 * h);
+        sc16[i2] = _mm256_or_si256(_mm256_slli_epi32(v, 16), _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF)));
+      }
+    }
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       p16[r] = _mm256_setzero_si256();
       // Zero-point formats start each sum at its correction (see zs); VNNI adds into it from zero.
       for (int i2 = 0; i2 < L::PER; ++i2)
-        if (!F::OFFSET && !kSigned) isum[r][i2] = _mm256_set1_epi32(zs[r * n16 + 2 * b + i2]);
+        if (!kK && !F::OFFSET && !kSigned) isum[r][i2] = _mm256_set1_epi32(zs[r * n16 + 2 * b + i2]);
         else if (SLUICE_KQ_VNNI256 || kSigned) isum[r][i2] = _mm256_setzero_si256();
     }
     group<0>(body, h, hi, ab); group<1>(body, h, hi, ab); group<2>(body, h, hi, ab); group<3>(body, h, hi, ab);
     group<4>(body, h, hi, ab); group<5>(body, h, hi, ab); group<6>(body, h, hi, ab); group<7>(body, h, hi, ab);
+    if constexpr (kK) {
+#if SLUICE_KQ_VNNI256
+#pragma GCC unroll 2
+      for (int i2 = 0; i2 < L::PER; ++i2) {
+        const __m256i sc = bytes_i32<F::SIGNED>(chunk + L::SC + kTile * (blk * L::PER + i2) + 8 * h);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) tk[r * NH] = _mm256_add_epi32(tk[r * NH], _mm256_mullo_epi32(isum[r][i2], sc));
+      }
+#endif
+      return;
+    }
 #pragma GCC unroll 2
     for (int i2 = 0; i2 < L::PER; ++i2) {
-      const int i = blk * L::PER + i2;
-      __m256 dsub = dv, msub = dmv;
-      if (F::SUBSCALE) {
-        const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::SC + kTile * i + 8 * h));
-        const __m256i sc = F::SIGNED ? _mm256_cvtepi8_epi32(raw) : _mm256_cvtepu8_epi32(raw);
-        dsub = _mm256_mul_ps(dv, _mm256_cvtepi32_ps(sc));
-        if (F::OFFSET) {
-          const __m128i rmn = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(chunk + L::MN + kTile * i + 8 * h));
-          msub = _mm256_xor_ps(_mm256_set1_ps(-0.f), _mm256_mul_ps(dmv, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(rmn))));
-        }
-      }
+      const __m256 dsub = dv, msub = dmv;
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const int64_t nbr = r * nb + b;
         __m256& ar = acc[r * stride_acc];
         ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i2]), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
-        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(offset_input<FMT>(ss, r, nb, n16, b, i2)), ar);
+        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[r * nb + b]), ar);
       }
     }
   }
 
-  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* zs, float* out,
-           int64_t ldo, int64_t lanes) {
+  // kK, after a super-block's blocks: T (less the zero point's part) and O into acc, for half h.
+  inline void finish_k(const uint8_t* chunk, int64_t sb, int h, __m256 dv, __m256 dmv, const float* s,
+                       const int16_t* bs, __m256* acc, int stride_acc) {
+    constexpr int NP = L::NSUB / 2;
+    const int64_t nsb = k / F::SBK, nsub = k / F::SUB;
+    __m256i pairs[NP];
+    if constexpr (!F::OFFSET && !kSigned)
+      for (int j = 0; j < NP; ++j)
+        pairs[j] = byte_pairs<F::SIGNED>(chunk + L::SC + kTile * 2 * j + 8 * h, chunk + L::SC + kTile * (2 * j + 1) + 8 * h);
+    if constexpr (F::OFFSET)
+      for (int j = 0; j < NP; ++j)
+        pairs[j] = byte_pairs<false>(chunk + L::MN + kTile * 2 * j + 8 * h, chunk + L::MN + kTile * (2 * j + 1) + 8 * h);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+      const int16_t* br = bs + r * nsub + sb * L::NSUB;
+      __m256i t = tk[r * NH], c = _mm256_setzero_si256();
+      if constexpr (!kSigned) {
+        for (int j = 0; j < NP; ++j) {
+          int32_t b2;
+          std::memcpy(&b2, br + 2 * j, 4);
+          c = pair_dot(c, pairs[j], _mm256_set1_epi32(b2));
+        }
+        if constexpr (!F::OFFSET) t = _mm256_sub_epi32(t, _mm256_slli_epi32(c, kZeroShift<FMT>));
+      }
+      const __m256 sr = _mm256_set1_ps(s[r * nsb + sb]);
+      __m256& ar = acc[r * stride_acc];
+      ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(t), _mm256_mul_ps(dv, sr), ar);
+      if constexpr (F::OFFSET) ar = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(c), _mm256_mul_ps(dmv, sr), ar);
+    }
+  }
+
+  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* zs, const int16_t* bs,
+           float* out, int64_t ldo, int64_t lanes) {
     const int64_t ahead = prefetch_distance();
     for (int h0 = 0; h0 < 2 && 8 * h0 < lanes; h0 += NH) {
       __m256 acc[MR * NH];
+      __m256i tsum[MR * NH];
 #pragma GCC unroll 8
       for (int r = 0; r < MR * NH; ++r) acc[r] = _mm256_setzero_ps();
       for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -379,9 +494,22 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
           dmv[hh] = F::OFFSET ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::DM + 16 * (h0 + hh))))
                               : _mm256_setzero_ps();
         }
+        if constexpr (kK) {
+#pragma GCC unroll 8
+          for (int r = 0; r < MR * NH; ++r) tsum[r] = _mm256_setzero_si256();
+        }
         for (int blk = 0; blk < L::NBLK; ++blk) {
           const int64_t b = sb * L::NBLK + blk;
-          for (int hh = 0; hh < NH; ++hh) block_half(chunk, blk, b, h0 + hh, dv[hh], dmv[hh], s, ss, zs, acc + hh, NH);
+          for (int hh = 0; hh < NH; ++hh) {
+            tk = tsum + hh;
+            block_half(chunk, blk, b, h0 + hh, dv[hh], dmv[hh], s, ss, zs, acc + hh, NH);
+          }
+        }
+        if constexpr (kK) {
+          for (int hh = 0; hh < NH; ++hh) {
+            tk = tsum + hh;
+            finish_k(chunk, sb, h0 + hh, dv[hh], dmv[hh], s, bs, acc + hh, NH);
+          }
         }
       }
       for (int r = 0; r < MR; ++r) {
@@ -400,11 +528,11 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 // of 32 plus one float32 one per row must fit the 32 registers. Measured with bench/kquant_ab.py
 // on a 2-core AVX-512 Xeon, 2026-12-06: Q4_K 12 rows 0.92-0.96x the time of 8; Q6_K (two
 // sub-blocks) 6 rows 1.03-1.42x the time of 8. -DSLUICE_KQ_ROWS=R sets one count for all.
-template <int PER> constexpr int64_t rows_vnni() {
+template <int FMT> constexpr int64_t rows_vnni() {
 #ifdef SLUICE_KQ_ROWS
   return SLUICE_KQ_ROWS;
 #else
-  return PER == 1 ? 12 : 8;
+  return Lay<FMT>::PER == 1 ? 12 : 8;
 #endif
 }
 
@@ -434,9 +562,11 @@ template <int VB, int G, int GRID> inline __m512i group_values512(__m512i nib, c
 // order: the same bits.
 template <int FMT, int MR> struct TileVnni {
   using F = Fmt<FMT>; using L = Lay<FMT>;
+  static constexpr bool kK = kQ8K<FMT>;
 
   const int8_t* a; int64_t k;
   __m512i isum[MR][L::PER];
+  __m512i tsum[MR];   // kK: T per row over the super-block
 
   template <int G> inline void group(const uint8_t* body, const __m512i* hi, const int8_t* ab) {
     const __m512i nib = _mm512_loadu_si512(body + 64 * (G / L::GPR));
@@ -460,35 +590,67 @@ template <int FMT, int MR> struct TileVnni {
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
       for (int i2 = 0; i2 < L::PER; ++i2)
-        isum[r][i2] = F::OFFSET ? _mm512_setzero_si512() : _mm512_set1_epi32(zs[r * n16 + 2 * b + i2]);
+        isum[r][i2] = F::OFFSET || kK ? _mm512_setzero_si512() : _mm512_set1_epi32(zs[r * n16 + 2 * b + i2]);
     group<0>(body, hi, ab); group<1>(body, hi, ab); group<2>(body, hi, ab); group<3>(body, hi, ab);
     group<4>(body, hi, ab); group<5>(body, hi, ab); group<6>(body, hi, ab); group<7>(body, hi, ab);
+    if constexpr (kK) {
+#pragma GCC unroll 2
+      for (int i2 = 0; i2 < L::PER; ++i2) {
+        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::SC + kTile * (blk * L::PER + i2)));
+        const __m512i sc = F::SIGNED ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) tsum[r] = _mm512_add_epi32(tsum[r], _mm512_mullo_epi32(isum[r][i2], sc));
+      }
+      return;
+    }
 #pragma GCC unroll 2
     for (int i2 = 0; i2 < L::PER; ++i2) {
-      const int i = blk * L::PER + i2;
-      __m512 dsub = dv, msub = dmv;
-      if (F::SUBSCALE) {
-        const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::SC + kTile * i));
-        const __m512i sc = F::SIGNED ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
-        dsub = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(sc));
-        if (F::OFFSET) {
-          const __m128i rmn = _mm_loadu_si128(reinterpret_cast<const __m128i*>(chunk + L::MN + kTile * i));
-          msub = _mm512_castsi512_ps(_mm512_xor_si512(
-              _mm512_set1_epi32(static_cast<int>(0x80000000u)),
-              _mm512_castps_si512(_mm512_mul_ps(dmv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(rmn))))));
-        }
-      }
+      const __m512 dsub = dv, msub = dmv;
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t nbr = r * nb + b;
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i2]), _mm512_mul_ps(dsub, _mm512_set1_ps(s[nbr])), acc[r]);
-        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(offset_input<FMT>(ss, r, nb, n16, b, i2)), acc[r]);
+        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(ss[r * nb + b]), acc[r]);
       }
     }
   }
 
-  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* zs, float* out,
-           int64_t ldo, int64_t lanes) {
+  // Two [lane 16] byte rows as int16 pairs, (row0, row1) in each 32-bit lane (as byte_pairs).
+  template <bool SIGNED> static inline __m512i byte_pairs512(const uint8_t* row0, const uint8_t* row1) {
+    const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row0));
+    const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row1));
+    const __m256i p = _mm256_set_m128i(_mm_unpackhi_epi8(r0, r1), _mm_unpacklo_epi8(r0, r1));
+    return SIGNED ? _mm512_cvtepi8_epi16(p) : _mm512_cvtepu8_epi16(p);
+  }
+
+  // kK, after a super-block's blocks: T less the zero point's part z sum_i sc_i B_i, and O, into acc.
+  inline void finish_k(const uint8_t* chunk, int64_t sb, __m512 dv, __m512 dmv, const float* s, const int16_t* bs,
+                       __m512* acc) {
+    constexpr int NP = L::NSUB / 2;
+    constexpr int64_t ROWS = F::OFFSET ? L::MN : L::SC;
+    const int64_t nsb = k / F::SBK, nsub = k / F::SUB;
+    __m512i pairs[NP];
+    for (int j = 0; j < NP; ++j)
+      pairs[j] = byte_pairs512<F::SIGNED && !F::OFFSET>(chunk + ROWS + kTile * 2 * j, chunk + ROWS + kTile * (2 * j + 1));
+#pragma GCC unroll 16
+    for (int r = 0; r < MR; ++r) {
+      const int16_t* br = bs + r * nsub + sb * L::NSUB;
+      __m512i c = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int j = 0; j < NP; ++j) {
+        int32_t b2;
+        std::memcpy(&b2, br + 2 * j, 4);
+        c = _mm512_dpwssd_epi32(c, pairs[j], _mm512_set1_epi32(b2));
+      }
+      const __m512i t = F::OFFSET ? tsum[r] : _mm512_sub_epi32(tsum[r], _mm512_slli_epi32(c, kZeroShift<FMT>));
+      const __m512 sr = _mm512_set1_ps(s[r * nsb + sb]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, sr), acc[r]);
+      if (F::OFFSET) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(dmv, sr), acc[r]);
+    }
+  }
+
+  void run(const uint8_t* w, int64_t nsb, const float* s, const float* ss, const int32_t* zs, const int16_t* bs,
+           float* out, int64_t ldo, int64_t lanes) {
     const int64_t ahead = prefetch_distance();
     __m512 acc[MR];
 #pragma GCC unroll 16
@@ -499,7 +661,12 @@ template <int FMT, int MR> struct TileVnni {
       const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::D)));
       const __m512 dmv = F::OFFSET ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + L::DM)))
                                    : _mm512_setzero_ps();
+      if constexpr (kK) {
+#pragma GCC unroll 16
+        for (int r = 0; r < MR; ++r) tsum[r] = _mm512_setzero_si512();
+      }
       for (int blk = 0; blk < L::NBLK; ++blk) block(chunk, blk, sb * L::NBLK + blk, dv, dmv, s, ss, zs, acc);
+      if constexpr (kK) finish_k(chunk, sb, dv, dmv, s, bs, acc);
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << lanes) - 1u);
     for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ldo, keep, acc[r]);
@@ -508,12 +675,12 @@ template <int FMT, int MR> struct TileVnni {
 
 // TileVnni<FMT, mr>::run for a run-time mr in 1..MR.
 template <int FMT, int MR> inline void run_vnni(int64_t mr, const int8_t* a, int64_t k, const uint8_t* w, int64_t nsb,
-                                                 const float* s, const float* ss, const int32_t* zs, float* out,
-                                                 int64_t ldo, int64_t lanes) {
+                                                 const float* s, const float* ss, const int32_t* zs, const int16_t* bs,
+                                                 float* out, int64_t ldo, int64_t lanes) {
   if constexpr (MR > 1) {
-    if (mr < MR) return run_vnni<FMT, MR - 1>(mr, a, k, w, nsb, s, ss, zs, out, ldo, lanes);
+    if (mr < MR) return run_vnni<FMT, MR - 1>(mr, a, k, w, nsb, s, ss, zs, bs, out, ldo, lanes);
   }
-  TileVnni<FMT, MR>{a, k}.run(w, nsb, s, ss, zs, out, ldo, lanes);
+  TileVnni<FMT, MR>{a, k}.run(w, nsb, s, ss, zs, bs, out, ldo, lanes);
 }
 #endif
 
@@ -557,12 +724,17 @@ void check_weight(const torch::Tensor& w, int64_t fmt, int64_t n, int64_t k) {
               "kquant: packed weight does not match N = ", n, ", K = ", k, ", format ", fmt);
 }
 
+// s: [row][block of 32] (or [row][super-block] for kQ8K formats); ss, zs as kquant_linear forms
+// them for the other formats, bs for kQ8K ones (the arrays a format does not use may be null).
 template <int FMT>
 void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8_t* ap, const float* sp,
-               const float* ssp, const int32_t* zsp, float* op) {
+               const float* ssp, const int32_t* zsp, const int16_t* bsp, float* op) {
   using L = Lay<FMT>;
-  const int64_t nb = k / kBlock, n16 = k / 16, nsb = k / Fmt<FMT>::SBK;
-  const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK, nss = kOffset16<FMT> ? n16 : nb;
+  const int64_t nb = k / kBlock, n16 = k / 16, nsb = k / Fmt<FMT>::SBK, nsub = k / Fmt<FMT>::SUB;
+  const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK;
+  const int64_t ns = kQ8K<FMT> ? nsb : nb;
+  // Row r0's part of each per-row array (null stays null).
+  const auto at = [](auto* p, int64_t off) { return p ? p + off : p; };
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t p0 = 0; p0 < rows; p0 += kPanel) {
       const int64_t p1 = std::min(rows, p0 + kPanel);
@@ -570,11 +742,12 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
         const int64_t lanes = std::min(kTile, n - t * kTile);
         const uint8_t* wt = wp + t * wtile;
 #if SLUICE_KQ_VNNI512
-        constexpr int64_t kRows = rows_vnni<Lay<FMT>::PER>();
+        constexpr int64_t kRows = rows_vnni<FMT>();
         static_assert(kRows >= 1 && kRows <= 12, "SLUICE_KQ_ROWS: 1 to 12 rows per pass");
         for (int64_t r0 = p0; r0 < p1; r0 += kRows)
-          run_vnni<FMT, kRows>(std::min<int64_t>(kRows, p1 - r0), ap + r0 * k, k, wt, nsb, sp + r0 * nb,
-                               ssp + r0 * nss, zsp + r0 * n16, op + r0 * n + t * kTile, n, lanes);
+          run_vnni<FMT, kRows>(std::min<int64_t>(kRows, p1 - r0), ap + r0 * k, k, wt, nsb, sp + r0 * ns,
+                               at(ssp, r0 * nb), at(zsp, r0 * n16), at(bsp, r0 * nsub), op + r0 * n + t * kTile, n,
+                               lanes);
 #elif SLUICE_KQ_AVX2
         constexpr int64_t kRows = rows_avx2<Fmt<FMT>::VB>();
         static_assert(kRows >= 1 && kRows <= 6, "SLUICE_KQ_ROWS: 1 to 6 rows per pass");
@@ -582,20 +755,21 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
           const int64_t mr = std::min<int64_t>(kRows, p1 - r0);
           float* o = op + r0 * n + t * kTile;
           const int8_t* ar = ap + r0 * k;
-          const float *sr = sp + r0 * nb, *ssr = ssp + r0 * nss;
-          const int32_t* zsr = zsp + r0 * n16;
+          const float *sr = sp + r0 * ns, *ssr = at(ssp, r0 * nb);
+          const int32_t* zsr = at(zsp, r0 * n16);
+          const int16_t* bsr = at(bsp, r0 * nsub);
           switch (mr) {
-            case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
-            case 5: TileAvx2<FMT, 5, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
-            case 4: TileAvx2<FMT, 4, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
-            case 3: TileAvx2<FMT, 3, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
-            case 2: TileAvx2<FMT, 2, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
-            default: TileAvx2<FMT, 1, 2>{ar, k}.run(wt, nsb, sr, ssr, zsr, o, n, lanes); break;
+            case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
+            case 5: TileAvx2<FMT, 5, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
+            case 4: TileAvx2<FMT, 4, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
+            case 3: TileAvx2<FMT, 3, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
+            case 2: TileAvx2<FMT, 2, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
+            default: TileAvx2<FMT, 1, 2>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
           }
         }
 #else
-        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * nb, ssp + p0 * nss, zsp + p0 * n16, k,
-                         op + p0 * n + t * kTile, n, lanes);
+        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * ns, at(ssp, p0 * nb), at(zsp, p0 * n16),
+                         at(bsp, p0 * nsub), k, op + p0 * n + t * kTile, n, lanes);
 #endif
       }
     }
@@ -630,6 +804,55 @@ void rows_of(const uint8_t* wp, const int64_t* ip, int64_t count, int64_t k, flo
   }
 }
 
+// x [M, K] -> a [M, K] int8 and s [M, K/256], rounded per row and super-block of 256 as
+// quantize_rows rounds per 32 (x ~ s a, |a| <= 127, half to even), and bs [M, K/sub] int16, the
+// sums of a over each sub-block of `sub` (|B| <= 32 * 127).
+void round_rows256(const float* x, int64_t rows, int64_t k, int64_t sub, int8_t* a, float* s, int16_t* bs) {
+  constexpr int64_t kSuper = 256;
+  const int64_t nsb = k / kSuper, nsub = k / sub;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t sb = 0; sb < nsb; ++sb) {
+        const float* xb = x + r * k + sb * kSuper;
+        int8_t* ab = a + r * k + sb * kSuper;
+        float amax = 0.f;
+        alignas(64) int32_t q[kSuper];
+#if SLUICE_KQ_VNNI512
+        __m512 m = _mm512_setzero_ps();
+        for (int64_t i = 0; i < kSuper; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xb + i)));
+        amax = _mm512_reduce_max_ps(m);
+        const __m512 vinv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        // cvtps rounds half to even, as nearbyint; |x| <= amax keeps each within -127 .. 127.
+        for (int64_t i = 0; i < kSuper; i += 16)
+          _mm512_store_si512(q + i, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + i), vinv)));
+#elif SLUICE_KQ_AVX2
+        __m256 m = _mm256_setzero_ps();
+        const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+        for (int64_t i = 0; i < kSuper; i += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xb + i), abs_mask));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, m);
+        for (float v : lanes) amax = std::max(amax, v);
+        const __m256 vinv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        for (int64_t i = 0; i < kSuper; i += 8)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(q + i), _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + i), vinv)));
+#else
+        for (int64_t i = 0; i < kSuper; ++i) amax = std::max(amax, std::fabs(xb[i]));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        for (int64_t i = 0; i < kSuper; ++i)
+          q[i] = static_cast<int32_t>(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(xb[i] * inv))));
+#endif
+        for (int64_t i = 0; i < kSuper; ++i) ab[i] = static_cast<int8_t>(std::min(127, std::max(-127, q[i])));
+        s[r * nsb + sb] = amax / 127.f;
+        for (int64_t j = 0; j < kSuper / sub; ++j) {
+          int32_t t = 0;
+          for (int64_t e = 0; e < sub; ++e) t += ab[j * sub + e];
+          bs[r * nsub + sb * (kSuper / sub) + j] = static_cast<int16_t>(t);
+        }
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // y [M, n] = x [M, K] @ W^T for W packed as above in format `fmt` (a GGML type id).
@@ -640,44 +863,42 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   check_weight(w, fmt, n, k);
   auto out = torch::empty({rows, n}, x.options());
   if (rows == 0) return out;
-  const int64_t nb = k / kBlock, n16 = k / 16;
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
   auto a = torch::empty({rows, k}, x.options().dtype(torch::kInt8));
+  int8_t* ap = a.data_ptr<int8_t>();
+  const auto [q8k, z, per] = with_format(fmt, [](auto f) {
+    using F = Fmt<decltype(f)::value>;
+    return std::tuple<bool, int32_t, int64_t>{kQ8K<decltype(f)::value>, F::OFFSET ? 0 : F::ZERO, F::SUB};
+  });
+  if (q8k) {   // the formats with sub-block scales: the input per 256 (see tile_scalar)
+    auto s = torch::empty({rows, k / 256}, x.options());
+    auto bs = torch::empty({rows, k / per}, x.options().dtype(torch::kInt16));
+    round_rows256(x.data_ptr<float>(), rows, k, per, ap, s.data_ptr<float>(), bs.data_ptr<int16_t>());
+    with_format(fmt, [&](auto f) {
+      run_tiles<decltype(f)::value>(wp, rows, n, k, ap, s.data_ptr<float>(), nullptr, nullptr, bs.data_ptr<int16_t>(), op);
+    });
+    return out;
+  }
+  const int64_t nb = k / kBlock, n16 = k / 16;
   auto s = torch::empty({rows, nb}, x.options());
   auto ss = torch::empty({rows, nb}, x.options());
-  int8_t* ap = a.data_ptr<int8_t>();
   blockq_quantize_rows(x.data_ptr<float>(), rows, k, ap, s.data_ptr<float>(), ss.data_ptr<float>());
-  // Zero-point formats (Q6_K, Q5_0): each sub-block's integer sum starts at -z * (sum of a over
-  // it), at [row][2 b + i] for sub-block i of block b (i = 0 only for sub-blocks of 32). The
-  // loops load it as their accumulator's first value: the same exact sum, one subtraction fewer
-  // per row and sub-block. Q2_K (an offset per 16) takes s times each sub-block's sum instead, as
-  // its offset term's input (offset_input), in place of quantize_rows' per 32.
-  const auto [z, per, offset16] = with_format(fmt, [](auto f) {
-    using F = Fmt<decltype(f)::value>;
-    return std::tuple<int32_t, int64_t, bool>{F::OFFSET ? 0 : F::ZERO, F::SUB, kOffset16<decltype(f)::value>};
-  });
-  // The sum of a over the `per` inputs from 16 i on.
-  const auto input_sum = [ap](int64_t i, int64_t per) {
-    int32_t t = 0;
-    for (int64_t j = 0; j < per; ++j) t += ap[16 * i + j];
-    return t;
-  };
+  // Zero-point formats (Q5_0, IQ4_NL): each block's integer sum starts at -z * (sum of a over
+  // it), at [row][2 b] (the odd entries unused). The loops load it as their accumulator's first
+  // value: the same exact sum, one subtraction fewer per row and block.
   auto zs = torch::empty({rows, n16}, x.options().dtype(torch::kInt32));   // unread without a zero point
   int32_t* zsp = zs.data_ptr<int32_t>();
   if (z) {
-    for (int64_t i = 0; i < rows * n16; ++i) zsp[i] = per == 32 && i % 2 ? 0 : -z * input_sum(i, per);
+    for (int64_t i = 0; i < rows * n16; ++i) {
+      int32_t t = 0;
+      for (int64_t j = 0; j < per && i % 2 == 0; ++j) t += ap[16 * i + j];
+      zsp[i] = -z * t;
+    }
   }
-  const float* sp = s.data_ptr<float>();
-  const float* ssp = ss.data_ptr<float>();
-  torch::Tensor ss16;
-  if (offset16) {
-    ss16 = torch::empty({rows, n16}, x.options());
-    float* p = ss16.data_ptr<float>();
-    for (int64_t i = 0; i < rows * n16; ++i) p[i] = sp[i / 2] * static_cast<float>(input_sum(i, 16));
-    ssp = p;
-  }
-  const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  with_format(fmt, [&](auto f) { run_tiles<decltype(f)::value>(wp, rows, n, k, ap, sp, ssp, zsp, op); });
+  with_format(fmt, [&](auto f) {
+    run_tiles<decltype(f)::value>(wp, rows, n, k, ap, s.data_ptr<float>(), ss.data_ptr<float>(), zsp, nullptr, op);
+  });
   return out;
 }
 

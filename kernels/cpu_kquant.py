@@ -20,9 +20,7 @@ They are repacked at load into the kernel's layout (``pack``, in C++; ``pack_ref
 in torch ops), which keeps the file's float16 scales and its 6-bit sub-block scales as bytes
 rather than as float32 products d * sc: memory stays at the file's size (Q4_K 4.625 bits a weight
 against the file's 4.5, the others equal; float32 products would make Q4_K 6 bits a weight), and
-the kernel forms the products, which are exact in float32, where it reads them. Q6_K's scales
-belong to sub-blocks of 16, so its kernel keeps one integer sum per 16 and applies each scale to
-its own sum (exact), under the block of 32's input scale.
+the kernel applies them where it reads them.
 
 Paths (``isa()``), chosen by the build (``cpu_ext``: -march=native): ``avx512vnni`` (512-bit
 vpdpbusd, all 16 lanes of a row tile per vector), ``avxvnni`` (the AVX2 tile with 256-bit
@@ -31,9 +29,13 @@ C++. All have the same integer sums and the same float operations in the same or
 bit for bit the same results (tests/unit/test_kquant.py builds every path this CPU can run and
 holds each to the native one).
 
-The input is rounded to int8 per row and block of 32 (``cpu_blockq.quantize_input``, the same
-rounding as the Q4_0/Q4_1/Q8_0 products): finer than llama.cpp's Q8_K (one scale per 256), so the
-product is at least as close to the float one as llama.cpp's on the same file.
+The input is rounded to int8 per row. For the formats with sub-block scales (K-quants, IQ4_XS)
+it takes one scale per super-block of 256, as llama.cpp's Q8_K does (``round_input256``), so each
+super-block's sub-block sums combine as integers (sum_i sc_i I_i, and sum_i mn_i B_i for the
+minimums) and a row pays two float operations per 256 weights instead of two to four per
+sub-block: the products run 0.7-0.9x the time of a float scale per sub-block (bench/README.md).
+Q5_0 / Q5_1 / IQ4_NL round per block of 32 (``cpu_blockq.quantize_input``, as the Q4_0 / Q4_1 /
+Q8_0 products).
 """
 from __future__ import annotations
 
@@ -299,16 +301,41 @@ def linear(x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int) -> torch.Ten
     return cpu_ext.module().kquant_linear(x, packed, FORMATS[fmt].type_id, n)
 
 
+def round_input256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (a [M, K] int values as float, s [M, K/256]): the rounding of the formats with
+    sub-block scales, per row and super-block of 256 (``cpu_blockq.quantize_input``'s per 32)."""
+    rows, k = x.shape
+    xb = x.to(torch.float32).view(rows, k // 256, 256)
+    amax = xb.abs().amax(-1)
+    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), torch.zeros_like(amax))
+    a = torch.round(xb * inv[..., None]).clamp_(-127, 127)
+    return a.view(rows, k), amax / 127.0
+
+
 def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
-    """The kernel's product in float64: the input rounded as the kernel rounds it, each sub-block's
-    exact integer sum times D s, plus M s (sum a) per sub-block."""
+    """The kernel's product in float64. Formats with sub-block scales: the input rounded per 256,
+    per super-block d s (sum_i sc_i I_i) - dmin s (sum_i mn_i B_i) (I_i the exact sum (u - zero) a
+    over sub-block i, B_i the sum of a); the others: the input rounded per 32, each block's exact
+    integer sum times d s, plus m s (sum a)."""
     spec = FORMATS[fmt]
     u, d, dm, sc, mn = parts
     n, k = u.shape
+    q = values(fmt, u).double() - (0 if spec.offset else spec.zero)
+    if spec.sub_scales:
+        a, s = round_input256(x)                                                     # [M, K], [M, K/256]
+        rows, per = a.shape[0], spec.sub_blocks
+        ab = a.double().view(rows, -1, spec.sub)
+        dots = torch.einsum("msi,nsi->mns", ab, q.view(n, -1, spec.sub))            # [M, N, K/SUB]
+        scv = (sc.view(torch.int8) if spec.signed_scales else sc).double()           # [N, K/SUB]
+        t = (dots * scv[None]).view(rows, n, -1, per).sum(-1)                        # [M, N, K/256]
+        out = t * d.double()[None] * s.double()[:, None]
+        if spec.offset:
+            o = (ab.sum(-1)[:, None] * mn.double()[None]).view(rows, n, -1, per).sum(-1)
+            out = out - o * dm.double()[None] * s.double()[:, None]
+        return out.sum(-1).float()
     a, s = cpu_blockq.quantize_input(x)                                             # [M, K], [M, K/32]
     rows = a.shape[0]
     big_d, big_m = scales(fmt, d, dm, sc, mn, k)                                     # [N, K/SUB]
-    q = values(fmt, u).double() - (0 if spec.offset else spec.zero)
     dots = torch.einsum("msi,nsi->mns", a.double().view(rows, -1, spec.sub), q.view(n, -1, spec.sub))
     s_sub = s.double().repeat_interleave(32 // spec.sub, dim=1)                      # [M, K/SUB]
     out = (dots * big_d.double()[None] * s_sub[:, None]).sum(-1)

@@ -97,8 +97,10 @@ def test_requantized_smollm2_is_held_as_stored_and_close_to_its_float32(requanti
     # A file's perplexity moves with the mere order of float operations elsewhere, each change
     # re-rounded by the next product's int8 inputs: IQ4_XS (float32 38.42) measured 38.56 through
     # the C++ stack with the old attention kernel, 39.13 with its tiled successor and 38.94 through
-    # the Python layers, so its bound is 3%; Q4_K_M (float32 31.28) 31.27, 31.32 and 31.18 keeps 1%.
-    bound = 0.03 if preset == "IQ4_XS" else 0.01
+    # the Python layers, so its bound is 3%. Since the K-quant products round their input per 256
+    # (llama.cpp's Q8_K) rather than per 32, Q4_K_M (float32 31.28) measures 31.56 (+0.9%; 31.18 to
+    # 31.32 per 32) and IQ4_XS 38.76: 2% for Q4_K_M, inside the 5% of the weight-only int4 format.
+    bound = 0.03 if preset == "IQ4_XS" else 0.02
     assert abs(ppl / ref_ppl - 1) <= bound, f"perplexity {ppl:.3f} vs float32 {ref_ppl:.3f}"
     change = (ours - ref).abs()
     assert change.mean() <= 0.23, f"mean logit change {change.mean():.3f}"
