@@ -80,7 +80,7 @@
 #else
 #define SLUICE_KQ_AVX2 0
 #endif
-// -DSLUICE_KQ_VNNI256_EVEX (a test build, cpu_ext's "avxvnni-evex"): the AVX-VNNI tile below on a
+// -DSLUICE_KQ_VNNI256_EVEX (a test build, cpu_ext's "avxvnni_evex"): the AVX-VNNI tile below on a
 // host with AVX-512 VNNI and VL, through the EVEX forms of the same 256-bit instructions, so hosts
 // without AVX-VNNI (every AVX-512 one) run that path's code too.
 #if defined(SLUICE_KQ_VNNI256_EVEX) && SLUICE_KQ_AVX2 && defined(__AVX512VL__) && defined(__AVX512VNNI__)
@@ -217,13 +217,9 @@ template <int FMT> inline int value(const uint8_t* blk, int64_t lane, int e) {
   return Fmt<FMT>::GRID ? kIq4Grid[u] : u;
 }
 
-// The formats with sub-block scales (K-quants, IQ4_XS) round the input per row and super-block of
-// 256 (s [row][super-block], kquant_linear's round_rows256) and combine a super-block's sub-block
-// sums as integers before any float operation: per output, super-block after super-block,
-//   T = sum_i sc_i (I_i - z B_i)          O = sum_i mn_i B_i     (B_i = sum a over sub-block i)
-//   acc = fma(T, d s, acc)                then, with an offset,  acc = fma(-O, dmin s, acc)
-// with I_i the exact sum u a over sub-block i, z the zero point (0 with an offset). |T| < 2^28 and
-// |O| < 2^22 for every format and input, so both are exact in int32.
+// The formats with sub-block scales (see the top): s [row][super-block], and T and O per
+// super-block, with z the zero point (0 with an offset). |T| < 2^28 (Q6_K: 16 sub-blocks of
+// 16 * 32 * 127 times a scale of at most 128) and |O| < 2^22, so both are exact in int32.
 template <int FMT> constexpr bool kQ8K = Fmt<FMT>::SUBSCALE != 0;
 // log2 of the zero point of the formats with sub-block scales (the vector paths shift by it).
 template <int FMT> constexpr int kZeroShift = Fmt<FMT>::ZERO == 4 ? 2 : Fmt<FMT>::ZERO == 32 ? 5 : Fmt<FMT>::ZERO == 128 ? 7 : 0;
@@ -527,7 +523,9 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 // Input rows per pass of the 512-bit tile: one int32 accumulator per row and sub-block of a block
 // of 32 plus one float32 one per row must fit the 32 registers. Measured with bench/kquant_ab.py
 // on a 2-core AVX-512 Xeon, 2026-12-06: Q4_K 12 rows 0.92-0.96x the time of 8; Q6_K (two
-// sub-blocks) 6 rows 1.03-1.42x the time of 8. -DSLUICE_KQ_ROWS=R sets one count for all.
+// sub-blocks) 6 rows 1.03-1.42x the time of 8. With T per row as well (the formats with sub-block
+// scales), on a 2-core EPYC, 2026-12-07: Q4_K 10 or 8 rows and Q6_K 6 or 5 within the host's
+// noise of 12 and 8 (0.83-1.08x), so the counts stayed. -DSLUICE_KQ_ROWS=R sets one count for all.
 template <int FMT> constexpr int64_t rows_vnni() {
 #ifdef SLUICE_KQ_ROWS
   return SLUICE_KQ_ROWS;
