@@ -588,7 +588,8 @@ template <int FMT, int MR> struct TileVnni {
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r)
       for (int i2 = 0; i2 < L::PER; ++i2)
-        isum[r][i2] = F::OFFSET || kK ? _mm512_setzero_si512() : _mm512_set1_epi32(zs[r * n16 + 2 * b + i2]);
+        isum[r][i2] = F::OFFSET ? _mm512_setzero_si512()
+                      : _mm512_set1_epi32(kK ? zs[r * (k / F::SUB) + b * L::PER + i2] : zs[r * n16 + 2 * b + i2]);
     group<0>(body, hi, ab); group<1>(body, hi, ab); group<2>(body, hi, ab); group<3>(body, hi, ab);
     group<4>(body, hi, ab); group<5>(body, hi, ab); group<6>(body, hi, ab); group<7>(body, hi, ab);
     if constexpr (kK) {
@@ -621,29 +622,31 @@ template <int FMT, int MR> struct TileVnni {
     return SIGNED ? _mm512_cvtepi8_epi16(p) : _mm512_cvtepu8_epi16(p);
   }
 
-  // kK, after a super-block's blocks: T less the zero point's part z sum_i sc_i B_i, and O, into acc.
+  // kK, after a super-block's blocks: T (its sums started at the zero point's part, -z B_i, as
+  // the per-32 path's do) and O into acc.
   inline void finish_k(const uint8_t* chunk, int64_t sb, __m512 dv, __m512 dmv, const float* s, const int16_t* bs,
                        __m512* acc) {
     constexpr int NP = L::NSUB / 2;
-    constexpr int64_t ROWS = F::OFFSET ? L::MN : L::SC;
     const int64_t nsb = k / F::SBK, nsub = k / F::SUB;
     __m512i pairs[NP];
-    for (int j = 0; j < NP; ++j)
-      pairs[j] = byte_pairs512<F::SIGNED && !F::OFFSET>(chunk + ROWS + kTile * 2 * j, chunk + ROWS + kTile * (2 * j + 1));
+    if constexpr (F::OFFSET)
+      for (int j = 0; j < NP; ++j)
+        pairs[j] = byte_pairs512<false>(chunk + L::MN + kTile * 2 * j, chunk + L::MN + kTile * (2 * j + 1));
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
-      const int16_t* br = bs + r * nsub + sb * L::NSUB;
-      __m512i c = _mm512_setzero_si512();
-#pragma GCC unroll 8
-      for (int j = 0; j < NP; ++j) {
-        int32_t b2;
-        std::memcpy(&b2, br + 2 * j, 4);
-        c = _mm512_dpwssd_epi32(c, pairs[j], _mm512_set1_epi32(b2));
-      }
-      const __m512i t = F::OFFSET ? tsum[r] : _mm512_sub_epi32(tsum[r], _mm512_slli_epi32(c, kZeroShift<FMT>));
       const __m512 sr = _mm512_set1_ps(s[r * nsb + sb]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(dv, sr), acc[r]);
-      if (F::OFFSET) acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(c), _mm512_mul_ps(dmv, sr), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(tsum[r]), _mm512_mul_ps(dv, sr), acc[r]);
+      if constexpr (F::OFFSET) {
+        const int16_t* br = bs + r * nsub + sb * L::NSUB;
+        __m512i o = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < NP; ++j) {
+          int32_t b2;
+          std::memcpy(&b2, br + 2 * j, 4);
+          o = _mm512_dpwssd_epi32(o, pairs[j], _mm512_set1_epi32(b2));
+        }
+        acc[r] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(o), _mm512_mul_ps(dmv, sr), acc[r]);
+      }
     }
   }
 
@@ -730,7 +733,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
   using L = Lay<FMT>;
   const int64_t nb = k / kBlock, n16 = k / 16, nsb = k / Fmt<FMT>::SBK, nsub = k / Fmt<FMT>::SUB;
   const int64_t tiles = (n + kTile - 1) / kTile, wtile = nsb * L::CHUNK;
-  const int64_t ns = kQ8K<FMT> ? nsb : nb;
+  const int64_t ns = kQ8K<FMT> ? nsb : nb, nzs = kQ8K<FMT> ? nsub : n16;
   // Row r0's part of each per-row array (null stays null).
   const auto at = [](auto* p, int64_t off) { return p ? p + off : p; };
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
@@ -744,7 +747,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
         static_assert(kRows >= 1 && kRows <= 12, "SLUICE_KQ_ROWS: 1 to 12 rows per pass");
         for (int64_t r0 = p0; r0 < p1; r0 += kRows)
           run_vnni<FMT, kRows>(std::min<int64_t>(kRows, p1 - r0), ap + r0 * k, k, wt, nsb, sp + r0 * ns,
-                               at(ssp, r0 * nb), at(zsp, r0 * n16), at(bsp, r0 * nsub), op + r0 * n + t * kTile, n,
+                               at(ssp, r0 * nb), at(zsp, r0 * nzs), at(bsp, r0 * nsub), op + r0 * n + t * kTile, n,
                                lanes);
 #elif SLUICE_KQ_AVX2
         constexpr int64_t kRows = rows_avx2<Fmt<FMT>::VB>();
@@ -754,7 +757,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
           float* o = op + r0 * n + t * kTile;
           const int8_t* ar = ap + r0 * k;
           const float *sr = sp + r0 * ns, *ssr = at(ssp, r0 * nb);
-          const int32_t* zsr = at(zsp, r0 * n16);
+          const int32_t* zsr = at(zsp, r0 * nzs);
           const int16_t* bsr = at(bsp, r0 * nsub);
           switch (mr) {
             case 6: TileAvx2<FMT, 6, 1>{ar, k}.run(wt, nsb, sr, ssr, zsr, bsr, o, n, lanes); break;
@@ -766,7 +769,7 @@ void run_tiles(const uint8_t* wp, int64_t rows, int64_t n, int64_t k, const int8
           }
         }
 #else
-        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * ns, at(ssp, p0 * nb), at(zsp, p0 * n16),
+        tile_scalar<FMT>(p1 - p0, wt, nsb, ap + p0 * k, sp + p0 * ns, at(ssp, p0 * nb), at(zsp, p0 * nzs),
                          at(bsp, p0 * nsub), k, op + p0 * n + t * kTile, n, lanes);
 #endif
       }
@@ -872,9 +875,21 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
   if (q8k) {   // the formats with sub-block scales: the input per 256 (see tile_scalar)
     auto s = torch::empty({rows, k / 256}, x.options());
     auto bs = torch::empty({rows, k / per}, x.options().dtype(torch::kInt16));
+    const int16_t* bsp = bs.data_ptr<int16_t>();
     round_rows256(x.data_ptr<float>(), rows, k, per, ap, s.data_ptr<float>(), bs.data_ptr<int16_t>());
+    // The 512-bit tile starts a zero-point format's sub-block sums at -z B_i ([row][sub-block]):
+    // one broadcast load each, where subtracting z sum_i sc_i B_i per super-block costs it a
+    // vpdpwssd per pair of sub-blocks and row. The 256-bit tiles subtract that per super-block
+    // (plain AVX2 widens its int16 sums by the scale, so they cannot start there).
+    torch::Tensor zs;
+    if (SLUICE_KQ_VNNI512 && z) {
+      zs = torch::empty({rows, k / per}, x.options().dtype(torch::kInt32));
+      int32_t* zp = zs.data_ptr<int32_t>();
+      for (int64_t i = 0; i < rows * (k / per); ++i) zp[i] = -z * bsp[i];
+    }
     with_format(fmt, [&](auto f) {
-      run_tiles<decltype(f)::value>(wp, rows, n, k, ap, s.data_ptr<float>(), nullptr, nullptr, bs.data_ptr<int16_t>(), op);
+      run_tiles<decltype(f)::value>(wp, rows, n, k, ap, s.data_ptr<float>(), nullptr,
+                                    zs.defined() ? zs.data_ptr<int32_t>() : nullptr, bsp, op);
     });
     return out;
   }
