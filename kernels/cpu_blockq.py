@@ -127,10 +127,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, d: torch.Tensor, m: torch.Tens
 
 
 # ---- the reference ------------------------------------------------------------------------------
-def quantize_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (a [M, K] int values as float, s [M, K/32]) with the kernel's rounding."""
+def quantize_input(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (a [M, K] int values as float, s [M, K/block]) with the kernel's rounding
+    (per 32; cpu_kquant's formats with sub-block scales round the same way per 256)."""
     rows, k = x.shape
-    xb = x.to(torch.float32).view(rows, k // BLOCK, BLOCK)
+    xb = x.to(torch.float32).view(rows, k // block, block)
     amax = xb.abs().amax(-1)
     # torch.div, not ``127.0 / amax``: torch computes a scalar over a tensor as a reciprocal times
     # the scalar, which rounds differently from the kernel's true division.

@@ -429,16 +429,12 @@ template <int FMT, int MR, int NH> struct TileAvx2 {
 #endif
       return;
     }
-#pragma GCC unroll 2
-    for (int i2 = 0; i2 < L::PER; ++i2) {
-      const __m256 dsub = dv, msub = dmv;
+    // The other formats: one sub-block per block (L::PER == 1), d and m (or z) per block.
 #pragma GCC unroll 8
-      for (int r = 0; r < MR; ++r) {
-        const int64_t nbr = r * nb + b;
-        __m256& ar = acc[r * stride_acc];
-        ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][i2]), _mm256_mul_ps(dsub, _mm256_set1_ps(s[nbr])), ar);
-        if (F::OFFSET) ar = _mm256_fmadd_ps(msub, _mm256_set1_ps(ss[r * nb + b]), ar);
-      }
+    for (int r = 0; r < MR; ++r) {
+      __m256& ar = acc[r * stride_acc];
+      ar = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][0]), _mm256_mul_ps(dv, _mm256_set1_ps(s[r * nb + b])), ar);
+      if (F::OFFSET) ar = _mm256_fmadd_ps(dmv, _mm256_set1_ps(ss[r * nb + b]), ar);
     }
   }
 
@@ -602,24 +598,19 @@ template <int FMT, int MR> struct TileVnni {
       }
       return;
     }
-#pragma GCC unroll 2
-    for (int i2 = 0; i2 < L::PER; ++i2) {
-      const __m512 dsub = dv, msub = dmv;
+    // The other formats: one sub-block per block (L::PER == 1), d and m (or z) per block.
 #pragma GCC unroll 16
-      for (int r = 0; r < MR; ++r) {
-        const int64_t nbr = r * nb + b;
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][i2]), _mm512_mul_ps(dsub, _mm512_set1_ps(s[nbr])), acc[r]);
-        if (F::OFFSET) acc[r] = _mm512_fmadd_ps(msub, _mm512_set1_ps(ss[r * nb + b]), acc[r]);
-      }
+    for (int r = 0; r < MR; ++r) {
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), _mm512_mul_ps(dv, _mm512_set1_ps(s[r * nb + b])), acc[r]);
+      if (F::OFFSET) acc[r] = _mm512_fmadd_ps(dmv, _mm512_set1_ps(ss[r * nb + b]), acc[r]);
     }
   }
 
-  // Two [lane 16] byte rows as int16 pairs, (row0, row1) in each 32-bit lane (as byte_pairs).
-  template <bool SIGNED> static inline __m512i byte_pairs512(const uint8_t* row0, const uint8_t* row1) {
+  // Two [lane 16] rows of unsigned bytes as int16 pairs, (row0, row1) in each 32-bit lane (as byte_pairs).
+  static inline __m512i byte_pairs512(const uint8_t* row0, const uint8_t* row1) {
     const __m128i r0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row0));
     const __m128i r1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row1));
-    const __m256i p = _mm256_set_m128i(_mm_unpackhi_epi8(r0, r1), _mm_unpacklo_epi8(r0, r1));
-    return SIGNED ? _mm512_cvtepi8_epi16(p) : _mm512_cvtepu8_epi16(p);
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_unpackhi_epi8(r0, r1), _mm_unpacklo_epi8(r0, r1)));
   }
 
   // kK, after a super-block's blocks: T (its sums started at the zero point's part, -z B_i, as
@@ -631,7 +622,7 @@ template <int FMT, int MR> struct TileVnni {
     __m512i pairs[NP];
     if constexpr (F::OFFSET)
       for (int j = 0; j < NP; ++j)
-        pairs[j] = byte_pairs512<false>(chunk + L::MN + kTile * 2 * j, chunk + L::MN + kTile * (2 * j + 1));
+        pairs[j] = byte_pairs512(chunk + L::MN + kTile * 2 * j, chunk + L::MN + kTile * (2 * j + 1));
 #pragma GCC unroll 16
     for (int r = 0; r < MR; ++r) {
       const __m512 sr = _mm512_set1_ps(s[r * nsb + sb]);

@@ -30,10 +30,11 @@ bit for bit the same results (tests/unit/test_kquant.py builds every path this C
 holds each to the native one).
 
 The input is rounded to int8 per row. For the formats with sub-block scales (K-quants, IQ4_XS)
-it takes one scale per super-block of 256, as llama.cpp's Q8_K does (``round_input256``), so each
-super-block's sub-block sums combine as integers (sum_i sc_i I_i, and sum_i mn_i B_i for the
-minimums) and a row pays two float operations per 256 weights instead of two to four per
-sub-block: the products run 0.7-0.9x the time of a float scale per sub-block (bench/README.md).
+it takes one scale per super-block of 256, as llama.cpp's Q8_K does
+(``cpu_blockq.quantize_input(x, 256)``), so each super-block's sub-block sums combine as integers
+(sum_i sc_i I_i, and sum_i mn_i B_i for the minimums) and a row pays two float operations per
+256 weights instead of two to four per sub-block: the products run 0.7-0.9x the time of a float
+scale per sub-block (bench/README.md).
 Q5_0 / Q5_1 / IQ4_NL round per block of 32 (``cpu_blockq.quantize_input``, as the Q4_0 / Q4_1 /
 Q8_0 products).
 """
@@ -301,17 +302,6 @@ def linear(x: torch.Tensor, packed: torch.Tensor, fmt: str, n: int) -> torch.Ten
     return cpu_ext.module().kquant_linear(x, packed, FORMATS[fmt].type_id, n)
 
 
-def round_input256(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (a [M, K] int values as float, s [M, K/256]): the rounding of the formats with
-    sub-block scales, per row and super-block of 256 (``cpu_blockq.quantize_input``'s per 32)."""
-    rows, k = x.shape
-    xb = x.to(torch.float32).view(rows, k // 256, 256)
-    amax = xb.abs().amax(-1)
-    inv = torch.where(amax > 0, torch.div(torch.full_like(amax, 127.0), amax), torch.zeros_like(amax))
-    a = torch.round(xb * inv[..., None]).clamp_(-127, 127)
-    return a.view(rows, k), amax / 127.0
-
-
 def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
     """The kernel's product in float64. Formats with sub-block scales: the input rounded per 256,
     per super-block d s (sum_i sc_i I_i) - dmin s (sum_i mn_i B_i) (I_i the exact sum (u - zero) a
@@ -322,7 +312,7 @@ def linear_ref(x: torch.Tensor, fmt: str, parts: Parts) -> torch.Tensor:
     n, k = u.shape
     q = values(fmt, u).double() - (0 if spec.offset else spec.zero)
     if spec.sub_scales:
-        a, s = round_input256(x)                                                     # [M, K], [M, K/256]
+        a, s = cpu_blockq.quantize_input(x, 256)                                     # [M, K], [M, K/256]
         rows, per = a.shape[0], spec.sub_blocks
         ab = a.double().view(rows, -1, spec.sub)
         dots = torch.einsum("msi,nsi->mns", ab, q.view(n, -1, spec.sub))            # [M, N, K/SUB]
