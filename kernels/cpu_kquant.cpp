@@ -999,10 +999,13 @@ void pack_tiles(const uint8_t* u, const uint16_t* d, const uint16_t* dm, const u
   });
 }
 
-// Element e (< 256) of GGML's 2-bit planes (Q2_K's and Q3_K's low bits, Q6_K's high ones): bits
-// 2 s of byte 32 h + l, for e = 128 h + 32 s + l.
-inline uint8_t two_bits(const uint8_t* q, int e) {
-  return static_cast<uint8_t>((q[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3);
+// GGML's 2-bit planes (Q2_K's and Q3_K's low bits, Q6_K's high ones) -> t [256]: element
+// e = 128 h + 32 s + l is bits 2 s of byte 32 h + l. Loops with l innermost, so that they vectorize
+// (element by element, this was most of a Q6_K file's packing time at load).
+inline void two_bits_all(const uint8_t* q, uint8_t* t) {
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; ++l) t[128 * h + 32 * s + l] = static_cast<uint8_t>((q[32 * h + l] >> (2 * s)) & 3);
 }
 
 // One GGUF block -> its values u [SBK], d / dm bits and sub-block scales sc / minimums mn, as
@@ -1048,7 +1051,9 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
       const int lo = (s[i % 8] >> (4 * (i / 8))) & 15, top = (s[8 + i % 4] >> (2 * (i / 4))) & 3;
       sc[i] = static_cast<uint8_t>(static_cast<int8_t>((lo | (top << 4)) - 32));
     }
-    for (int e = 0; e < 256; ++e) u[e] = static_cast<uint8_t>(two_bits(qs, e) | (((hm[e % 32] >> (e / 32)) & 1) << 2));
+    two_bits_all(qs, u);
+    for (int j = 0; j < 8; ++j)
+      for (int l = 0; l < 32; ++l) u[32 * j + l] |= static_cast<uint8_t>(((hm[l] >> j) & 1) << 2);
   } else if constexpr (FMT == kQ2_K) {
     // 16 scale bytes (sc the low nibble, mn the high one), qs [64], d, dmin. Element
     // e = 128 h + 32 s + l: bits 2 s of qs[32 h + l]; sub-block e / 16.
@@ -1059,7 +1064,7 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
       sc[i] = b[i] & 15;
       mn[i] = b[i] >> 4;
     }
-    for (int e = 0; e < 256; ++e) u[e] = two_bits(qs, e);
+    two_bits_all(qs, u);
   } else if constexpr (FMT == kQ6_K) {
     const uint8_t *ql = b, *qh = b + 128;
     std::memcpy(&d, b + 208, 2);
@@ -1068,7 +1073,9 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
         u[128 * h + i] = ql[64 * h + i] & 15;
         u[128 * h + 64 + i] = ql[64 * h + i] >> 4;
       }
-    for (int e = 0; e < 256; ++e) u[e] |= static_cast<uint8_t>(two_bits(qh, e) << 4);
+    uint8_t high[256];
+    two_bits_all(qh, high);
+    for (int e = 0; e < 256; ++e) u[e] |= static_cast<uint8_t>(high[e] << 4);
     std::memcpy(sc, b + 192, 16);
   } else {   // Q4_K, Q5_K
     std::memcpy(&dm, b + 2, 2);
@@ -1093,16 +1100,25 @@ inline void gguf_block(const uint8_t* b, uint8_t* u, uint16_t& d, uint16_t& dm, 
   }
 }
 
-// A GGUF tensor's blocks [n, K / SBK blocks] -> the layout above, without the parts in between.
+// A GGUF tensor's rows of blocks (rows[r]: K / SBK blocks) -> the layout above, without the parts in between.
 template <int FMT>
-void pack_gguf_tiles(const uint8_t* blocks, int64_t n, int64_t k, uint8_t* out) {
-  const int64_t nsb = k / Fmt<FMT>::SBK, bb = Fmt<FMT>::BYTES;
+void pack_gguf_tiles(const std::vector<const uint8_t*>& rows, int64_t k, uint8_t* out) {
+  const int64_t bb = Fmt<FMT>::BYTES;
   struct Block { uint8_t u[256], sc[16], mn[16]; };
+  const auto n = static_cast<int64_t>(rows.size());
   for_each_lane<FMT, Block>(n, k, out, [&](uint8_t* chunk, int64_t row, int64_t lane, int64_t sb, Block& b) {
     uint16_t d, dm;
-    gguf_block<FMT>(blocks + (row * nsb + sb) * bb, b.u, d, dm, b.sc, b.mn);
+    gguf_block<FMT>(rows[row] + sb * bb, b.u, d, dm, b.sc, b.mn);
     put_lane<FMT>(chunk, lane, b.u, d, dm, b.sc, b.mn);
   });
+}
+
+torch::Tensor pack_gguf_rows(const std::vector<const uint8_t*>& rows, int64_t fmt, int64_t k) {
+  const auto n = static_cast<int64_t>(rows.size());
+  auto out = torch::empty({(n + kTile - 1) / kTile * (k / super_block(fmt)) * chunk_bytes(fmt)}, torch::dtype(torch::kUInt8));
+  uint8_t* op = out.data_ptr<uint8_t>();
+  with_format(fmt, [&](auto f) { pack_gguf_tiles<decltype(f)::value>(rows, k, op); });
+  return out;
 }
 
 }  // namespace
@@ -1130,16 +1146,35 @@ torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, to
 // the packed layout: the same bytes as kquant_pack of engine/models/kquant.py's gguf_parts, in one
 // pass over the file's bytes (a load's K-quant tensors, without a byte per weight in between).
 torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int64_t k) {
-  const int64_t chunk = chunk_bytes(fmt), sbk = super_block(fmt);
+  const int64_t sbk = super_block(fmt);
   TORCH_CHECK(n > 0 && k > 0 && k % sbk == 0, "kquant pack: K must be a positive multiple of ", sbk, ", got ", k);
   const int64_t bb = with_format(fmt, [](auto f) -> int64_t { return Fmt<decltype(f)::value>::BYTES; });
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.numel() == n * (k / sbk) * bb,
               "kquant pack: ", blocks.numel(), " bytes of GGML type ", fmt, " do not hold a [", n, ", ", k, "] tensor");
-  auto out = torch::empty({(n + kTile - 1) / kTile * (k / sbk) * chunk}, blocks.options());
   const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  uint8_t* op = out.data_ptr<uint8_t>();
-  with_format(fmt, [&](auto f) { pack_gguf_tiles<decltype(f)::value>(bp, n, k, op); });
-  return out;
+  std::vector<const uint8_t*> rows(static_cast<size_t>(n));
+  for (int64_t r = 0; r < n; ++r) rows[r] = bp + r * (k / sbk) * bb;
+  return pack_gguf_rows(rows, fmt, k);
+}
+
+// The same for a weight stacked by rows from parts in one format (a fused projection's q, k, v or
+// gate, up; each [rows, K / SBK * block bytes] uint8): packed from each part's bytes where they
+// are (the file's mapping), without a copy of their concatenation first.
+torch::Tensor kquant_pack_gguf_parts(const std::vector<torch::Tensor>& parts, int64_t fmt, int64_t k) {
+  const int64_t sbk = super_block(fmt);
+  TORCH_CHECK(k > 0 && k % sbk == 0, "kquant pack: K must be a positive multiple of ", sbk, ", got ", k);
+  const int64_t bb = with_format(fmt, [](auto f) -> int64_t { return Fmt<decltype(f)::value>::BYTES; });
+  std::vector<const uint8_t*> rows;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const torch::Tensor& b = parts[i];
+    TORCH_CHECK(b.scalar_type() == torch::kUInt8 && b.is_contiguous() && b.dim() == 2 && b.size(1) == k / sbk * bb,
+                "kquant pack: part ", i, " must be contiguous uint8 [rows, ", k / sbk * bb, "] (GGML type ", fmt,
+                ", K = ", k, ")");
+    const uint8_t* p = b.data_ptr<uint8_t>();
+    for (int64_t r = 0; r < b.size(0); ++r) rows.push_back(p + r * b.size(1));
+  }
+  TORCH_CHECK(!rows.empty(), "kquant pack: no rows");
+  return pack_gguf_rows(rows, fmt, k);
 }
 
 // Bytes of one (tile, super-block) chunk of format `fmt` (for the packing code's checks).

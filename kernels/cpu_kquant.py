@@ -151,15 +151,18 @@ def pack(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) 
     return pack_ref(fmt, u, d, dm, sc, mn)
 
 
-def pack_gguf(fmt: str, blocks: torch.Tensor, n: int, k: int) -> torch.Tensor | None:
-    """A GGUF tensor's raw blocks (uint8, [N, K / S] blocks in GGML's layout) -> the kernel's
+def pack_gguf(fmt: str, blocks: torch.Tensor | list[torch.Tensor], n: int, k: int) -> torch.Tensor | None:
+    """A GGUF tensor's raw blocks (uint8, [N, K / S] blocks in GGML's layout), or a list of such
+    tensors in ``fmt`` stacked by rows (N in all: a fused projection's parts), -> the kernel's
     layout, in C++ straight from the file's bytes: ``pack`` of ``engine.models.kquant.gguf_parts``
-    bit for bit, without the parts in between (a byte per weight, a few times over) or their
-    checks (every field of a GGML block is in range by construction). None where the C++ kernels
-    are not built: the caller goes through the parts."""
+    bit for bit, without the parts in between (a byte per weight, a few times over), their
+    checks (every field of a GGML block is in range by construction) or a copy of the stacked
+    parts. None where the C++ kernels are not built: the caller goes through the parts."""
     if not cpu_ext.available():
         return None
-    return cpu_ext.module().kquant_pack_gguf(blocks.reshape(-1).contiguous(), FORMATS[fmt].type_id, n, k)
+    if isinstance(blocks, torch.Tensor):
+        return cpu_ext.module().kquant_pack_gguf(blocks.reshape(-1).contiguous(), FORMATS[fmt].type_id, n, k)
+    return cpu_ext.module().kquant_pack_gguf_parts([b.contiguous() for b in blocks], FORMATS[fmt].type_id, k)
 
 
 def pack_ref(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) -> torch.Tensor:

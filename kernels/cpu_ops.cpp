@@ -41,6 +41,7 @@ torch::Tensor kquant_linear(torch::Tensor x, torch::Tensor w, int64_t fmt, int64
 torch::Tensor kquant_rows(torch::Tensor ids, torch::Tensor w, int64_t fmt, int64_t n, int64_t k);
 int64_t kquant_chunk_bytes(int64_t fmt);
 torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int64_t k);
+torch::Tensor kquant_pack_gguf_parts(const std::vector<torch::Tensor>& parts, int64_t fmt, int64_t k);
 torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, torch::Tensor sc, torch::Tensor mn,
                           int64_t fmt);
 std::string kquant_isa();
@@ -992,6 +993,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("kquant_rows", &kquant_rows, "rows of a K-quant / 5-bit block W, dequantized (cpu_kquant.cpp)");
   mod.def("kquant_chunk_bytes", &kquant_chunk_bytes, "bytes per (tile, super-block) chunk of a format");
   mod.def("kquant_pack_gguf", &kquant_pack_gguf, "a GGUF tensor's K-quant / 5-bit blocks -> its packed layout (cpu_kquant.cpp)");
+  mod.def("kquant_pack_gguf_parts", &kquant_pack_gguf_parts,
+          "GGUF tensors' blocks in one K-quant / 5-bit type, stacked by rows -> one packed layout (cpu_kquant.cpp)");
   mod.def("kquant_pack", &kquant_pack, "a K-quant / 5-bit weight's parts -> its packed layout (cpu_kquant.cpp)");
   mod.def("kquant_isa", &kquant_isa, "the K-quant product's integer path: avx2 or portable");
   mod.def("rms_norm", &rms_norm);

@@ -222,10 +222,10 @@ def _stack(pieces: list):
             parts = [quant.block_parts(p.kind, p.blocks, p.shape, fmt) if isinstance(p, _GgufBlocks) else p
                      for p in group]
             made.append(quant.BlockQLinear(*[torch.cat(p) for p in zip(*parts)], fmt))
-        else:   # K-quant blocks [rows, bytes per row]: the same bytes per row in one format
-            raw = group[0] if len(group) == 1 else torch.cat(group)
-            k = raw.shape[1] // kquant._BLOCK[fmt][1] * kquant._BLOCK[fmt][0]
-            made.append(kquant.KQuantLinear.from_gguf(fmt, raw, (raw.shape[0], k)))
+        else:   # K-quant blocks [rows, bytes per row]: the same bytes per row in one format, packed where they lie
+            k = group[0].shape[1] // kquant._BLOCK[fmt][1] * kquant._BLOCK[fmt][0]
+            raw = group[0] if len(group) == 1 else list(group)
+            made.append(kquant.KQuantLinear.from_gguf(fmt, raw, (sum(p.shape[0] for p in group), k)))
     return made[0] if len(made) == 1 else kquant.StackedLinear(made)
 
 

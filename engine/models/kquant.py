@@ -135,17 +135,27 @@ class KQuantLinear:
         self._setup(fmt, *u.shape, cpu_kquant.pack(fmt, u, d, dm, sc, mn))
 
     @classmethod
-    def from_gguf(cls, kind: str, blocks: torch.Tensor, shape: tuple[int, int]) -> "KQuantLinear":
-        """From a GGUF tensor's blocks ([rows, bytes per row] uint8): in one C++ pass over the bytes
-        (``cpu_kquant.pack_gguf``), or without the C++ kernels through ``gguf_parts`` a slice of rows
-        at a time, so that the load's temporaries (a byte per weight, a few times over) stay a
-        slice's, not the tensor's (a 49152x2048 LM head: ~100 MiB each)."""
+    def from_gguf(cls, kind: str, blocks: torch.Tensor | list[torch.Tensor], shape: tuple[int, int]) -> "KQuantLinear":
+        """From a GGUF tensor's blocks ([rows, bytes per row] uint8), or a list of such tensors in
+        ``kind`` stacked by rows (a fused projection's parts; ``shape`` is the whole's): in one C++
+        pass over the bytes where they lie (``cpu_kquant.pack_gguf``), or without the C++ kernels
+        through ``gguf_parts`` a slice of rows at a time, so that the load's temporaries (a byte per
+        weight, a few times over) stay a slice's, not the tensor's (a 49152x2048 LM head: ~100 MiB each)."""
         from sluice.kernels import cpu_kquant
 
         n, k = shape
-        _check_blocks(kind, blocks, n, k)
+        if not isinstance(blocks, torch.Tensor):
+            rows = [b.shape[0] if b.dim() == 2 else -1 for b in blocks]
+            _check(bool(blocks) and min(rows) >= 0 and sum(rows) == n,
+                   f"{kind}: parts of {rows} rows do not stack to a [{n}, {k}] tensor")
+            for b in blocks:
+                _check_blocks(kind, b, b.shape[0], k)
+        else:
+            _check_blocks(kind, blocks, n, k)
         packed = cpu_kquant.pack_gguf(kind, blocks, n, k)
         if packed is None:
+            if not isinstance(blocks, torch.Tensor):
+                blocks = torch.cat([b.reshape(b.shape[0], -1) for b in blocks])
             step, rows = cpu_kquant._PACK_ROWS, blocks.reshape(n, -1)
             pieces = [cpu_kquant.pack(kind, *gguf_parts(kind, rows[r:r + step], (min(step, n - r), k)))
                       for r in range(0, n, step)]

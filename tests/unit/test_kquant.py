@@ -248,3 +248,23 @@ def test_from_gguf_in_one_cpp_pass_and_through_the_parts_give_the_same_layout(op
             kquant.KQuantLinear.from_gguf(kind, raw.reshape(-1)[size:], (70, 512))
         with pytest.raises(RuntimeError, match="do not hold"):
             ops.kquant_pack_gguf(raw.reshape(-1)[size:].contiguous(), cpu_kquant.FORMATS[kind].type_id, 70, 512)
+
+
+def test_a_fused_projections_parts_pack_where_they_lie_as_their_concatenation_does(ops, monkeypatch):
+    # q, k, v (or gate, up) in one format: packed from each part's bytes (kquant_pack_gguf_parts),
+    # the same layout as the stacked rows', with the part boundaries inside a tile (20 + 37 + 13
+    # rows), and through the parts where the C++ build is missing
+    rng = np.random.default_rng(13)
+    for kind in FORMATS:
+        per, size = kquant._BLOCK[kind]
+        parts = [torch.from_numpy(rng.integers(0, 256, (r, 512 // per * size), dtype=np.uint8)) for r in (20, 37, 13)]
+        whole = kquant.KQuantLinear.from_gguf(kind, torch.cat(parts), (70, 512))
+        stacked = kquant.KQuantLinear.from_gguf(kind, parts, (70, 512))
+        assert torch.equal(stacked.packed, whole.packed), kind
+        monkeypatch.setattr(cpu_kquant, "pack_gguf", lambda *args: None)
+        assert torch.equal(kquant.KQuantLinear.from_gguf(kind, parts, (70, 512)).packed, whole.packed), kind
+        monkeypatch.undo()
+        with pytest.raises(ValueError, match=rf"{kind}: parts of \[20, 37, 13\] rows do not stack to a \[71, 512\] tensor"):
+            kquant.KQuantLinear.from_gguf(kind, parts, (71, 512))
+        with pytest.raises(RuntimeError, match="part 1 must be contiguous uint8"):
+            ops.kquant_pack_gguf_parts([parts[0], parts[1][:, size:].contiguous()], cpu_kquant.FORMATS[kind].type_id, 512)
