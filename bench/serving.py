@@ -24,7 +24,10 @@ rewrites, where n-gram speculation finds matches; open-ended questions), greedy,
 ``--output-len`` (default 128) tokens at most.
 
 Every load point gets prompts of its own (synthetic: drawn afresh; the fixed sets: taken in turn
-from the set), and the warm-up's prompts are not measured ones. Reusing the prompts of an earlier
+from the set), and the warm-up's prompts are not measured ones. The targets take turns at each
+load point; ``--rounds R`` makes that R turns each, with prompts of its own per round, so that a
+host whose speed drifts within minutes slows every target alike (a ratio from one turn each can
+move by tens of percent between runs there). Reusing the prompts of an earlier
 load point measures prefix caching instead: llama-server keeps each slot's last prompt, so at
 ``--concurrency 1,32`` its 32 slots would still hold the 32 prompts of the c=1 pass and its
 "burst" would prefill one token per request. ``--repeat-prompts`` asks for exactly that.
@@ -615,6 +618,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="send the same prompts at every load point (measures prefix-cache reuse across them)")
     ap.add_argument("--prompt-format", choices=("text", "ids"), default="text")
     ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run each load point this many times per target, the targets taking turns round by "
+                         "round, each round with --num-prompts prompts of its own; the metrics are over all "
+                         "rounds (on a host whose speed drifts, the servers then share its slow and fast minutes)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=None,
                     help="synthetic default 64 (exact); caps the chats (grounded/open default 128)")
@@ -638,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if not (args.url or args.grpc or args.launch or args.peer or args.peer_url):
         ap.error("give a target: --url, --grpc, --launch, --peer or --peer-url")
-    for name in ("num_prompts", "input_len", "output_len", "peer_ctx", "threads"):
+    for name in ("num_prompts", "rounds", "input_len", "output_len", "peer_ctx", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             ap.error(f"--{name.replace('_', '-')}: must be a positive integer, got {value}")
@@ -678,14 +685,25 @@ async def _measure(targets: list[Target], warmup: list[Item], loads: list[list[I
         sends = {t.name: t.sender(session, args.prompt_format, stop_ids, clients) for t in targets}
         for name, send in sends.items():   # warm-up: not measured
             await asyncio.gather(*(send(it) for it in warmup))
-        # Interleave the targets at each load point, so drift on a shared machine hits them alike.
-        for value, items in zip(values, loads):
+        # Interleave the targets at each load point (round by round with --rounds), so drift on a
+        # shared machine hits them alike. loads holds each load point's rounds in turn.
+        rounds = args.rounds
+        for i, value in enumerate(values):
+            conc, rate = (value, None) if kind == "concurrency" else (None, value)
+            label = f"c={value}" if conc else f"rate={value}"
+            records: dict[str, list[Record]] = {t.name: [] for t in targets}
+            duration = dict.fromkeys(records, 0.0)
+            for r in range(rounds):
+                for t in targets:
+                    recs, seconds = await run_load(sends[t.name], loads[i * rounds + r], conc, rate, args.seed + r)
+                    records[t.name] += recs
+                    duration[t.name] += seconds
+                    if rounds > 1:
+                        done = sum(x.output_tokens for x in recs if x.ok)
+                        print(f"  {t.name} {label} round {r + 1}/{rounds}: {done / seconds:.1f} out tok/s", flush=True)
             for t in targets:
-                conc, rate = (value, None) if kind == "concurrency" else (None, value)
-                records, duration = await run_load(sends[t.name], items, conc, rate, args.seed)
-                label = f"c={value}" if conc else f"rate={value}"
                 results.append({"target": t.name, "load": label, "load_kind": kind, "load_value": value,
-                                "metrics": summarize(records, duration, slo)})
+                                "metrics": summarize(records[t.name], duration[t.name], slo)})
                 print(f"  {t.name} {label}: {results[-1]['metrics']['output_throughput']:.1f} out tok/s", flush=True)
     for client in clients:
         await client.close()
@@ -699,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.concurrency is None and args.request_rate is None:
         args.concurrency = [8]
     tok = _load_tokenizer(args.model)
-    warmup, loads = _items(args, tok, len(args.concurrency or args.request_rate))
+    warmup, loads = _items(args, tok, len(args.concurrency or args.request_rate) * args.rounds)
     stop_ids = sorted(tok.eos_token_ids)
     baseline = None
     if args.hf_baseline:   # before any server starts, so it has the CPU to itself

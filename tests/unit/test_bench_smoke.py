@@ -98,6 +98,8 @@ def test_serving_needs_a_target_and_positive_lengths():
     assert r.returncode == 2 and "give a target" in r.stderr
     r = _run(["bench/serving.py", "--url", "http://127.0.0.1:9", "--input-len", "0"], timeout=60)
     assert r.returncode == 2 and "--input-len: must be a positive integer" in r.stderr
+    r = _run(["bench/serving.py", "--url", "http://127.0.0.1:9", "--rounds", "0"], timeout=60)
+    assert r.returncode == 2 and "--rounds: must be a positive integer" in r.stderr
 
 
 def test_launched_servers_keep_the_callers_pythonpath_first_and_a_url_target_takes_a_name(tmp_path, monkeypatch):
@@ -160,18 +162,18 @@ def test_serving_against_real_facade_and_grpc_engine(tmp_path, tiny_smollm2):
     scratch.mkdir()
     r = _run(["bench/serving.py", "--model", str(tiny_smollm2), "--threads", "1",
               "--launch", "http", "--launch", "grpc", "--num-prompts", "3", "--input-len", "12",
-              "--output-len", "4", "--concurrency", "2", "--slo-ttft-ms", "600000", "--json", str(out)], timeout=580,
-             tmpdir=scratch)
+              "--output-len", "4", "--concurrency", "2", "--rounds", "2", "--slo-ttft-ms", "600000", "--json", str(out)],
+             timeout=580, tmpdir=scratch)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     assert not list(scratch.iterdir())     # the servers' logs went with them
     res = json.loads(out.read_text())
     assert {x["target"] for x in res["results"]} == {"sluice-http", "sluice-grpc"}
     for x in res["results"]:
         m = x["metrics"]
-        assert (m["completed"], m["failed"]) == (3, 0), m["errors"]
+        assert (m["completed"], m["failed"]) == (6, 0), m["errors"]             # 3 prompts in each of 2 rounds
         assert m["mean_prompt_tokens"] == 12 and m["mean_output_tokens"] == 4   # the servers' own usage
         assert m["goodput_req_s"] == pytest.approx(m["request_throughput"])
-    assert "sluice-grpc" in r.stdout and "TTFT p90" in r.stdout
+    assert "sluice-grpc" in r.stdout and "TTFT p90" in r.stdout and "c=2 round 2/2" in r.stdout
 
 
 def test_sampling_bench_times_every_setting_against_greedy(tmp_path, tiny_smollm2):
