@@ -1113,14 +1113,6 @@ void pack_gguf_tiles(const std::vector<const uint8_t*>& rows, int64_t k, uint8_t
   });
 }
 
-torch::Tensor pack_gguf_rows(const std::vector<const uint8_t*>& rows, int64_t fmt, int64_t k) {
-  const auto n = static_cast<int64_t>(rows.size());
-  auto out = torch::empty({(n + kTile - 1) / kTile * (k / super_block(fmt)) * chunk_bytes(fmt)}, torch::dtype(torch::kUInt8));
-  uint8_t* op = out.data_ptr<uint8_t>();
-  with_format(fmt, [&](auto f) { pack_gguf_tiles<decltype(f)::value>(rows, k, op); });
-  return out;
-}
-
 }  // namespace
 
 // The parts of a weight -> its packed layout, flat uint8 (kernels/cpu_kquant.py checks the parts
@@ -1142,24 +1134,24 @@ torch::Tensor kquant_pack(torch::Tensor u, torch::Tensor d, torch::Tensor dm, to
   return out;
 }
 
+torch::Tensor kquant_pack_gguf_parts(const std::vector<torch::Tensor>& parts, int64_t fmt, int64_t k);
+
 // A GGUF tensor's raw blocks (uint8, n rows of K / SBK blocks each, in GGML's block layout) ->
 // the packed layout: the same bytes as kquant_pack of engine/models/kquant.py's gguf_parts, in one
-// pass over the file's bytes (a load's K-quant tensors, without a byte per weight in between).
+// pass over the file's bytes. kquant_pack_gguf_parts of the one tensor (the loader calls that;
+// this form is what bench/kquant_ab.py binds in every source it builds, older ones included).
 torch::Tensor kquant_pack_gguf(torch::Tensor blocks, int64_t fmt, int64_t n, int64_t k) {
   const int64_t sbk = super_block(fmt);
   TORCH_CHECK(n > 0 && k > 0 && k % sbk == 0, "kquant pack: K must be a positive multiple of ", sbk, ", got ", k);
   const int64_t bb = with_format(fmt, [](auto f) -> int64_t { return Fmt<decltype(f)::value>::BYTES; });
   TORCH_CHECK(blocks.scalar_type() == torch::kUInt8 && blocks.is_contiguous() && blocks.numel() == n * (k / sbk) * bb,
               "kquant pack: ", blocks.numel(), " bytes of GGML type ", fmt, " do not hold a [", n, ", ", k, "] tensor");
-  const uint8_t* bp = blocks.data_ptr<uint8_t>();
-  std::vector<const uint8_t*> rows(static_cast<size_t>(n));
-  for (int64_t r = 0; r < n; ++r) rows[r] = bp + r * (k / sbk) * bb;
-  return pack_gguf_rows(rows, fmt, k);
+  return kquant_pack_gguf_parts({blocks.view({n, -1})}, fmt, k);
 }
 
-// The same for a weight stacked by rows from parts in one format (a fused projection's q, k, v or
-// gate, up; each [rows, K / SBK * block bytes] uint8): packed from each part's bytes where they
-// are (the file's mapping), without a copy of their concatenation first.
+// The same for a weight stacked by rows from parts in one format (one tensor, or a fused
+// projection's q, k, v or gate, up; each [rows, K / SBK * block bytes] uint8): packed from each
+// part's bytes where they are (the file's mapping), without a copy of their concatenation first.
 torch::Tensor kquant_pack_gguf_parts(const std::vector<torch::Tensor>& parts, int64_t fmt, int64_t k) {
   const int64_t sbk = super_block(fmt);
   TORCH_CHECK(k > 0 && k % sbk == 0, "kquant pack: K must be a positive multiple of ", sbk, ", got ", k);
@@ -1174,7 +1166,11 @@ torch::Tensor kquant_pack_gguf_parts(const std::vector<torch::Tensor>& parts, in
     for (int64_t r = 0; r < b.size(0); ++r) rows.push_back(p + r * b.size(1));
   }
   TORCH_CHECK(!rows.empty(), "kquant pack: no rows");
-  return pack_gguf_rows(rows, fmt, k);
+  const auto n = static_cast<int64_t>(rows.size());
+  auto out = torch::empty({(n + kTile - 1) / kTile * (k / sbk) * chunk_bytes(fmt)}, torch::dtype(torch::kUInt8));
+  uint8_t* op = out.data_ptr<uint8_t>();
+  with_format(fmt, [&](auto f) { pack_gguf_tiles<decltype(f)::value>(rows, k, op); });
+  return out;
 }
 
 // Bytes of one (tile, super-block) chunk of format `fmt` (for the packing code's checks).

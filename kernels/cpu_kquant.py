@@ -151,18 +151,16 @@ def pack(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) 
     return pack_ref(fmt, u, d, dm, sc, mn)
 
 
-def pack_gguf(fmt: str, blocks: torch.Tensor | list[torch.Tensor], n: int, k: int) -> torch.Tensor | None:
-    """A GGUF tensor's raw blocks (uint8, [N, K / S] blocks in GGML's layout), or a list of such
-    tensors in ``fmt`` stacked by rows (N in all: a fused projection's parts), -> the kernel's
-    layout, in C++ straight from the file's bytes: ``pack`` of ``engine.models.kquant.gguf_parts``
-    bit for bit, without the parts in between (a byte per weight, a few times over), their
-    checks (every field of a GGML block is in range by construction) or a copy of the stacked
-    parts. None where the C++ kernels are not built: the caller goes through the parts."""
+def pack_gguf(fmt: str, parts: list[torch.Tensor], k: int) -> torch.Tensor | None:
+    """A GGUF tensor's raw blocks in ``fmt`` as a list of [rows, K / S * block bytes] uint8 tensors
+    stacked by rows (one, or a fused projection's parts) -> the kernel's layout, in C++ straight
+    from the file's bytes where they lie: ``pack`` of ``engine.models.kquant.gguf_parts`` bit for
+    bit, without the parts in between (a byte per weight, a few times over), their checks (every
+    field of a GGML block is in range by construction) or a copy of the stacked parts. None where
+    the C++ kernels are not built: the caller goes through the parts."""
     if not cpu_ext.available():
         return None
-    if isinstance(blocks, torch.Tensor):
-        return cpu_ext.module().kquant_pack_gguf(blocks.reshape(-1).contiguous(), FORMATS[fmt].type_id, n, k)
-    return cpu_ext.module().kquant_pack_gguf_parts([b.contiguous() for b in blocks], FORMATS[fmt].type_id, k)
+    return cpu_ext.module().kquant_pack_gguf_parts([b.contiguous() for b in parts], FORMATS[fmt].type_id, k)
 
 
 def pack_ref(fmt: str, u: torch.Tensor, d: torch.Tensor, dm=None, sc=None, mn=None) -> torch.Tensor:

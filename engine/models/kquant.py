@@ -144,19 +144,19 @@ class KQuantLinear:
         from sluice.kernels import cpu_kquant
 
         n, k = shape
-        if not isinstance(blocks, torch.Tensor):
-            rows = [b.shape[0] if b.dim() == 2 else -1 for b in blocks]
-            _check(bool(blocks) and min(rows) >= 0 and sum(rows) == n,
-                   f"{kind}: parts of {rows} rows do not stack to a [{n}, {k}] tensor")
-            for b in blocks:
-                _check_blocks(kind, b, b.shape[0], k)
-        else:
+        if isinstance(blocks, torch.Tensor):
             _check_blocks(kind, blocks, n, k)
-        packed = cpu_kquant.pack_gguf(kind, blocks, n, k)
+            parts = [blocks.reshape(n, -1)]
+        else:
+            parts = list(blocks)
+            counts = [b.shape[0] if b.dim() == 2 else -1 for b in parts]
+            _check(bool(parts) and min(counts) >= 0 and sum(counts) == n,
+                   f"{kind}: parts of {counts} rows do not stack to a [{n}, {k}] tensor")
+            for b in parts:
+                _check_blocks(kind, b, b.shape[0], k)
+        packed = cpu_kquant.pack_gguf(kind, parts, k)
         if packed is None:
-            if not isinstance(blocks, torch.Tensor):
-                blocks = torch.cat([b.reshape(b.shape[0], -1) for b in blocks])
-            step, rows = cpu_kquant._PACK_ROWS, blocks.reshape(n, -1)
+            step, rows = cpu_kquant._PACK_ROWS, parts[0] if len(parts) == 1 else torch.cat(parts)
             pieces = [cpu_kquant.pack(kind, *gguf_parts(kind, rows[r:r + step], (min(step, n - r), k)))
                       for r in range(0, n, step)]
             packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
