@@ -103,20 +103,20 @@ def _build_parser() -> argparse.ArgumentParser:
                      help="export a span per Generate call over OTLP/HTTP, e.g. http://localhost:4318/v1/traces "
                           "(needs the otel extra; joined to the caller's traceparent)")
     add_embedding_options(eng)
-    eng.set_defaults(func=_cmd_engine)
+    eng.set_defaults(func=_cmd_engine, prefault=True)
 
     gen = sub.add_parser("generate", help="complete a prompt in-process (no server)")
     _add_model_options(gen)
     gen.add_argument("prompt", help="the prompt text")
     _add_sampling_options(gen, max_tokens=64)
-    gen.set_defaults(func=_cmd_generate)
+    gen.set_defaults(func=_cmd_generate, prefault=True)
 
     chat = sub.add_parser("chat", help="chat with the model in-process (no server)")
     _add_model_options(chat)
     chat.add_argument("--message", default=None, help="send one message, print the reply and exit")
     chat.add_argument("--system", default=None, help="a system prompt")
     _add_sampling_options(chat, max_tokens=256)
-    chat.set_defaults(func=_cmd_chat)
+    chat.set_defaults(func=_cmd_chat, prefault=True)
 
     from sluice.engine.training.args import build_parser as add_train_arguments
 
@@ -174,6 +174,43 @@ def _engine_config(args: argparse.Namespace):
 
     return build_engine_config(args.model, mode=args.mode, overrides=with_quantization(args), device=args.device,
                                speculative_mode=args.speculative_mode, additional_models=args.additional_models)
+
+
+def _prefault_weights(args: argparse.Namespace) -> None:
+    """Before the imports (``import torch`` alone takes a second): start faulting in a model file's
+    worth of memory for its packed weights, on the core the imports leave idle
+    (``heap.prefault_weights``), when the weights will be a CPU block format built from a GGUF file."""
+    import os
+    from pathlib import Path
+
+    from sluice.engine import heap
+    from sluice.engine.models.registry import is_short_name, resolve_short_name
+
+    given = with_quantization(args)
+    if given.get("quantization", "auto") in ("none", "bf16", "int8") or given.get("tensor_parallel_shards", 1) != 1:
+        return
+    if args.device not in ("auto", "cpu") or (args.device == "auto" and os.path.exists("/dev/nvidia0")):
+        return
+    try:
+        path = Path(args.model).expanduser()
+        if not path.exists() and is_short_name(args.model):
+            path = resolve_short_name(args.model)
+        if path.is_file() and path.suffix == ".gguf":
+            heap.prefault_weights(path.stat().st_size)
+    except (OSError, EngineError):
+        return   # the load reports it
+
+
+def _run_prefaulted(args: argparse.Namespace) -> int:
+    """The command, its model's weights prefaulted ahead of its imports; an arena no load took is
+    unmapped when it ends (a load that failed, or a test's stand-in for the engine)."""
+    from sluice.engine import heap
+
+    _prefault_weights(args)
+    try:
+        return args.func(args)
+    finally:
+        heap.drop_weight_arena()
 
 
 def _cmd_engine(args: argparse.Namespace) -> int:
@@ -299,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_mode(args.mode)
             given = with_quantization(args)   # fail on a bad key or value before anything loads
             check_speculative(args.speculative_mode, args.additional_models, given)
+        if getattr(args, "prefault", False):   # the commands that load a chat model in this process
+            return _run_prefaulted(args)
         return args.func(args)
     except ValueError as exc:
         parser.exit(2, f"sluice {args.command}: error: {exc}\n")

@@ -979,6 +979,8 @@ std::vector<torch::Tensor> top_probs(torch::Tensor logits, int64_t k) {
 
 bool set_huge_page_allocations(int64_t min_bytes);   // cpu_pages.cpp
 int64_t huge_page_bytes();
+void set_huge_page_arena(int64_t address, int64_t length);
+int64_t close_huge_page_arena();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   // The GIL is let go while the product runs (the LM head: ~2 ms a step), so the server's other
@@ -1013,5 +1015,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_huge_page_allocations", &set_huge_page_allocations,
           "torch's CPU allocations of at least min_bytes on huge pages; 0: back to the previous allocator (cpu_pages.cpp)");
   mod.def("huge_page_bytes", &huge_page_bytes, "bytes the huge-page allocator has mapped in this process");
+  mod.def("set_huge_page_arena", &set_huge_page_arena,
+          "large allocations from this faulted-in mapping, which the library then owns (cpu_pages.cpp)");
+  mod.def("close_huge_page_arena", &close_huge_page_arena,
+          "unmap what the open arena has left; returns the bytes taken from it");
   bind_layer_stacks(mod);   // cpu_stack.cpp
 }

@@ -15,6 +15,17 @@
 // set_huge_page_allocations(0) sends every allocation to that allocator again; memory already
 // handed out stays valid and is unmapped when its tensor goes. Where the kernel has no THP (or it
 // is `never`) the mappings get ordinary pages.
+//
+// The weight arena. A page's first touch is the kernel zeroing it, and in a virtual machine whose
+// host backs guest memory only when it is first touched (and takes freed memory back) it is also
+// the host's fault: on the VMs we measure, faulting in 700 MiB of fresh huge pages took 1.9-2.3 s
+// when the host had not backed them (0.07 s when it had), and a Q8_0 load spent 1-3.5 s of system
+// time so. engine/heap.py's prefault_weights maps a file's size and faults it in from a thread
+// while the engine process still imports (on a core the imports leave idle), and
+// set_huge_page_arena hands that mapping over: from then on each large allocation is the arena's
+// next 4 KiB-aligned piece until it runs out (then a mapping of its own again). Each piece is
+// freed like a mapping of its own (munmap of its range); close_huge_page_arena unmaps what no
+// allocation took.
 #include <torch/extension.h>
 #include <c10/core/CPUAllocator.h>
 
@@ -49,6 +60,14 @@ Regions& regions() {
 std::atomic<int64_t> mapped_bytes{0};
 c10::DeleterFnPtr fallback_raw_deleter = nullptr;
 
+// The open arena's untaken range [next, end) (both null when none is open); under regions().mutex.
+struct Arena {
+  char* next = nullptr;
+  char* end = nullptr;
+  int64_t taken = 0;   // bytes handed out from the open arena
+};
+Arena arena;
+
 // Frees what this allocator handed out: its own mappings, or (through raw_deleter) the raw
 // allocations it passed on to the allocator before it.
 void release(void* ptr) {
@@ -67,6 +86,20 @@ void release(void* ptr) {
   } else if (fallback_raw_deleter) {
     fallback_raw_deleter(ptr);
   }
+}
+
+// The arena's next length bytes (a multiple of 4 KiB), registered as a region, or nullptr when
+// no arena is open or it has fewer left.
+void* take_from_arena(size_t length) {
+  Regions& r = regions();
+  std::lock_guard<std::mutex> guard(r.mutex);
+  if (arena.next == nullptr || static_cast<size_t>(arena.end - arena.next) < length) return nullptr;
+  char* p = arena.next;
+  arena.next += length;
+  arena.taken += static_cast<int64_t>(length);
+  mapped_bytes += static_cast<int64_t>(length);
+  r.length.emplace(p, length);
+  return p;
 }
 
 // length bytes (a multiple of 4 KiB) starting on a 2 MiB boundary, or nullptr.
@@ -95,7 +128,9 @@ class HugePageAllocator final : public c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     if (n >= min_bytes) {
       const size_t length = round_up(n, kPage);
-      if (void* p = map_aligned(length)) return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
+      void* p = take_from_arena(length);
+      if (p == nullptr) p = map_aligned(length);
+      if (p != nullptr) return {p, p, &release, c10::Device(c10::DeviceType::CPU)};
     }
     return fallback->allocate(n);
   }
@@ -131,5 +166,32 @@ bool set_huge_page_allocations(int64_t min_bytes) {
   return min_bytes > 0;
 }
 
-// Bytes the huge-page allocator has mapped since the process started.
+// Bytes the huge-page allocator has mapped (or taken from arenas) since the process started.
 int64_t huge_page_bytes() { return mapped_bytes.load(); }
+
+// Closes the open arena, if any: unmaps the part no allocation took. Returns the bytes taken from
+// it (0 with none open).
+int64_t close_huge_page_arena() {
+  Regions& r = regions();
+  std::lock_guard<std::mutex> guard(r.mutex);
+  if (arena.next == nullptr) return 0;
+  if (arena.end > arena.next) munmap(arena.next, arena.end - arena.next);
+  const int64_t taken = arena.taken;
+  arena = Arena();
+  return taken;
+}
+
+// Takes over the mapping [address, address + length) (anonymous, read-write, page-aligned; made by
+// heap.prefault_weights): large allocations come from it, in order, until it is closed or runs
+// out. An arena still open is closed first. This library unmaps the whole range in the end, piece
+// by piece with the tensors and the rest at close_huge_page_arena: the caller must not.
+void set_huge_page_arena(int64_t address, int64_t length) {
+  TORCH_CHECK(address % static_cast<int64_t>(kPage) == 0 && length > 0 && length % static_cast<int64_t>(kPage) == 0,
+              "set_huge_page_arena: a page-aligned range, got ", address, " + ", length);
+  close_huge_page_arena();
+  Regions& r = regions();
+  std::lock_guard<std::mutex> guard(r.mutex);
+  arena.next = reinterpret_cast<char*>(address);
+  arena.end = arena.next + length;
+  arena.taken = 0;
+}

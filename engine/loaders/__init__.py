@@ -6,6 +6,7 @@ architecture, a missing or misshapen tensor) raises ``ModelLoadError`` naming th
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 from sluice.engine import envs
 from sluice.engine.errors import ModelLoadError
-from sluice.engine.heap import huge_page_allocations, release_freed_heap
+from sluice.engine.heap import drop_weight_arena, huge_page_allocations, release_freed_heap, weight_arena
 from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 from sluice.engine.models.gemma import GemmaForCausalLM
 from sluice.engine.models.llama import LlamaForCausalLM
@@ -22,6 +23,7 @@ from sluice.engine.models.registry import is_short_name, resolve_short_name
 from sluice.engine.tokenizer import Tokenizer
 
 ProgressFn = Callable[[int, int], None]   # (steps done, steps total)
+_log = logging.getLogger("sluice.loaders")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -103,7 +105,11 @@ def build_model(
 
     model_class = GemmaForCausalLM if ARCHITECTURES[arch.architecture].gemma else LlamaForCausalLM
     model = model_class(arch, max_seq_len, dtype=dtype, device=device)
-    model.load_hf_weights(weights, quantizer=None if quantization == "none" else Quantizer(quantization))
+    if quantization == "none":
+        model.load_hf_weights(weights)
+    else:
+        with weight_arena(_log):   # the packed weights onto pages faulted in ahead (heap.prefault_weights)
+            model.load_hf_weights(weights, quantizer=Quantizer(quantization))
     model = model.eval().requires_grad_(False)
     if quantization == "none" and envs.cpu_packed_weights():
         model.pack_for_cpu()
@@ -122,6 +128,13 @@ def load_model(
     """``quantization``: none | bf16 | int8 | int4 | auto (``loaders.quantized`` says what auto picks).
     ``transform``: (arch, weights) -> (arch, weights) applied before the model is built (a
     tensor-parallel rank's slice: ``engine.parallel.tensor.sharder``)."""
+    try:
+        return _load(path_or_name, dtype, device, progress, max_seq_len, quantization, transform)
+    finally:
+        drop_weight_arena()   # memory heap.prefault_weights mapped for a load that did not take it
+
+
+def _load(path_or_name, dtype, device, progress, max_seq_len, quantization, transform) -> LoadedModel:
     from sluice.engine.loaders.quantized import check_quantization, resolve_quantization
 
     device = torch.device(device)

@@ -27,7 +27,7 @@ from sluice.engine.models.llama import _Linear
 from sluice.engine.sampling_params import SamplingParams
 from tests.helpers.gguf_reads import load_recording_float_reads
 from tests.helpers.kquant_encode import encode
-from tests.helpers.pages import THP_BUILT, advised_huge
+from tests.helpers.pages import THP_BUILT, advised_huge, mapping_of
 from tests.model import gguf_writing
 from tests.model.test_logits import _prefill_logits
 
@@ -154,6 +154,42 @@ def test_block_weights_are_loaded_onto_huge_pages(mixed, monkeypatch):
     assert cpu_ext.module().huge_page_bytes() - before >= sum(t.nbytes for t in packed)
     ids = [3, 9, 200, 11, 5, 40]
     assert torch.equal(_prefill_logits(huge, ids), _prefill_logits(stored.model, ids))
+
+
+def test_a_prefaulted_arena_takes_the_packed_weights(mixed, monkeypatch):
+    """``heap.prefault_weights`` before a load (what ``sluice engine`` does before its imports): the
+    packed weights are pieces of the arena, advised for huge pages, the model computes the same bits
+    as the shared one, the arena is no longer pending, and what the weights did not take is
+    unmapped. A load that fails before its weights are built unmaps the whole arena."""
+    from sluice.engine import heap
+    from sluice.engine.errors import ModelLoadError
+    from sluice.engine.models.kquant import block_cpp_parts
+
+    path, stored, _read, _floats = mixed
+    monkeypatch.setattr(heap, "_HUGE_PAGE_MIN_BYTES", 4096)
+    assert heap.prefault_weights(path.stat().st_size + (4 << 20))
+    arena = heap._arena["pending"]
+    start, end = arena.address, arena.address + arena.length
+    model = load_model(path, quantization="auto").model
+    assert heap._arena["pending"] is None
+    linears = [m.quantized for m in model.modules() if isinstance(m, _Linear)] + [model.quant_lm_head]
+    packed = [part[1] for w in linears for part in block_cpp_parts(w)]
+    assert len(packed) == 13
+    for t in packed:
+        assert start <= t.data_ptr() < end and advised_huge(t.data_ptr()) is THP_BUILT
+    taken = max(t.untyped_storage().data_ptr() + t.untyped_storage().nbytes() for t in packed)
+    rest = mapping_of(end - 4096)
+    assert rest is None or rest[0] >= taken         # the untaken tail unmapped
+    ids = [3, 9, 200, 11, 5, 40]
+    assert torch.equal(_prefill_logits(model, ids), _prefill_logits(stored.model, ids))
+
+    assert heap.prefault_weights(4 << 20)
+    lost = heap._arena["pending"].address
+    with pytest.raises(ModelLoadError):
+        load_model(path.parent / "missing.gguf", quantization="auto")
+    assert heap._arena["pending"] is None
+    found = mapping_of(lost)
+    assert found is None or found[0] > lost or found[1] <= lost
 
 
 def test_logits_close_to_float32_teacher_forced(mixed):

@@ -148,3 +148,41 @@ def test_chat_one_shot_and_repl(cli_llm, model, capsys, monkeypatch) -> None:
     monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
     assert cli.main(["chat", model, "--device", "cpu", "--max-tokens", "8", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == one_shot
+
+
+@pytest.mark.parametrize("extra, prefaults", [
+    ([], True),
+    (["--device", "cpu", "--quantization", "w8a8"], True),
+    (["--quantization", "none"], False),                    # float32: several times the file
+    (["--overrides", "quantization=bf16"], False),
+    (["--device", "cuda"], False),
+    (["--tensor-parallel-size", "2"], False),               # each rank builds a slice
+])
+def test_which_commands_prefault_the_weights_of_a_gguf_file(extra, prefaults, tmp_path, monkeypatch):
+    """``sluice engine``/``generate``/``chat`` start faulting in a GGUF file's worth of memory before
+    their imports (engine/heap.py's prefault_weights) when the weights will be a CPU block format."""
+    from sluice.engine import heap
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * 12345)
+    calls: list[int] = []
+    monkeypatch.setattr(heap, "prefault_weights", lambda n: calls.append(n) or True)
+    for argv in (["engine", str(model)], ["generate", str(model), "hi"], ["chat", str(model)]):
+        cli._prefault_weights(cli._build_parser().parse_args(argv + extra))
+    assert calls == ([12345] * 3 if prefaults else [])
+    cli._prefault_weights(cli._build_parser().parse_args(["engine", str(tmp_path)]))       # a folder: no
+    cli._prefault_weights(cli._build_parser().parse_args(["engine", str(tmp_path / "x.gguf")]))   # missing: no
+    assert len(calls) == (3 if prefaults else 0)
+
+
+def test_an_arena_the_command_did_not_load_into_is_unmapped(tmp_path, monkeypatch, nothing_loads, capsys):
+    from sluice.engine import heap
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * (3 << 20))
+    taken: list = []
+    real = heap.prefault_weights
+    monkeypatch.setattr(heap, "prefault_weights", lambda n: taken.append(real(n)) or taken[-1])
+    with pytest.raises(AssertionError, match="a model was loaded"):
+        cli.main(["generate", str(model), "hi", "--device", "cpu"])
+    assert taken == [True] and heap._arena["pending"] is None

@@ -72,3 +72,72 @@ def test_the_previous_allocator_is_back_after_an_exception():
         pass
     torch.empty(4 << 20, dtype=torch.uint8)
     assert _mapped() == before
+
+
+MIB = 1 << 20
+
+
+def _pending() -> heap._Arena:
+    arena = heap._arena["pending"]
+    assert arena is not None
+    return arena
+
+
+def test_a_prefaulted_arena_hands_out_its_pieces_in_order_and_unmaps_what_is_left():
+    """heap.prefault_weights maps a 2 MiB-aligned arena advised for huge pages; inside a load's
+    weight_arena scope large allocations are its next pieces (4 KiB-rounded), one that does not fit
+    is a mapping of its own, the untaken rest is unmapped when the scope closes, and each piece is
+    unmapped with its tensor. The faulting thread has stopped before anything is handed out, so
+    nothing it writes lands in a tensor."""
+    assert heap.prefault_weights(8 * MIB) is True
+    arena = _pending()
+    start = arena.address
+    assert start % HUGE == 0 and arena.length == 8 * MIB and advised_huge(start) is THP_BUILT
+    before = _mapped()
+    with heap.huge_page_allocations():
+        with heap.weight_arena():
+            assert heap._arena["pending"] is None and not arena._thread.is_alive()
+            a = torch.empty(3 * MIB - 100, dtype=torch.uint8).fill_(1)
+            b = torch.empty(3 * MIB, dtype=torch.uint8).fill_(2)
+            c = torch.empty(4 * MIB, dtype=torch.uint8).fill_(3)    # 2 MiB left: its own mapping
+            small = torch.empty(MIB, dtype=torch.uint8)              # under 2 MiB: the heap
+        assert a.data_ptr() == start and b.data_ptr() == start + 3 * MIB
+        assert not start <= c.data_ptr() < start + 8 * MIB and c.data_ptr() % HUGE == 0
+        assert not start <= small.data_ptr() < start + 8 * MIB
+    assert _mapped() - before == 10 * MIB
+    assert 0 <= arena.touched <= arena.length
+    rest = mapping_of(start + 7 * MIB)
+    assert rest is None or rest[0] >= start + 6 * MIB          # the untaken 2 MiB are gone
+    assert [int(t.sum()) for t in (a, b, c)] == [3 * MIB - 100, 2 * 3 * MIB, 3 * 4 * MIB]
+    del a
+    head = mapping_of(start)
+    assert head is None or head[1] <= start + 3 * MIB          # a's piece unmapped, b's still there
+    assert int(b[-1]) == 2 and mapping_of(start + 3 * MIB) is not None
+
+
+def test_an_arena_no_load_takes_is_unmapped():
+    assert heap.prefault_weights(4 * MIB) is True
+    start = _pending().address
+    assert mapping_of(start) is not None
+    with heap.weight_arena():          # outside a huge_page_allocations scope: not taken
+        pass
+    assert heap._arena["pending"] is not None
+    heap.drop_weight_arena()
+    assert heap._arena["pending"] is None
+    found = mapping_of(start)
+    assert found is None or found[0] > start or found[1] <= start
+    heap.drop_weight_arena()           # nothing pending: nothing to do
+
+
+def test_prefault_is_refused_where_it_cannot_help(monkeypatch):
+    assert heap.prefault_weights(0) is False
+    assert heap.prefault_weights(1 << 60) is False                 # over half the memory available
+    monkeypatch.setenv("SLUICE_HUGE_PAGES", "0")
+    assert heap.prefault_weights(4 * MIB) is False
+    monkeypatch.delenv("SLUICE_HUGE_PAGES")
+    assert heap.prefault_weights(4 * MIB) is True
+    try:
+        assert heap.prefault_weights(4 * MIB) is False             # one pending at a time
+    finally:
+        heap.drop_weight_arena()
+    assert heap._arena["pending"] is None
