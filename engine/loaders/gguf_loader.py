@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import mmap
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -452,8 +453,11 @@ class GGUFWeights(Mapping):
         # off here, so that both loaders give transformers' values.
         self._norm_offset = gemma_config.GGUF_NORM_OFFSET if ARCHITECTURES[arch.architecture].gemma else 0.0
         self._done = 0
+        self._mapping = _file_mapping(reader)
+        self._read: list[tuple[int, int]] = []     # file ranges handed out since the last release_read
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        self._note_read(name)
         w = torch.from_numpy(_dequantized(self._tensors[name], self._arch, self._path))
         if self._norm_offset and name.endswith("norm.weight"):
             w = w - self._norm_offset
@@ -480,9 +484,35 @@ class GGUFWeights(Mapping):
         kind = tensor.tensor_type.name
         if kind not in RAW_BLOCK_TYPES:
             return None
+        self._note_read(name)
         raw = _raw_blocks(tensor, self._arch)
         self._advance()
         return kind, raw
+
+    def _note_read(self, name: str) -> None:
+        tensor = self._tensors[name]
+        if isinstance(tensor, _Expert):                       # its slice of the stacked experts
+            whole = tensor._tensor
+            size = int(whole.n_bytes) // int(np.asarray(whole.data).shape[0])
+            self._read.append((int(whole.data_offset) + tensor._index * size, size))
+        else:
+            self._read.append((int(tensor.data_offset), int(tensor.n_bytes)))
+
+    def release_read(self) -> None:
+        """Unmap the file pages of the tensors read since the last call (``madvise(MADV_DONTNEED)``
+        over each one's whole pages), once the model has built its own weights from them: a
+        mapped page counts in the process's RSS for as long as it stays mapped, so a load holding
+        them all until its end peaked at the file plus its packed weights. The pages stay in the
+        page cache, and a later read of the same bytes (a view a weight kept) maps them again:
+        nothing is lost, the peak is a layer's pages over the weights. A no-op without the mapping."""
+        read, self._read = self._read, []
+        if self._mapping is None:
+            return
+        page = mmap.PAGESIZE
+        for offset, size in read:
+            start, end = -(-offset // page) * page, (offset + size) // page * page
+            if end > start:
+                self._mapping.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def __contains__(self, name: object) -> bool:
         # Mapping's default would read (dequantize) the tensor just to test membership.
@@ -493,6 +523,15 @@ class GGUFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._tensors)
+
+
+def _file_mapping(reader) -> mmap.mmap | None:
+    """The ``mmap`` under the reader's memmap, where there is one and it can be advised."""
+    base = reader.data
+    while base is not None and not isinstance(base, np.memmap):
+        base = getattr(base, "base", None)
+    mapping = getattr(base, "_mmap", None)
+    return mapping if isinstance(mapping, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") else None
 
 
 def drop_vocabulary(reader) -> None:

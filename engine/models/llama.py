@@ -342,8 +342,13 @@ class LlamaForCausalLM(torch.nn.Module):
                 self.embed_tokens.weight = None
             if self.lm_head is not None:
                 self.lm_head.weight.copy_(_take(weights, "lm_head.weight", self.lm_head.weight.shape))
+            release = getattr(weights, "release_read", None)   # a GGUF file's pages, once built from
             for i, layer in enumerate(self.layers):
+                if release is not None:
+                    release()
                 _load_layer(layer, weights, f"model.layers.{i}.", arch, quantizer)
+            if release is not None:
+                release()
 
 
 def _take(weights: Mapping[str, torch.Tensor], name: str, shape) -> torch.Tensor:

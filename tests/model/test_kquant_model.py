@@ -192,6 +192,55 @@ def test_a_prefaulted_arena_takes_the_packed_weights(mixed, monkeypatch):
     assert found is None or found[0] > lost or found[1] <= lost
 
 
+def test_the_load_unmaps_each_layers_file_pages_once_its_weights_are_built(mixed, monkeypatch):
+    """``GGUFWeights.release_read``: ``load_hf_weights`` hands back the file pages of what it has
+    read before each layer and after the last (a mapped page counts in the RSS while it stays
+    mapped: the load's peak was the file plus the weights), each tensor's whole pages once, and a
+    view read again afterwards reads the same bytes (from the page cache)."""
+    import mmap
+
+    path = mixed[0]
+    batches: list[list[tuple[int, int]]] = []
+    real = gguf_loader.GGUFWeights.release_read
+
+    def spy(self):
+        batches.append(list(self._read))
+        real(self)
+
+    monkeypatch.setattr(gguf_loader.GGUFWeights, "release_read", spy)
+    load_model(path, quantization="auto")
+    assert len(batches) == LAYERS + 1
+    released = [r for batch in batches for r in batch]
+    assert len(released) == len(set(released))
+    tensors = gguf_loader.open_gguf(path).tensors
+    for i in range(LAYERS):        # layer i's tensors, released before layer i + 1 is read
+        assert {(int(t.data_offset), int(t.n_bytes)) for t in tensors if t.name.startswith(f"blk.{i}.")} <= \
+            set(batches[i + 1])
+    monkeypatch.undo()
+
+    class Recording:
+        def __init__(self, mapping) -> None:
+            self.mapping, self.calls = mapping, []
+
+        def madvise(self, *args):
+            self.calls.append(args)
+            return self.mapping.madvise(*args)
+
+    _arch, weights, _reader = gguf_loader.load_gguf(path)
+    weights._mapping = Recording(weights._mapping)
+    _kind, raw = weights.blocks("model.layers.0.mlp.gate_proj.weight")
+    before = raw.clone()
+    gate = next(t for t in tensors if t.name == "blk.0.ffn_gate.weight")
+    offset, size = int(gate.data_offset), int(gate.n_bytes)
+    weights.release_read()
+    [(advice, start, length)] = weights._mapping.calls
+    assert advice == mmap.MADV_DONTNEED and start % mmap.PAGESIZE == 0 and length % mmap.PAGESIZE == 0
+    assert offset <= start < start + length <= offset + size and length >= size - 2 * mmap.PAGESIZE
+    assert torch.equal(raw, before)
+    weights.release_read()         # nothing read since: nothing advised
+    assert len(weights._mapping.calls) == 1
+
+
 def test_logits_close_to_float32_teacher_forced(mixed):
     _path, stored, _read, floats = mixed
     rng = np.random.default_rng(1)
