@@ -1,4 +1,5 @@
-"""Handing freed heap memory back to the OS, and putting weights on huge pages.
+"""Handing freed heap memory back to the OS, and putting weights on huge pages (faulted in ahead
+of the load where the command knows the file early: ``prefault_weights``).
 
 glibc keeps freed chunks in its arenas, where they stay resident: the float32 staging of a
 quantized load (~80 MiB for the default model in w4a8), or the activations of the largest step
@@ -9,7 +10,10 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import mmap
+import os
 import sys
+import threading
 
 
 def _load_trim():
@@ -82,8 +86,6 @@ class _Arena:
     every ``mmap`` of the imports waited on it, and they took up to twice as long.)"""
 
     def __init__(self, libc, address: int, length: int) -> None:
-        import threading
-
         self.libc, self.address, self.length = libc, address, length
         self.touched = 0                 # bytes faulted in so far, from the start
         self._stop = threading.Event()
@@ -91,8 +93,6 @@ class _Arena:
         self._thread.start()
 
     def _fault_in(self) -> None:
-        import os
-
         try:   # only on a core nothing else wants: the imports (and the facade's, beside them) go first
             os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
         except (AttributeError, OSError):
@@ -154,8 +154,6 @@ def prefault_weights(nbytes: int) -> bool:
     libc = _libc()
     if libc is None:
         return False
-    import mmap
-
     length = -(-nbytes // _HUGE_PAGE) * _HUGE_PAGE
     reserve = length + _HUGE_PAGE
     raw = libc.mmap(None, reserve, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
