@@ -158,6 +158,8 @@ def _load(path_or_name, dtype, device, progress, max_seq_len, quantization, tran
     if transform is not None:
         arch, weights = transform(arch, weights)
     fmt = resolve_quantization(quantization, weights, device)
+    if fmt == "none" or device.type != "cpu":
+        drop_weight_arena()   # no block weights to take it: let it go before the float weights are built
     # CPU weights are written onto huge pages as they are built (heap.huge_page_allocations).
     pages = huge_page_allocations() if device.type == "cpu" else contextlib.nullcontext()
     try:

@@ -191,6 +191,17 @@ def test_a_prefaulted_arena_takes_the_packed_weights(mixed, monkeypatch):
     found = mapping_of(lost)
     assert found is None or found[0] > lost or found[1] <= lost
 
+    # A float32 load has no block weights to take it: the arena goes before the weights are built.
+    import sluice.engine.loaders as loaders
+
+    pending_at_build = []
+    build = loaders.build_model
+    monkeypatch.setattr(loaders, "build_model", lambda *a, **k: pending_at_build.append(heap._arena["pending"])
+                        or build(*a, **k))
+    assert heap.prefault_weights(4 << 20)
+    load_model(path, dtype="float32", quantization="none")
+    assert pending_at_build == [None]
+
 
 def test_the_load_unmaps_each_layers_file_pages_once_its_weights_are_built(mixed, monkeypatch):
     """``GGUFWeights.release_read``: ``load_hf_weights`` hands back the file pages of what it has
