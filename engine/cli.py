@@ -181,20 +181,19 @@ def _prefault_weights(args: argparse.Namespace) -> None:
     worth of memory for its packed weights, on the core the imports leave idle
     (``heap.prefault_weights``), when the weights will be a CPU block format built from a GGUF file."""
     import os
-    from pathlib import Path
 
     from sluice.engine import heap
-    from sluice.engine.models.registry import is_short_name, resolve_short_name
+    from sluice.engine.models.registry import resolve_path
 
     given = with_quantization(args)
+    # none: float32 weights, several times the file and allocated before the arena opens; bf16 and
+    # int8 are built from float32 staging as large as the weights, which would take the arena.
     if given.get("quantization", "auto") in ("none", "bf16", "int8") or given.get("tensor_parallel_shards", 1) != 1:
         return
     if args.device not in ("auto", "cpu") or (args.device == "auto" and os.path.exists("/dev/nvidia0")):
         return
     try:
-        path = Path(args.model).expanduser()
-        if not path.exists() and is_short_name(args.model):
-            path = resolve_short_name(args.model)
+        path = resolve_path(args.model)
         if path.is_file() and path.suffix == ".gguf":
             heap.prefault_weights(path.stat().st_size)
     except (OSError, EngineError):

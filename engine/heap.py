@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import logging
 import mmap
 import os
 import sys
@@ -178,7 +179,7 @@ def drop_weight_arena() -> None:
 
 
 @contextlib.contextmanager
-def weight_arena(log=None):
+def weight_arena():
     """Inside a ``huge_page_allocations`` scope that took effect: large allocations come from the
     arena ``prefault_weights`` mapped, in order, until it runs out (then mappings of their own, as
     without it). For the packed weights only (a model's uninitialised float parameters would take
@@ -199,6 +200,6 @@ def weight_arena(log=None):
         yield
     finally:
         taken = ops.close_huge_page_arena()
-        if log is not None:
-            log.info("weights: %d MiB taken from a %d MiB arena, %d MiB of it faulted in ahead of the load",
-                     taken >> 20, pending.length >> 20, pending.touched >> 20)
+        logging.getLogger("sluice.heap").info(
+            "weights: %d MiB taken from a %d MiB arena, %d MiB of it faulted in ahead of the load",
+            taken >> 20, pending.length >> 20, pending.touched >> 20)

@@ -6,7 +6,6 @@ architecture, a missing or misshapen tensor) raises ``ModelLoadError`` naming th
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +18,10 @@ from sluice.engine.heap import drop_weight_arena, huge_page_allocations, release
 from sluice.engine.models.config import ARCHITECTURES, ModelArchConfig
 from sluice.engine.models.gemma import GemmaForCausalLM
 from sluice.engine.models.llama import LlamaForCausalLM
-from sluice.engine.models.registry import is_short_name, resolve_short_name
+from sluice.engine.models.registry import resolve_path
 from sluice.engine.tokenizer import Tokenizer
 
 ProgressFn = Callable[[int, int], None]   # (steps done, steps total)
-_log = logging.getLogger("sluice.loaders")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -68,17 +66,6 @@ def resolve_kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device: torc
     return want
 
 
-def resolve_path(path_or_name: str | Path) -> Path:
-    path = Path(path_or_name).expanduser()
-    if path.exists():
-        return path
-    if isinstance(path_or_name, str) and is_short_name(path_or_name):
-        return resolve_short_name(path_or_name)
-    if path.suffix == ".gguf" or path.parent != Path("."):
-        raise ModelLoadError(f"{path}: no such file or folder")
-    return resolve_short_name(str(path_or_name))  # raises, listing the known names
-
-
 def _progress_fn(progress) -> ProgressFn | None:
     """Accept a callback ``(done, total)`` or a tqdm-like bar (``total`` + ``update``)."""
     if progress is None or not hasattr(progress, "update"):
@@ -105,11 +92,8 @@ def build_model(
 
     model_class = GemmaForCausalLM if ARCHITECTURES[arch.architecture].gemma else LlamaForCausalLM
     model = model_class(arch, max_seq_len, dtype=dtype, device=device)
-    if quantization == "none":
-        model.load_hf_weights(weights)
-    else:
-        with weight_arena(_log):   # the packed weights onto pages faulted in ahead (heap.prefault_weights)
-            model.load_hf_weights(weights, quantizer=Quantizer(quantization))
+    with weight_arena():   # the weights built here onto pages faulted in ahead (heap.prefault_weights)
+        model.load_hf_weights(weights, quantizer=None if quantization == "none" else Quantizer(quantization))
     model = model.eval().requires_grad_(False)
     if quantization == "none" and envs.cpu_packed_weights():
         model.pack_for_cpu()

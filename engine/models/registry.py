@@ -48,3 +48,16 @@ def resolve_short_name(name: str) -> Path:
     if not path.exists():
         raise ModelLoadError(f"model {name!r}: {path} is missing from the installed {entry.wheel} wheel")
     return path
+
+
+def resolve_path(path_or_name: str | Path) -> Path:
+    """A model argument -> its file or folder: an existing path, else a short name's; ModelLoadError
+    otherwise. (Here, not in ``engine.loaders``, so that the CLI can ask before importing torch.)"""
+    path = Path(path_or_name).expanduser()
+    if path.exists():
+        return path
+    if isinstance(path_or_name, str) and is_short_name(path_or_name):
+        return resolve_short_name(path_or_name)
+    if path.suffix == ".gguf" or path.parent != Path("."):
+        raise ModelLoadError(f"{path}: no such file or folder")
+    return resolve_short_name(str(path_or_name))  # raises, listing the known names
